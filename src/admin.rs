@@ -1,0 +1,126 @@
+//! The admin listener (default `127.0.0.1:9091`, optional bearer token): liveness and
+//! readiness, node state, routing explanations, and drain/undrain.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use serde_json::{json, Value};
+
+use crate::body::{full, BoxBody};
+use crate::explain::explain;
+use crate::proxy::Proxy;
+
+/// Handles one admin request.
+pub async fn handle(proxy: Arc<Proxy>, req: Request<Incoming>, _peer: SocketAddr) -> Response<BoxBody> {
+    let table = proxy.table();
+    if let Some(token) = &table.config.server.admin_token {
+        let expected = format!("Bearer {token}");
+        if req.headers().get(header::AUTHORIZATION).map(HeaderValue::as_bytes) != Some(expected.as_bytes()) {
+            return error(StatusCode::UNAUTHORIZED, "missing or wrong admin token (Authorization: Bearer …)");
+        }
+    }
+    let path = req.uri().path().to_string();
+    let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
+    match (req.method(), segments.as_slice()) {
+        (&Method::GET, ["healthz"]) => json_ok(json!({"status": "ok"})),
+        (&Method::GET, ["readyz"]) => readyz(&proxy),
+        (&Method::GET, ["admin", "nodes"]) => json_ok(nodes(&proxy)),
+        (&Method::POST, ["admin", "explain"]) => explain_request(&proxy, req).await,
+        (&Method::POST, ["admin", "nodes", id, action @ ("drain" | "undrain")]) => drain(&proxy, id, *action == "drain"),
+        _ => error(StatusCode::NOT_FOUND, &format!("no admin route {} {path}", req.method())),
+    }
+}
+
+fn readyz(proxy: &Proxy) -> Response<BoxBody> {
+    let table = proxy.table();
+    let open = table
+        .pools
+        .iter()
+        .flat_map(|p| p.balancer.members.iter())
+        .filter(|m| m.state.accepts_new())
+        .count();
+    if proxy.is_stopping() {
+        error(StatusCode::SERVICE_UNAVAILABLE, "shutting down")
+    } else if open == 0 {
+        error(StatusCode::SERVICE_UNAVAILABLE, "no node accepts requests")
+    } else {
+        json_ok(json!({"status": "ready", "nodes_accepting": open}))
+    }
+}
+
+fn nodes(proxy: &Proxy) -> Value {
+    let table = proxy.table();
+    let list: Vec<Value> = table
+        .pools
+        .iter()
+        .flat_map(|pool| {
+            pool.config.nodes.iter().zip(&pool.balancer.members).map(move |(n, m)| {
+                json!({
+                    "id": n.id,
+                    "pool": pool.config.name,
+                    "url": n.url.to_string(),
+                    "weight": n.weight,
+                    "in_flight": m.state.in_flight(),
+                    "cap": pool.balancer.cap_of(m),
+                    "healthy": m.state.is_healthy(),
+                    "draining": m.state.is_draining(),
+                    "source": "static",
+                })
+            })
+        })
+        .collect();
+    json!({ "nodes": list })
+}
+
+async fn explain_request(proxy: &Proxy, req: Request<Incoming>) -> Response<BoxBody> {
+    let table = proxy.table();
+    let path = req
+        .uri()
+        .query()
+        .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("path=")))
+        .unwrap_or("/v1/chat/completions")
+        .to_string();
+    let header_key = req
+        .headers()
+        .get(&table.config.routing.key_header)
+        .map(|v| v.as_bytes().to_vec());
+    let body = match Limited::new(req.into_body(), table.config.server.max_body_bytes).collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) => return error(StatusCode::BAD_REQUEST, &format!("could not read body: {e}")),
+    };
+    match explain(&table, &path, header_key.as_deref(), &body) {
+        Ok(x) => json_ok(serde_json::to_value(x).unwrap_or(Value::Null)),
+        Err(e) => error(StatusCode::BAD_REQUEST, &e.to_string()),
+    }
+}
+
+fn drain(proxy: &Proxy, id: &str, draining: bool) -> Response<BoxBody> {
+    let table = proxy.table();
+    let Some((p, n)) = table.find_node(id) else {
+        return error(StatusCode::NOT_FOUND, &format!("no node {id:?}"));
+    };
+    let state = &table.pools[p].balancer.members[n].state;
+    if state.set_draining(draining) {
+        tracing::info!(node = id, draining, "drain state changed");
+    }
+    json_ok(json!({"node": id, "draining": draining, "in_flight": state.in_flight()}))
+}
+
+fn json_ok(v: Value) -> Response<BoxBody> {
+    json_response(StatusCode::OK, &v)
+}
+
+fn error(status: StatusCode, msg: &str) -> Response<BoxBody> {
+    json_response(status, &json!({"error": {"message": msg, "type": "admin_error", "code": status.as_u16()}}))
+}
+
+fn json_response(status: StatusCode, v: &Value) -> Response<BoxBody> {
+    let mut resp = Response::new(full(v.to_string()));
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp
+}

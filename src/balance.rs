@@ -1,0 +1,397 @@
+//! Bounded-load admission: per-node atomic in-flight counters, compare-and-swap
+//! reservation (so a cap is never exceeded under any concurrency), an RAII
+//! [`Reservation`] that gives the slot back when dropped, and the clockwise walk that
+//! takes the first node willing to serve a key. Synchronous: no I/O, no clocks.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use tokio::sync::Notify;
+
+use crate::ring::Ring;
+
+/// Runtime state of one node, keyed by node id and carried across config reloads and
+/// ring rebuilds.
+#[derive(Debug)]
+pub struct NodeState {
+    pub id: String,
+    in_flight: AtomicU32,
+    draining: AtomicBool,
+    healthy: AtomicBool,
+}
+
+impl NodeState {
+    pub fn new(id: impl Into<String>) -> Self {
+        NodeState {
+            id: id.into(),
+            in_flight: AtomicU32::new(0),
+            draining: AtomicBool::new(false),
+            healthy: AtomicBool::new(true),
+        }
+    }
+
+    /// Requests currently reserved on this node.
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight.load(Ordering::Acquire)
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    /// Sets the drain flag; returns whether it flipped.
+    pub fn set_draining(&self, draining: bool) -> bool {
+        self.draining.swap(draining, Ordering::Relaxed) != draining
+    }
+
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+
+    /// Sets the health flag; returns whether it flipped.
+    pub fn set_healthy(&self, healthy: bool) -> bool {
+        self.healthy.swap(healthy, Ordering::Relaxed) != healthy
+    }
+
+    /// Whether the walk may consider this node at all (before its load is looked at).
+    pub fn accepts_new(&self) -> bool {
+        self.is_healthy() && !self.is_draining()
+    }
+
+    /// Takes a slot if fewer than `cap` are taken. Compare-and-swap: concurrent callers
+    /// can never push the count past `cap`.
+    fn try_take(&self, cap: u32) -> bool {
+        self.in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < cap).then_some(n + 1))
+            .is_ok()
+    }
+}
+
+/// Runtime state of one pool: its total load and the queue of requests waiting for a
+/// slot. Keyed by pool name and carried across reloads like [`NodeState`].
+#[derive(Debug, Default)]
+pub struct PoolLoad {
+    in_flight: AtomicU32,
+    queued: AtomicUsize,
+    freed: Notify,
+}
+
+impl PoolLoad {
+    /// Requests in flight on all of the pool's nodes.
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight.load(Ordering::Acquire)
+    }
+
+    /// Requests waiting for a slot.
+    pub fn queued(&self) -> usize {
+        self.queued.load(Ordering::Acquire)
+    }
+
+    /// The FIFO of waiters woken one per freed slot.
+    pub fn freed(&self) -> &Notify {
+        &self.freed
+    }
+
+    /// Joins the queue if it holds fewer than `max`; the ticket leaves it on drop.
+    pub fn enqueue(self: &Arc<Self>, max: usize) -> Option<QueueTicket> {
+        self.queued
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1))
+            .ok()
+            .map(|_| QueueTicket { pool: self.clone() })
+    }
+}
+
+/// A place in a pool's queue; dropping it leaves the queue.
+#[derive(Debug)]
+pub struct QueueTicket {
+    pool: Arc<PoolLoad>,
+}
+
+impl Drop for QueueTicket {
+    fn drop(&mut self) {
+        self.pool.queued.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// One taken in-flight slot. It lives exactly as long as the upstream exchange
+/// (attached to the response body), and gives the slot back on drop, waking the
+/// oldest waiter of the pool.
+#[derive(Debug)]
+pub struct Reservation {
+    node: Arc<NodeState>,
+    pool: Arc<PoolLoad>,
+}
+
+impl Reservation {
+    pub fn node(&self) -> &Arc<NodeState> {
+        &self.node
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.node.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.pool.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.pool.freed.notify_one();
+    }
+}
+
+/// A node as admission sees it.
+#[derive(Debug, Clone)]
+pub struct Member {
+    pub state: Arc<NodeState>,
+    pub weight: u32,
+    /// Absolute cap: `max_in_flight × weight`.
+    pub cap: u32,
+}
+
+/// A node chosen for a request, with its slot already taken.
+#[derive(Debug)]
+pub struct Choice {
+    /// Index of the node in the pool (and ring).
+    pub index: usize,
+    /// Position in the key's successor walk: 0 = primary.
+    pub distance: usize,
+    pub reservation: Reservation,
+}
+
+/// Outcome of a walk.
+#[derive(Debug)]
+pub enum Walk {
+    Chosen(Choice),
+    /// Some node could serve but every such node is at its cap.
+    Saturated,
+    /// No node accepts new requests (all down, draining or already tried).
+    Unavailable,
+}
+
+/// The admission view of one pool: its ring, members and bounds.
+#[derive(Debug)]
+pub struct Balancer {
+    pub ring: Ring,
+    pub members: Vec<Member>,
+    pub load: Arc<PoolLoad>,
+    /// CHWBL relative bound `c`, if configured.
+    pub load_factor: Option<f64>,
+    total_weight: u32,
+}
+
+impl Balancer {
+    pub fn new(ring: Ring, members: Vec<Member>, load: Arc<PoolLoad>, load_factor: Option<f64>) -> Self {
+        let total_weight = members.iter().map(|m| m.weight).sum();
+        Balancer {
+            ring,
+            members,
+            load,
+            load_factor,
+            total_weight,
+        }
+    }
+
+    /// The cap in force for a member now: the absolute cap, tightened by the relative
+    /// bound `ceil(c × (total_in_flight + 1) × weight / total_weight)` when configured.
+    pub fn cap_of(&self, m: &Member) -> u32 {
+        match self.load_factor {
+            None => m.cap,
+            Some(c) => {
+                let total = self.load.in_flight() as f64 + 1.0;
+                let rel = (c * total * m.weight as f64 / self.total_weight.max(1) as f64).ceil();
+                m.cap.min(rel as u32).max(1)
+            }
+        }
+    }
+
+    /// Walks clockwise from `hash` and reserves the first node that accepts new
+    /// requests, was not tried yet and is under its cap.
+    pub fn choose(&self, hash: u64, tried: &[usize]) -> Walk {
+        let mut any_open = false;
+        for (distance, index) in self.ring.successors(hash).enumerate() {
+            let m = &self.members[index];
+            if tried.contains(&index) || !m.state.accepts_new() {
+                continue;
+            }
+            any_open = true;
+            if let Some(reservation) = self.reserve(m, self.cap_of(m)) {
+                return Walk::Chosen(Choice {
+                    index,
+                    distance,
+                    reservation,
+                });
+            }
+        }
+        if any_open {
+            Walk::Saturated
+        } else {
+            Walk::Unavailable
+        }
+    }
+
+    /// Overcommits the least loaded (relative to weight) node that accepts new requests:
+    /// `when_saturated = "least_loaded"`. Ties go to the earlier node in the key's walk.
+    pub fn choose_least_loaded(&self, hash: u64, tried: &[usize]) -> Option<Choice> {
+        let (distance, index) = self
+            .ring
+            .successors(hash)
+            .enumerate()
+            .filter(|(_, i)| !tried.contains(i) && self.members[*i].state.accepts_new())
+            .min_by(|(_, a), (_, b)| {
+                let load = |i: usize| self.members[i].state.in_flight() as f64 / self.members[i].weight as f64;
+                load(*a).total_cmp(&load(*b))
+            })?;
+        let reservation = self.reserve(&self.members[index], u32::MAX)?;
+        Some(Choice {
+            index,
+            distance,
+            reservation,
+        })
+    }
+
+    fn reserve(&self, m: &Member, cap: u32) -> Option<Reservation> {
+        if !m.state.try_take(cap) {
+            return None;
+        }
+        self.load.in_flight.fetch_add(1, Ordering::AcqRel);
+        Some(Reservation {
+            node: m.state.clone(),
+            pool: self.load.clone(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ring::RingMember;
+    use proptest::prelude::*;
+
+    fn balancer(n: usize, cap: u32, load_factor: Option<f64>) -> Balancer {
+        let ids: Vec<RingMember> = (0..n)
+            .map(|i| RingMember {
+                id: format!("n{i}"),
+                weight: 1,
+            })
+            .collect();
+        let members = ids
+            .iter()
+            .map(|r| Member {
+                state: Arc::new(NodeState::new(&r.id)),
+                weight: 1,
+                cap,
+            })
+            .collect();
+        Balancer::new(Ring::build(&ids, 160), members, Arc::default(), load_factor)
+    }
+
+    fn chosen(w: Walk) -> Choice {
+        match w {
+            Walk::Chosen(c) => c,
+            other => panic!("expected a node, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn overflow_fills_successors_in_ring_order() {
+        let b = balancer(4, 4, None);
+        let h = 12345;
+        let order: Vec<usize> = b.ring.successors(h).collect();
+        let mut held = Vec::new();
+        for i in 0..16 {
+            let c = chosen(b.choose(h, &[]));
+            assert_eq!(c.index, order[i / 4], "request {i}");
+            assert_eq!(c.distance, i / 4);
+            held.push(c);
+        }
+        assert!(matches!(b.choose(h, &[]), Walk::Saturated));
+        assert_eq!(b.load.in_flight(), 16);
+        // Freeing a slot on the third node lets the next request land there.
+        held.remove(9);
+        assert_eq!(chosen(b.choose(h, &[])).index, order[2]);
+        drop(held);
+        assert!(b.members.iter().all(|m| m.state.in_flight() == 0));
+    }
+
+    #[test]
+    fn walk_skips_tried_draining_and_unhealthy_nodes() {
+        let b = balancer(4, 4, None);
+        let order: Vec<usize> = b.ring.successors(99).collect();
+        assert_eq!(chosen(b.choose(99, &[order[0]])).index, order[1]);
+        b.members[order[0]].state.set_draining(true);
+        b.members[order[1]].state.set_healthy(false);
+        let c = chosen(b.choose(99, &[]));
+        assert_eq!((c.index, c.distance), (order[2], 2));
+        assert!(matches!(b.choose(99, &order), Walk::Unavailable));
+    }
+
+    #[test]
+    fn load_factor_bounds_relative_load() {
+        // c = 1.25 over 4 nodes: with nothing in flight each node may take ceil(1.25/4)=1.
+        let b = balancer(4, 100, Some(1.25));
+        let order: Vec<usize> = b.ring.successors(7).collect();
+        let first = chosen(b.choose(7, &[]));
+        assert_eq!(first.index, order[0]);
+        // total 1 → ceil(1.25 × 2 / 4) = 1: the primary is full, spill.
+        let second = chosen(b.choose(7, &[]));
+        assert_eq!(second.index, order[1]);
+    }
+
+    #[test]
+    fn least_loaded_overcommits_the_emptiest_node() {
+        let b = balancer(3, 1, None);
+        let _held: Vec<Choice> = (0..3).map(|_| chosen(b.choose(5, &[]))).collect();
+        assert!(matches!(b.choose(5, &[]), Walk::Saturated));
+        let extra = b.choose_least_loaded(5, &[]).unwrap();
+        assert_eq!(b.members[extra.index].state.in_flight(), 2);
+    }
+
+    #[test]
+    fn queue_is_bounded_and_tickets_leave_on_drop() {
+        let load: Arc<PoolLoad> = Arc::default();
+        let a = load.enqueue(2).unwrap();
+        let _b = load.enqueue(2).unwrap();
+        assert!(load.enqueue(2).is_none());
+        drop(a);
+        assert_eq!(load.queued(), 1);
+        assert!(load.enqueue(2).is_some());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+        #[test]
+        fn concurrent_reservations_never_exceed_caps(
+            nodes in 1usize..6,
+            cap in 1u32..5,
+            threads in 2usize..8,
+            seed in any::<u64>(),
+        ) {
+            let b = Arc::new(balancer(nodes, cap, None));
+            let violations = Arc::new(AtomicU32::new(0));
+            let handles: Vec<_> = (0..threads).map(|t| {
+                let b = b.clone();
+                let violations = violations.clone();
+                std::thread::spawn(move || {
+                    let mut held: Vec<Choice> = Vec::new();
+                    let mut x = seed ^ (t as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                    for _ in 0..2_000 {
+                        x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+                        if x % 3 == 0 && !held.is_empty() {
+                            held.swap_remove((x as usize / 3) % held.len());
+                        } else if let Walk::Chosen(c) = b.choose(x, &[]) {
+                            held.push(c);
+                        }
+                        for m in &b.members {
+                            if m.state.in_flight() > cap {
+                                violations.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                })
+            }).collect();
+            for h in handles {
+                h.join().unwrap();
+            }
+            prop_assert_eq!(violations.load(Ordering::Relaxed), 0);
+            prop_assert!(b.members.iter().all(|m| m.state.in_flight() == 0));
+            prop_assert_eq!(b.load.in_flight(), 0);
+        }
+    }
+}

@@ -1,0 +1,654 @@
+//! Configuration in two layers: serde structs that mirror the TOML file (every key
+//! optional except `[[pools]]`, unknown keys rejected), and the validated runtime
+//! [`Config`] built from them. Every error names `file:line:col` and what is wrong.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer};
+use toml::Spanned;
+
+// ---------------------------------------------------------------------------------
+// File layer: mirrors the TOML.
+// ---------------------------------------------------------------------------------
+
+/// The TOML file as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    #[serde(default)]
+    pub server: ServerSection,
+    #[serde(default)]
+    pub routing: RoutingSection,
+    /// Required: at least one pool.
+    #[serde(default)]
+    pub pools: Vec<PoolSection>,
+}
+
+/// `[server]`
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerSection {
+    /// Client listener. Default `"0.0.0.0:8080"`.
+    pub listen: Spanned<String>,
+    /// Admin listener (metrics, node state, drain). Default `"127.0.0.1:9091"`.
+    pub admin_listen: Spanned<String>,
+    /// Bearer token required on the admin listener. Default: none.
+    pub admin_token: Option<String>,
+    /// Largest request body accepted; beyond it, 413. Default 16 MiB.
+    pub max_body_bytes: u64,
+    /// Longest wait for an engine's response head. Default `"600s"`.
+    pub request_timeout: Dur,
+    /// TCP connect timeout to an engine. Default `"2s"`.
+    pub connect_timeout: Dur,
+    /// Longest silence inside a committed stream. Default `"120s"`.
+    pub idle_stream_timeout: Dur,
+    /// How long in-flight requests may run after SIGTERM. Default `"30s"`.
+    pub shutdown_grace: Dur,
+    /// Reload when the file's mtime changes. Default false.
+    pub watch_config: bool,
+}
+
+impl Default for ServerSection {
+    fn default() -> Self {
+        ServerSection {
+            listen: unspanned("0.0.0.0:8080".to_string()),
+            admin_listen: unspanned("127.0.0.1:9091".to_string()),
+            admin_token: None,
+            max_body_bytes: 16 * 1024 * 1024,
+            request_timeout: Dur::secs(600),
+            connect_timeout: Dur::secs(2),
+            idle_stream_timeout: Dur::secs(120),
+            shutdown_grace: Dur::secs(30),
+            watch_config: false,
+        }
+    }
+}
+
+/// `[routing]`
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RoutingSection {
+    /// What part of the prompt is hashed. Default `"conversation"`.
+    pub key: KeyMode,
+    /// Characters of each part of the key. Default 1024.
+    pub prefix_chars: Spanned<usize>,
+    /// Header whose value, when present, is the key. Default `"x-session-id"`.
+    pub key_header: String,
+    /// Seed of the key hash. Default 0.
+    pub hash_seed: u64,
+    /// Ring points per unit of weight. Default 160.
+    pub vnodes: Spanned<u32>,
+    /// In-flight cap per unit of weight. Default 4.
+    pub max_in_flight: Spanned<u32>,
+    /// Optional CHWBL relative bound `c ≥ 1.0`. Default: none.
+    pub load_factor: Option<Spanned<f64>>,
+    /// What to do when every node is at cap. Default `"queue"`.
+    pub when_saturated: WhenSaturated,
+    /// Waiting requests per pool before 503. Default 1024.
+    pub max_queue: usize,
+    /// Longest wait in the queue. Default `"30s"`.
+    pub queue_timeout: Dur,
+    /// Nodes tried per request (first try included). Default 3.
+    pub max_attempts: Spanned<u32>,
+}
+
+impl Default for RoutingSection {
+    fn default() -> Self {
+        RoutingSection {
+            key: KeyMode::Conversation,
+            prefix_chars: unspanned(1024),
+            key_header: "x-session-id".to_string(),
+            hash_seed: 0,
+            vnodes: unspanned(160),
+            max_in_flight: unspanned(4),
+            load_factor: None,
+            when_saturated: WhenSaturated::Queue,
+            max_queue: 1024,
+            queue_timeout: Dur::secs(30),
+            max_attempts: unspanned(3),
+        }
+    }
+}
+
+/// `routing.key`: which part of the prompt text the hash covers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KeyMode {
+    /// System/developer text plus the first user message: every turn of a
+    /// conversation shares the key, even behind one long shared system prompt.
+    Conversation,
+    /// The first `prefix_chars` characters of the whole prompt.
+    Prefix,
+}
+
+/// `routing.when_saturated`
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WhenSaturated {
+    /// Wait (FIFO, bounded), re-running selection whenever a slot frees.
+    Queue,
+    /// 503 at once.
+    Reject,
+    /// Overcommit the least loaded node.
+    LeastLoaded,
+}
+
+/// `[[pools]]`
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolSection {
+    /// Pool name (unique).
+    pub name: Spanned<String>,
+    /// `model` values this pool serves. Default: the pool name.
+    #[serde(default)]
+    pub models: Vec<Spanned<String>>,
+    /// Budget for the first generated token. Default `"60s"`.
+    #[serde(default = "default_first_token_timeout")]
+    pub first_token_timeout: Dur,
+    /// Pools tried, in order, when this one has no available node. Default none.
+    #[serde(default)]
+    pub fallbacks: Vec<Spanned<String>>,
+    /// Whether requests that ask for reasoning may come here. Default true.
+    #[serde(default = "yes")]
+    pub supports_thinking: bool,
+    /// The pool for requests naming an unknown model. Default false.
+    #[serde(default = "no")]
+    pub default: Spanned<bool>,
+    /// The engines.
+    #[serde(default)]
+    pub nodes: Vec<NodeSection>,
+}
+
+/// `[[pools.nodes]]`
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeSection {
+    /// Node id, unique across all pools; its ring points derive from it.
+    pub id: Spanned<String>,
+    /// Base URL of the engine, e.g. `http://10.0.0.5:8000`.
+    pub url: Spanned<String>,
+    /// Relative capacity: ring points and in-flight cap scale with it. Default 1.
+    #[serde(default = "one")]
+    pub weight: Spanned<u32>,
+}
+
+fn default_first_token_timeout() -> Dur {
+    Dur::secs(60)
+}
+fn yes() -> bool {
+    true
+}
+fn no() -> Spanned<bool> {
+    unspanned(false)
+}
+fn one() -> Spanned<u32> {
+    unspanned(1)
+}
+fn unspanned<T>(value: T) -> Spanned<T> {
+    Spanned::new(0..0, value)
+}
+
+/// A duration written as a string: `"250ms"`, `"30s"`, `"1.5s"`, `"2m"`, `"1h"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dur(pub Duration);
+
+impl Dur {
+    const fn secs(s: u64) -> Dur {
+        Dur(Duration::from_secs(s))
+    }
+}
+
+impl<'de> Deserialize<'de> for Dur {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        parse_duration(&s).map(Dur).map_err(serde::de::Error::custom)
+    }
+}
+
+/// Parses `"250ms"`, `"30s"`, `"1.5s"`, `"2m"`, `"1h"`, `"100us"`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .ok_or_else(|| format!("duration {s:?} has no unit (use e.g. \"30s\" or \"250ms\")"))?;
+    let (num, unit) = s.split_at(split);
+    let value: f64 = num
+        .parse()
+        .map_err(|_| format!("duration {s:?} does not start with a number"))?;
+    let secs = match unit {
+        "us" | "µs" => value / 1e6,
+        "ms" => value / 1e3,
+        "s" => value,
+        "m" => value * 60.0,
+        "h" => value * 3600.0,
+        _ => return Err(format!("duration {s:?} has unknown unit {unit:?} (use us, ms, s, m or h)")),
+    };
+    Ok(Duration::from_secs_f64(secs))
+}
+
+// ---------------------------------------------------------------------------------
+// Runtime layer: validated.
+// ---------------------------------------------------------------------------------
+
+/// A validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub routing: RoutingConfig,
+    pub pools: Vec<PoolConfig>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub admin_listen: SocketAddr,
+    pub admin_token: Option<String>,
+    pub max_body_bytes: usize,
+    pub request_timeout: Duration,
+    pub connect_timeout: Duration,
+    pub idle_stream_timeout: Duration,
+    pub shutdown_grace: Duration,
+    pub watch_config: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct RoutingConfig {
+    pub key: KeyMode,
+    pub prefix_chars: usize,
+    /// Lower-cased header name.
+    pub key_header: http::HeaderName,
+    pub hash_seed: u64,
+    pub vnodes: u32,
+    pub max_in_flight: u32,
+    pub load_factor: Option<f64>,
+    pub when_saturated: WhenSaturated,
+    pub max_queue: usize,
+    pub queue_timeout: Duration,
+    pub max_attempts: u32,
+}
+
+#[derive(Debug, Clone)]
+pub struct PoolConfig {
+    pub name: String,
+    pub models: Vec<String>,
+    pub first_token_timeout: Duration,
+    pub fallbacks: Vec<String>,
+    pub supports_thinking: bool,
+    pub default: bool,
+    pub nodes: Vec<NodeConfig>,
+}
+
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    pub id: String,
+    /// Base URL with no trailing slash, e.g. `http://10.0.0.5:8000` or
+    /// `http://host:8000/prefix`.
+    pub url: http::Uri,
+    pub weight: u32,
+}
+
+impl NodeConfig {
+    /// The engine URL for a request path (and query) on the balancer.
+    pub fn upstream_uri(&self, path_and_query: &str) -> Result<http::Uri, http::Error> {
+        let base = self.url.path().trim_end_matches('/');
+        let mut parts = http::uri::Builder::new()
+            .scheme(self.url.scheme_str().unwrap_or("http"))
+            .authority(self.url.authority().map(|a| a.as_str()).unwrap_or(""));
+        parts = parts.path_and_query(format!("{base}{path_and_query}"));
+        parts.build()
+    }
+}
+
+/// A configuration error, located in its file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    pub file: String,
+    pub line: usize,
+    pub col: usize,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}:{}: {}", self.file, self.line, self.col, self.message)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+impl Config {
+    /// Reads, parses and validates a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            file: path.display().to_string(),
+            line: 1,
+            col: 1,
+            message: format!("cannot read config: {e}"),
+        })?;
+        Config::parse(&text, &path.display().to_string())
+    }
+
+    /// Parses and validates config text; `file` names it in errors.
+    pub fn parse(text: &str, file: &str) -> Result<Config, ConfigError> {
+        let at = |span: Option<Range<usize>>, message: String| {
+            let (line, col) = line_col(text, span.map(|s| s.start).unwrap_or(0));
+            ConfigError {
+                file: file.to_string(),
+                line,
+                col,
+                message,
+            }
+        };
+        let raw: FileConfig =
+            toml::from_str(text).map_err(|e| at(e.span(), e.message().trim().to_string()))?;
+        validate(raw).map_err(|(span, msg)| at(span, msg))
+    }
+}
+
+/// Where a config path came from, for reloads.
+#[derive(Debug, Clone)]
+pub struct ConfigSource {
+    pub path: PathBuf,
+}
+
+type Invalid = (Option<Range<usize>>, String);
+
+fn invalid<T>(span: Range<usize>, msg: impl Into<String>) -> Result<T, Invalid> {
+    let span = if span.is_empty() && span.start == 0 {
+        None
+    } else {
+        Some(span)
+    };
+    Err((span, msg.into()))
+}
+
+fn validate(raw: FileConfig) -> Result<Config, Invalid> {
+    let server = validate_server(raw.server)?;
+    let routing = validate_routing(raw.routing)?;
+    if raw.pools.is_empty() {
+        return invalid(0..0, "no [[pools]]: at least one pool with nodes is required");
+    }
+
+    let mut pool_names = HashSet::new();
+    let mut node_ids = HashSet::new();
+    let mut model_owner: HashMap<String, String> = HashMap::new();
+    let mut default_pool: Option<String> = None;
+    let mut pools = Vec::with_capacity(raw.pools.len());
+    let all_names: HashSet<String> = raw.pools.iter().map(|p| p.name.get_ref().clone()).collect();
+
+    for p in raw.pools {
+        let name = p.name.get_ref().trim().to_string();
+        if name.is_empty() {
+            return invalid(p.name.span(), "pool name is empty");
+        }
+        if !pool_names.insert(name.clone()) {
+            return invalid(p.name.span(), format!("duplicate pool name {name:?}"));
+        }
+        if *p.default.get_ref() {
+            if let Some(other) = &default_pool {
+                return invalid(
+                    p.default.span(),
+                    format!("pools {other:?} and {name:?} are both marked default; only one may be"),
+                );
+            }
+            default_pool = Some(name.clone());
+        }
+        let mut models = Vec::new();
+        if p.models.is_empty() {
+            models.push(name.clone());
+        }
+        for m in &p.models {
+            models.push(m.get_ref().clone());
+        }
+        for (i, m) in models.iter().enumerate() {
+            if let Some(owner) = model_owner.insert(m.clone(), name.clone()) {
+                let span = p.models.get(i).map(|s| s.span()).unwrap_or(p.name.span());
+                return invalid(
+                    span,
+                    format!("model {m:?} is served by pools {owner:?} and {name:?}; a model belongs to one pool"),
+                );
+            }
+        }
+        let mut fallbacks = Vec::new();
+        for f in &p.fallbacks {
+            let target = f.get_ref();
+            if !all_names.contains(target) {
+                return invalid(f.span(), format!("fallback {target:?} names no pool"));
+            }
+            if *target == name {
+                return invalid(f.span(), format!("pool {name:?} lists itself as a fallback"));
+            }
+            fallbacks.push(target.clone());
+        }
+        if p.nodes.is_empty() {
+            return invalid(
+                p.name.span(),
+                format!("pool {name:?} has no nodes (add [[pools.nodes]] with id and url)"),
+            );
+        }
+        let mut nodes = Vec::with_capacity(p.nodes.len());
+        for n in p.nodes {
+            let id = n.id.get_ref().trim().to_string();
+            if id.is_empty() {
+                return invalid(n.id.span(), "node id is empty");
+            }
+            if !node_ids.insert(id.clone()) {
+                return invalid(n.id.span(), format!("duplicate node id {id:?} (ids are unique across pools)"));
+            }
+            let url = parse_node_url(n.url.get_ref()).or_else(|m| invalid(n.url.span(), m))?;
+            let weight = *n.weight.get_ref();
+            if weight == 0 || weight > 1000 {
+                return invalid(n.weight.span(), format!("weight {weight} is out of range 1..=1000"));
+            }
+            nodes.push(NodeConfig { id, url, weight });
+        }
+        pools.push(PoolConfig {
+            name,
+            models,
+            first_token_timeout: p.first_token_timeout.0,
+            fallbacks,
+            supports_thinking: p.supports_thinking,
+            default: *p.default.get_ref(),
+            nodes,
+        });
+    }
+    Ok(Config {
+        server,
+        routing,
+        pools,
+    })
+}
+
+fn validate_server(s: ServerSection) -> Result<ServerConfig, Invalid> {
+    let addr = |v: &Spanned<String>, key: &str| -> Result<SocketAddr, Invalid> {
+        v.get_ref().parse().or_else(|_| {
+            invalid(
+                v.span(),
+                format!("{key} {:?} is not an address like \"0.0.0.0:8080\"", v.get_ref()),
+            )
+        })
+    };
+    Ok(ServerConfig {
+        listen: addr(&s.listen, "listen")?,
+        admin_listen: addr(&s.admin_listen, "admin_listen")?,
+        admin_token: s.admin_token.filter(|t| !t.is_empty()),
+        max_body_bytes: s.max_body_bytes.min(usize::MAX as u64) as usize,
+        request_timeout: s.request_timeout.0,
+        connect_timeout: s.connect_timeout.0,
+        idle_stream_timeout: s.idle_stream_timeout.0,
+        shutdown_grace: s.shutdown_grace.0,
+        watch_config: s.watch_config,
+    })
+}
+
+fn validate_routing(r: RoutingSection) -> Result<RoutingConfig, Invalid> {
+    let key_header = http::HeaderName::from_bytes(r.key_header.to_ascii_lowercase().as_bytes())
+        .or_else(|_| invalid(0..0, format!("key_header {:?} is not a valid header name", r.key_header)))?;
+    if *r.prefix_chars.get_ref() == 0 {
+        return invalid(r.prefix_chars.span(), "prefix_chars must be at least 1");
+    }
+    let vnodes = *r.vnodes.get_ref();
+    if !(1..=10_000).contains(&vnodes) {
+        return invalid(r.vnodes.span(), format!("vnodes {vnodes} is out of range 1..=10000"));
+    }
+    if *r.max_in_flight.get_ref() == 0 {
+        return invalid(r.max_in_flight.span(), "max_in_flight must be at least 1");
+    }
+    if *r.max_attempts.get_ref() == 0 {
+        return invalid(r.max_attempts.span(), "max_attempts must be at least 1");
+    }
+    let load_factor = match r.load_factor {
+        Some(lf) if !(*lf.get_ref() >= 1.0 && lf.get_ref().is_finite()) => {
+            return invalid(lf.span(), format!("load_factor {} must be a number ≥ 1.0", lf.get_ref()));
+        }
+        Some(lf) => Some(*lf.get_ref()),
+        None => None,
+    };
+    Ok(RoutingConfig {
+        key: r.key,
+        prefix_chars: *r.prefix_chars.get_ref(),
+        key_header,
+        hash_seed: r.hash_seed,
+        vnodes,
+        max_in_flight: *r.max_in_flight.get_ref(),
+        load_factor,
+        when_saturated: r.when_saturated,
+        max_queue: r.max_queue,
+        queue_timeout: r.queue_timeout.0,
+        max_attempts: *r.max_attempts.get_ref(),
+    })
+}
+
+fn parse_node_url(s: &str) -> Result<http::Uri, String> {
+    let uri: http::Uri = s
+        .parse()
+        .map_err(|e| format!("url {s:?} is not a URL: {e}"))?;
+    match uri.scheme_str() {
+        Some("http") => {}
+        Some("https") => {
+            return Err(format!(
+                "url {s:?}: https to engines is not supported; engines are reached over plain HTTP on a trusted network"
+            ))
+        }
+        _ => return Err(format!("url {s:?} needs a scheme and host, e.g. \"http://10.0.0.5:8000\"")),
+    }
+    if uri.authority().is_none() {
+        return Err(format!("url {s:?} has no host"));
+    }
+    if uri.query().is_some() {
+        return Err(format!("url {s:?} must not have a query"));
+    }
+    Ok(uri)
+}
+
+/// 1-based line and column (in characters) of a byte offset.
+fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    let offset = offset.min(text.len());
+    let before = &text[..offset];
+    let line = before.matches('\n').count() + 1;
+    let line_start = before.rfind('\n').map(|i| i + 1).unwrap_or(0);
+    (line, before[line_start..].chars().count() + 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIN: &str = r#"
+[[pools]]
+name = "llama"
+nodes = [{ id = "a", url = "http://127.0.0.1:8001" }]
+"#;
+
+    fn err(text: &str) -> ConfigError {
+        Config::parse(text, "t.toml").unwrap_err()
+    }
+
+    #[test]
+    fn minimal_config_gets_documented_defaults() {
+        let c = Config::parse(MIN, "t.toml").unwrap();
+        assert_eq!(c.server.listen.to_string(), "0.0.0.0:8080");
+        assert_eq!(c.server.admin_listen.to_string(), "127.0.0.1:9091");
+        assert_eq!(c.server.max_body_bytes, 16 << 20);
+        assert_eq!(c.server.request_timeout, Duration::from_secs(600));
+        assert_eq!(c.routing.key, KeyMode::Conversation);
+        assert_eq!(c.routing.prefix_chars, 1024);
+        assert_eq!(c.routing.vnodes, 160);
+        assert_eq!(c.routing.max_in_flight, 4);
+        assert_eq!(c.routing.max_attempts, 3);
+        assert_eq!(c.routing.max_queue, 1024);
+        assert_eq!(c.routing.when_saturated, WhenSaturated::Queue);
+        assert_eq!(c.pools[0].models, vec!["llama".to_string()]);
+        assert_eq!(c.pools[0].nodes[0].weight, 1);
+    }
+
+    #[test]
+    fn shipped_example_is_valid() {
+        let text = include_str!("../config/prefixlb.toml");
+        let c = Config::parse(text, "config/prefixlb.toml").unwrap();
+        assert_eq!(c.routing.vnodes, 160);
+    }
+
+    #[test]
+    fn unknown_key_is_located() {
+        let e = err("[routing]\nvnodes = 10\nmax_inflight = 3\n[[pools]]\nname=\"p\"\nnodes=[{id=\"a\",url=\"http://h:1\"}]\n");
+        assert_eq!((e.line, e.col), (3, 1), "{e}");
+        assert!(e.message.contains("unknown field `max_inflight`"), "{e}");
+        assert!(e.to_string().starts_with("t.toml:3:1: "));
+    }
+
+    #[test]
+    fn semantic_errors_point_at_the_value() {
+        let dup = err("[[pools]]\nname=\"p\"\nnodes=[{id=\"a\",url=\"http://h:1\"},{id=\"a\",url=\"http://h:2\"}]\n");
+        assert_eq!(dup.line, 3);
+        assert!(dup.message.contains("duplicate node id"), "{dup}");
+
+        let url = err("[[pools]]\nname=\"p\"\n[[pools.nodes]]\nid=\"a\"\nurl=\"h:1:2\"\n");
+        assert_eq!((url.line, url.col), (5, 5), "{url}");
+
+        let w = err("[[pools]]\nname=\"p\"\n[[pools.nodes]]\nid=\"a\"\nurl=\"http://h:1\"\nweight=0\n");
+        assert_eq!(w.line, 6);
+        assert!(w.message.contains("weight 0"), "{w}");
+
+        let fb = err("[[pools]]\nname=\"p\"\nfallbacks=[\"q\"]\nnodes=[{id=\"a\",url=\"http://h:1\"}]\n");
+        assert_eq!(fb.line, 3);
+        assert!(fb.message.contains("names no pool"), "{fb}");
+
+        let d = err("[server]\nrequest_timeout=\"10 parsecs\"\n[[pools]]\nname=\"p\"\nnodes=[{id=\"a\",url=\"http://h:1\"}]\n");
+        assert_eq!(d.line, 2);
+        assert!(d.message.contains("unit"), "{d}");
+
+        let none = err("[routing]\nvnodes=1\n");
+        assert!(none.message.contains("no [[pools]]"), "{none}");
+
+        let lf = err("[routing]\nload_factor=0.5\n[[pools]]\nname=\"p\"\nnodes=[{id=\"a\",url=\"http://h:1\"}]\n");
+        assert_eq!(lf.line, 2);
+    }
+
+    #[test]
+    fn durations_parse() {
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("1.5s").unwrap(), Duration::from_millis(1500));
+        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
+        assert!(parse_duration("10").is_err());
+        assert!(parse_duration("s").is_err());
+    }
+
+    #[test]
+    fn upstream_uri_keeps_base_path() {
+        let n = NodeConfig {
+            id: "a".into(),
+            url: "http://h:8000/engine/".parse().unwrap(),
+            weight: 1,
+        };
+        assert_eq!(
+            n.upstream_uri("/v1/chat/completions?x=1").unwrap().to_string(),
+            "http://h:8000/engine/v1/chat/completions?x=1"
+        );
+    }
+}

@@ -1,0 +1,79 @@
+//! The explanation of one request's routing, as `prefixlb route` prints it and
+//! `POST /admin/explain` returns it: pool, key (shortened), hash, the key's successor
+//! walk with each node's load, and the node that would be chosen now.
+
+use serde::Serialize;
+
+use crate::table::{PlanError, Table};
+
+/// Characters of key text shown; the rest is summarised by `key_chars`.
+const SHOWN_KEY_CHARS: usize = 160;
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Explanation {
+    pub pool: String,
+    pub model: Option<String>,
+    pub api: &'static str,
+    pub stream: bool,
+    /// `header`, `prompt` or `raw`.
+    pub key_source: &'static str,
+    /// The key text, shortened.
+    pub key: String,
+    pub key_chars: usize,
+    /// `xxh3_64(pool ‖ 0x00 ‖ key, hash_seed)` in hex.
+    pub hash: String,
+    /// The key's successor walk, primary first.
+    pub successors: Vec<Step>,
+    /// The node the walk would take now (first that accepts and is under its cap).
+    pub choice: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Step {
+    pub node: String,
+    pub in_flight: u32,
+    pub cap: u32,
+    pub accepts_new: bool,
+}
+
+/// Explains how `table` would route a request with this path, key header and body.
+pub fn explain(table: &Table, path: &str, header_key: Option<&[u8]>, body: &[u8]) -> Result<Explanation, PlanError> {
+    let plan = table.plan(path, header_key, body)?;
+    let pool = &table.pools[plan.pool];
+    let b = &pool.balancer;
+    let successors: Vec<Step> = b
+        .ring
+        .successors(plan.hash)
+        .map(|i| {
+            let m = &b.members[i];
+            Step {
+                node: pool.config.nodes[i].id.clone(),
+                in_flight: m.state.in_flight(),
+                cap: b.cap_of(m),
+                accepts_new: m.state.accepts_new(),
+            }
+        })
+        .collect();
+    let choice = successors
+        .iter()
+        .find(|s| s.accepts_new && s.in_flight < s.cap)
+        .map(|s| s.node.clone());
+    let text = String::from_utf8_lossy(&plan.facts.key);
+    let key_chars = text.chars().count();
+    let mut key: String = text.chars().take(SHOWN_KEY_CHARS).collect();
+    if key_chars > SHOWN_KEY_CHARS {
+        key.push('…');
+    }
+    Ok(Explanation {
+        pool: pool.config.name.clone(),
+        model: plan.facts.model.clone(),
+        api: plan.api.as_str(),
+        stream: plan.facts.stream,
+        key_source: plan.facts.source.as_str(),
+        key,
+        key_chars,
+        hash: format!("{:016x}", plan.hash),
+        successors,
+        choice,
+    })
+}

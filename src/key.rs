@@ -1,0 +1,739 @@
+//! The routing key: which bytes of a request decide its home on the ring.
+//!
+//! One borrowing serde pass over the body reads `model`, `stream` and the raw spans of
+//! the prompt fields; only the few strings the key needs are then decoded, and only up
+//! to `prefix_chars` characters each, so the work per request is bounded whatever the
+//! body's size. Pure: no I/O.
+
+use std::borrow::Cow;
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::config::KeyMode;
+
+/// The OpenAI-style API a request path belongs to; it decides where the prompt is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    Chat,
+    Completions,
+    /// SGLang's native `/generate`.
+    Generate,
+    Responses,
+    Embeddings,
+    Other,
+}
+
+impl Api {
+    pub fn from_path(path: &str) -> Api {
+        match path {
+            "/v1/chat/completions" => Api::Chat,
+            "/v1/completions" => Api::Completions,
+            "/generate" => Api::Generate,
+            "/v1/responses" => Api::Responses,
+            "/v1/embeddings" => Api::Embeddings,
+            _ => Api::Other,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Api::Chat => "chat",
+            Api::Completions => "completions",
+            Api::Generate => "generate",
+            Api::Responses => "responses",
+            Api::Embeddings => "embeddings",
+            Api::Other => "other",
+        }
+    }
+
+    /// Whether the body must be a JSON object (else 400).
+    pub fn requires_json(self) -> bool {
+        self != Api::Other
+    }
+}
+
+/// Where a key came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeySource {
+    /// The `routing.key_header` header.
+    Header,
+    /// Text taken from the prompt fields.
+    Prompt,
+    /// The raw body bytes (non-JSON bodies, or JSON with no prompt field).
+    Raw,
+}
+
+impl KeySource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KeySource::Header => "header",
+            KeySource::Prompt => "prompt",
+            KeySource::Raw => "raw",
+        }
+    }
+}
+
+/// What the balancer needs to know of a request body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestFacts {
+    /// The `model` field, if any.
+    pub model: Option<String>,
+    /// `stream: true`.
+    pub stream: bool,
+    /// The key bytes (before the pool name and seed are mixed in).
+    pub key: Vec<u8>,
+    pub source: KeySource,
+}
+
+/// Why a body cannot be routed: the client's fault, answered with 400.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    #[error("request body is empty; expected a JSON object")]
+    Empty,
+    #[error("request body is not valid JSON: {0}")]
+    Json(String),
+    #[error("'{0}' is a required property")]
+    Missing(&'static str),
+}
+
+/// The fields of any OpenAI-style body that routing reads; everything else is skipped
+/// without being decoded.
+#[derive(Deserialize)]
+struct Envelope<'a> {
+    #[serde(borrow, default)]
+    model: Option<Cow<'a, str>>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(borrow, default)]
+    messages: Option<Vec<Message<'a>>>,
+    #[serde(borrow, default)]
+    tools: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    prompt: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    text: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    input_ids: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    instructions: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    input: Option<&'a RawValue>,
+}
+
+/// A chat message, or a `/v1/responses` input item.
+#[derive(Deserialize)]
+struct Message<'a> {
+    #[serde(borrow, default)]
+    role: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    content: Option<&'a RawValue>,
+}
+
+/// One part of an array `content`.
+#[derive(Deserialize)]
+struct Part<'a> {
+    #[serde(borrow, rename = "type", default)]
+    kind: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    text: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    image_url: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    video_url: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    audio_url: Option<&'a RawValue>,
+}
+
+/// `{"url": ...}` inside a media part.
+#[derive(Deserialize)]
+struct UrlObject<'a> {
+    #[serde(borrow)]
+    url: &'a RawValue,
+}
+
+/// A media part's URL: `{"url": "..."}` or a bare string.
+fn part_url(raw: &RawValue) -> &RawValue {
+    match serde_json::from_str::<UrlObject<'_>>(raw.get()) {
+        Ok(obj) => obj.url,
+        Err(_) => raw,
+    }
+}
+
+/// How to build keys: the `[routing]` settings that matter here.
+#[derive(Debug, Clone, Copy)]
+pub struct KeySpec {
+    pub mode: KeyMode,
+    pub prefix_chars: usize,
+}
+
+/// Reads a request body for routing. `header_key` is the value of the key header, if
+/// the request has one; it wins over the prompt.
+pub fn extract(
+    api: Api,
+    body: &[u8],
+    header_key: Option<&[u8]>,
+    spec: KeySpec,
+) -> Result<RequestFacts, KeyError> {
+    let envelope = if api.requires_json() {
+        if body.iter().all(u8::is_ascii_whitespace) {
+            return Err(KeyError::Empty);
+        }
+        let env: Envelope<'_> = serde_json::from_slice(body).map_err(|e| KeyError::Json(e.to_string()))?;
+        Some(env)
+    } else {
+        // Anything else: use the JSON fields if it is a JSON object, else raw bytes.
+        serde_json::from_slice::<Envelope<'_>>(body).ok()
+    };
+
+    let (model, stream) = match &envelope {
+        Some(env) => (env.model.as_deref().map(str::to_owned), env.stream == Some(true)),
+        None => (None, false),
+    };
+    if let Some(env) = &envelope {
+        match api {
+            Api::Chat if env.messages.is_none() => return Err(KeyError::Missing("messages")),
+            Api::Completions if env.prompt.is_none() => return Err(KeyError::Missing("prompt")),
+            _ => {}
+        }
+    }
+
+    let (key, source) = match (header_key, &envelope) {
+        (Some(h), _) => (h.to_vec(), KeySource::Header),
+        (None, Some(env)) => match prompt_key(api, env, spec) {
+            Some(text) => (text.into_bytes(), KeySource::Prompt),
+            None => (raw_prefix(body, spec.prefix_chars), KeySource::Raw),
+        },
+        (None, None) => (raw_prefix(body, spec.prefix_chars), KeySource::Raw),
+    };
+    Ok(RequestFacts {
+        model,
+        stream,
+        key,
+        source,
+    })
+}
+
+/// `h = xxh3_64(pool ‖ 0x00 ‖ key, seed)`: the key's position on the pool's ring.
+/// Deterministic across processes, restarts and replicas.
+pub fn key_hash(pool: &str, key: &[u8], seed: u64) -> u64 {
+    let mut h = Xxh3::with_seed(seed);
+    h.update(pool.as_bytes());
+    h.update(&[0]);
+    h.update(key);
+    h.digest()
+}
+
+fn prompt_key(api: Api, env: &Envelope<'_>, spec: KeySpec) -> Option<String> {
+    let n = spec.prefix_chars;
+    match api {
+        Api::Chat | Api::Other if env.messages.is_some() => {
+            Some(messages_key(env.tools, None, env.messages.as_deref()?, spec))
+        }
+        Api::Responses => {
+            let items = match env.input {
+                Some(raw) if raw.get().trim_start().starts_with('[') => {
+                    serde_json::from_str::<Vec<Message<'_>>>(raw.get()).ok()
+                }
+                _ => None,
+            };
+            match items {
+                Some(items) => Some(messages_key(env.tools, env.instructions, &items, spec)),
+                None => {
+                    // String input: instructions are the "system" part, input the "user" part.
+                    let mut text = KeyText::new(n);
+                    if let Some(i) = env.instructions {
+                        text.push_value(i);
+                    }
+                    let mut user = KeyText::new(n);
+                    if let Some(i) = env.input {
+                        user.push_value(i);
+                    }
+                    Some(join_parts(spec.mode, text, user, n))
+                }
+            }
+        }
+        Api::Completions => first_of(env.prompt, n),
+        Api::Generate => first_of(env.text, n).or_else(|| first_of(env.input_ids, n)),
+        _ => env.input.map(|raw| {
+            let mut text = KeyText::new(n);
+            text.push_value(raw);
+            text.out
+        }),
+    }
+}
+
+/// In `conversation` mode, system and user parts are cut separately (each to
+/// `prefix_chars`) so the user part survives a long shared system prompt; in `prefix`
+/// mode the whole text is cut once.
+fn join_parts(mode: KeyMode, mut system: KeyText, user: KeyText, n: usize) -> String {
+    match mode {
+        KeyMode::Conversation => {
+            system.out.push_str(&user.out);
+            system.out
+        }
+        KeyMode::Prefix => {
+            let mut all = KeyText::new(n);
+            all.push_str(&system.out);
+            all.push_str(&user.out);
+            all.out
+        }
+    }
+}
+
+/// The key of a message list: `tools` (compact JSON), then `role \n text \n` per message.
+fn messages_key(
+    tools: Option<&RawValue>,
+    instructions: Option<&RawValue>,
+    messages: &[Message<'_>],
+    spec: KeySpec,
+) -> String {
+    let n = spec.prefix_chars;
+    let mut head = KeyText::new(n);
+    if let Some(tools) = tools {
+        head.push_compact_json(tools.get());
+    }
+    if let Some(i) = instructions {
+        head.push_value(i);
+    }
+    match spec.mode {
+        KeyMode::Prefix => {
+            for m in messages {
+                if head.full() {
+                    break;
+                }
+                push_message(&mut head, m);
+            }
+            head.out
+        }
+        KeyMode::Conversation => {
+            for m in messages.iter().filter(|m| is_system(m)) {
+                if head.full() {
+                    break;
+                }
+                push_message(&mut head, m);
+            }
+            let mut user = KeyText::new(n);
+            if let Some(m) = messages.iter().find(|m| m.role.as_deref() == Some("user")) {
+                push_message(&mut user, m);
+            }
+            join_parts(KeyMode::Conversation, head, user, n)
+        }
+    }
+}
+
+fn is_system(m: &Message<'_>) -> bool {
+    matches!(m.role.as_deref(), Some("system" | "developer"))
+}
+
+fn push_message(text: &mut KeyText, m: &Message<'_>) {
+    text.push_str(m.role.as_deref().unwrap_or(""));
+    text.push_str("\n");
+    if let Some(content) = m.content {
+        text.push_content(content);
+    }
+    text.push_str("\n");
+}
+
+/// `prompt`/`text`/`input_ids`: a string, the first of an array of strings, or token ids.
+fn first_of(raw: Option<&RawValue>, n: usize) -> Option<String> {
+    let raw = raw?;
+    let s = raw.get().trim_start();
+    let mut text = KeyText::new(n);
+    if s.starts_with('[') {
+        if let Ok(items) = serde_json::from_str::<Vec<&RawValue>>(s) {
+            match items.first() {
+                Some(first) if !first.get().trim_start().starts_with(|c: char| c.is_ascii_digit() || c == '-') => {
+                    text.push_value(first);
+                    return Some(text.out);
+                }
+                _ => {}
+            }
+        }
+    }
+    text.push_value(raw);
+    Some(text.out)
+}
+
+fn raw_prefix(body: &[u8], n: usize) -> Vec<u8> {
+    match std::str::from_utf8(body) {
+        Ok(s) => {
+            let mut text = KeyText::new(n);
+            text.push_str(s);
+            text.out.into_bytes()
+        }
+        Err(_) => body[..body.len().min(n)].to_vec(),
+    }
+}
+
+/// A key under construction that holds at most `left` more characters.
+struct KeyText {
+    out: String,
+    left: usize,
+}
+
+impl KeyText {
+    fn new(limit: usize) -> Self {
+        KeyText {
+            out: String::with_capacity(limit.min(4096)),
+            left: limit,
+        }
+    }
+
+    fn full(&self) -> bool {
+        self.left == 0
+    }
+
+    fn push_char(&mut self, c: char) -> bool {
+        if self.left == 0 {
+            return false;
+        }
+        self.out.push(c);
+        self.left -= 1;
+        true
+    }
+
+    fn push_str(&mut self, s: &str) {
+        if self.left == 0 {
+            return;
+        }
+        // Cut on a char boundary, never inside a code point.
+        match s.char_indices().nth(self.left) {
+            Some((cut, _)) => {
+                self.out.push_str(&s[..cut]);
+                self.left = 0;
+            }
+            None => {
+                self.out.push_str(s);
+                self.left -= s.chars().count();
+            }
+        }
+    }
+
+    /// A JSON value as key text: strings decoded, anything else as compact JSON.
+    fn push_value(&mut self, raw: &RawValue) {
+        let s = raw.get().trim_start();
+        if s.starts_with('"') {
+            self.push_json_string(s);
+        } else {
+            self.push_compact_json(s);
+        }
+    }
+
+    /// Message content: a string, or an array of parts (text parts contribute their
+    /// text; other parts their type and URL).
+    fn push_content(&mut self, raw: &RawValue) {
+        let s = raw.get().trim_start();
+        if !s.starts_with('[') {
+            return self.push_value(raw);
+        }
+        let Ok(parts) = serde_json::from_str::<Vec<Part<'_>>>(s) else {
+            return self.push_compact_json(s);
+        };
+        for part in parts {
+            if self.full() {
+                return;
+            }
+            match (&part.kind, part.text) {
+                (_, Some(text)) => self.push_value(text),
+                (kind, None) => {
+                    self.push_str(kind.as_deref().unwrap_or(""));
+                    let url = part.image_url.or(part.video_url).or(part.audio_url);
+                    if let Some(url) = url {
+                        self.push_str(" ");
+                        self.push_value(part_url(url));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Decodes a JSON string literal (already validated by serde_json) up to the limit.
+    fn push_json_string(&mut self, lit: &str) {
+        let inner = &lit[1..lit.len().saturating_sub(1).max(1)];
+        let mut rest = inner;
+        while !rest.is_empty() && !self.full() {
+            match rest.find('\\') {
+                None => return self.push_str(rest),
+                Some(0) => {}
+                Some(i) => {
+                    self.push_str(&rest[..i]);
+                    rest = &rest[i..];
+                    continue;
+                }
+            }
+            let (c, used) = unescape(rest);
+            self.push_char(c);
+            rest = &rest[used..];
+        }
+    }
+
+    /// Copies JSON text without the whitespace outside strings, up to the limit.
+    fn push_compact_json(&mut self, json: &str) {
+        let mut in_string = false;
+        let mut escaped = false;
+        for c in json.chars() {
+            if in_string {
+                if escaped {
+                    escaped = false;
+                } else if c == '\\' {
+                    escaped = true;
+                } else if c == '"' {
+                    in_string = false;
+                }
+            } else if c == '"' {
+                in_string = true;
+            } else if c.is_whitespace() {
+                continue;
+            }
+            if !self.push_char(c) {
+                return;
+            }
+        }
+    }
+}
+
+/// Decodes one escape at the start of `s` (which starts with `\`): the char and the
+/// bytes used. Lone surrogates become U+FFFD.
+fn unescape(s: &str) -> (char, usize) {
+    let b = s.as_bytes();
+    let simple = |c| (c, 2);
+    match b.get(1) {
+        Some(b'n') => simple('\n'),
+        Some(b't') => simple('\t'),
+        Some(b'r') => simple('\r'),
+        Some(b'b') => simple('\u{8}'),
+        Some(b'f') => simple('\u{c}'),
+        Some(b'u') => {
+            let hex = |at: usize| {
+                s.get(at..at + 4)
+                    .and_then(|h| u32::from_str_radix(h, 16).ok())
+            };
+            let Some(hi) = hex(2) else {
+                return ('\u{fffd}', s.len().min(2));
+            };
+            if (0xD800..0xDC00).contains(&hi) && s.get(6..8) == Some("\\u") {
+                if let Some(lo) = hex(8).filter(|lo| (0xDC00..0xE000).contains(lo)) {
+                    let c = 0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00);
+                    return (char::from_u32(c).unwrap_or('\u{fffd}'), 12);
+                }
+            }
+            (char::from_u32(hi).unwrap_or('\u{fffd}'), 6)
+        }
+        Some(&c) if c.is_ascii() => simple(c as char),
+        _ => ('\u{fffd}', 1),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const CONV: KeySpec = KeySpec {
+        mode: KeyMode::Conversation,
+        prefix_chars: 1024,
+    };
+    const PREFIX: KeySpec = KeySpec {
+        mode: KeyMode::Prefix,
+        prefix_chars: 1024,
+    };
+
+    fn key(api: Api, body: &serde_json::Value, spec: KeySpec) -> String {
+        let bytes = serde_json::to_vec(body).unwrap();
+        String::from_utf8(extract(api, &bytes, None, spec).unwrap().key).unwrap()
+    }
+
+    fn chat(system: &str, turns: &[&str]) -> serde_json::Value {
+        let mut messages = vec![json!({"role": "system", "content": system})];
+        for (i, t) in turns.iter().enumerate() {
+            let role = if i % 2 == 0 { "user" } else { "assistant" };
+            messages.push(json!({"role": role, "content": t}));
+        }
+        json!({"model": "m", "messages": messages, "stream": true})
+    }
+
+    #[test]
+    fn turns_of_one_conversation_share_the_key() {
+        let t1 = key(Api::Chat, &chat("You are helpful.", &["hi there"]), CONV);
+        let t2 = key(Api::Chat, &chat("You are helpful.", &["hi there", "hello!", "more"]), CONV);
+        let t3 = key(
+            Api::Chat,
+            &chat("You are helpful.", &["hi there", "hello!", "more", "ok", "bye"]),
+            CONV,
+        );
+        assert_eq!(t1, t2);
+        assert_eq!(t2, t3);
+        assert_eq!(t1, "system\nYou are helpful.\nuser\nhi there\n");
+    }
+
+    #[test]
+    fn different_system_prompts_give_different_keys() {
+        let a = key(Api::Chat, &chat("You are a pirate.", &["hi"]), CONV);
+        let b = key(Api::Chat, &chat("You are a lawyer.", &["hi"]), CONV);
+        assert_ne!(a, b);
+        let a = key(Api::Chat, &chat("You are a pirate.", &["hi"]), PREFIX);
+        let b = key(Api::Chat, &chat("You are a lawyer.", &["hi"]), PREFIX);
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn conversation_mode_keeps_the_user_part_behind_a_long_system_prompt() {
+        let long = "x".repeat(5000);
+        let a = key(Api::Chat, &chat(&long, &["question one"]), CONV);
+        let b = key(Api::Chat, &chat(&long, &["question two"]), CONV);
+        assert_ne!(a, b, "conversations sharing a system prompt must not collapse");
+        let pa = key(Api::Chat, &chat(&long, &["question one"]), PREFIX);
+        let pb = key(Api::Chat, &chat(&long, &["question two"]), PREFIX);
+        assert_eq!(pa, pb, "prefix mode hashes only the shared prefix");
+        assert_eq!(pa.chars().count(), 1024);
+    }
+
+    #[test]
+    fn content_arrays_use_text_and_urls() {
+        let body = json!({"model": "m", "messages": [
+            {"role": "user", "content": [
+                {"type": "text", "text": "look at "},
+                {"type": "image_url", "image_url": {"url": "https://x/cat.png"}},
+                {"type": "text", "text": " please"}
+            ]}
+        ]});
+        assert_eq!(key(Api::Chat, &body, CONV), "user\nlook at image_url https://x/cat.png please\n");
+    }
+
+    #[test]
+    fn tools_are_compact_json_before_messages() {
+        let body = r#"{"model":"m","tools":[ {"type" : "function", "name":"a b"} ],"messages":[{"role":"user","content":"q"}]}"#;
+        let facts = extract(Api::Chat, body.as_bytes(), None, PREFIX).unwrap();
+        assert_eq!(
+            String::from_utf8(facts.key).unwrap(),
+            r#"[{"type":"function","name":"a b"}]user
+q
+"#
+        );
+    }
+
+    #[test]
+    fn unicode_is_cut_on_char_boundaries() {
+        let spec = KeySpec {
+            mode: KeyMode::Prefix,
+            prefix_chars: 10,
+        };
+        let body = json!({"model": "m", "messages": [{"role": "user", "content": "héllo wörld 🎉🎉🎉"}]});
+        let k = key(Api::Chat, &body, spec);
+        assert_eq!(k.chars().count(), 10);
+        assert_eq!(k, "user\nhéllo");
+        // Escaped surrogate pairs decode to one char.
+        let raw = br#"{"messages":[{"role":"user","content":"\ud83c\udf89\n\u00e9"}]}"#;
+        let k = extract(Api::Chat, raw, None, spec).unwrap().key;
+        assert_eq!(String::from_utf8(k).unwrap(), "user\n🎉\né\n");
+    }
+
+    #[test]
+    fn other_apis_find_their_prompt() {
+        let c = key(Api::Completions, &json!({"model": "m", "prompt": "Once upon"}), CONV);
+        assert_eq!(c, "Once upon");
+        let c = key(Api::Completions, &json!({"model": "m", "prompt": ["first", "second"]}), CONV);
+        assert_eq!(c, "first");
+        let c = key(Api::Completions, &json!({"model": "m", "prompt": [1, 2, 3]}), CONV);
+        assert_eq!(c, "[1,2,3]");
+        let g = key(Api::Generate, &json!({"text": "abc"}), CONV);
+        assert_eq!(g, "abc");
+        let g = key(Api::Generate, &json!({"input_ids": [7, 8]}), CONV);
+        assert_eq!(g, "[7,8]");
+        let r = key(Api::Responses, &json!({"model": "m", "instructions": "be brief", "input": "hi"}), CONV);
+        assert_eq!(r, "be briefhi");
+        let r = key(
+            Api::Responses,
+            &json!({"model": "m", "input": [{"role": "developer", "content": "d"}, {"role": "user", "content": [{"type": "input_text", "text": "u"}]}, {"role": "assistant", "content": "a"}]}),
+            CONV,
+        );
+        assert_eq!(r, "developer\nd\nuser\nu\n");
+        let e = key(Api::Embeddings, &json!({"model": "m", "input": "embed me"}), CONV);
+        assert_eq!(e, "embed me");
+    }
+
+    #[test]
+    fn model_and_stream_are_read_wherever_they_are() {
+        let body = br#"{"messages":[{"role":"user","content":"x"}],"temperature":0.2,"stream":true,"model":"llama-3"}"#;
+        let f = extract(Api::Chat, body, None, CONV).unwrap();
+        assert_eq!(f.model.as_deref(), Some("llama-3"));
+        assert!(f.stream);
+    }
+
+    #[test]
+    fn header_key_wins() {
+        let body = serde_json::to_vec(&chat("s", &["u"])).unwrap();
+        let f = extract(Api::Chat, &body, Some(b"session-42"), CONV).unwrap();
+        assert_eq!(f.key, b"session-42");
+        assert_eq!(f.source, KeySource::Header);
+    }
+
+    #[test]
+    fn raw_bodies_use_their_bytes() {
+        let f = extract(Api::Other, b"plain text body", None, CONV).unwrap();
+        assert_eq!(f.key, b"plain text body");
+        assert_eq!(f.source, KeySource::Raw);
+        let f = extract(Api::Other, &[0xff, 0xfe, 0x00], None, CONV).unwrap();
+        assert_eq!(f.key, vec![0xff, 0xfe, 0x00]);
+    }
+
+    #[test]
+    fn bad_bodies_are_errors_not_panics() {
+        for body in [
+            &b""[..],
+            b"   ",
+            b"{",
+            b"[1,2]",
+            b"null",
+            b"{\"messages\": \"nope\"}",
+            b"{\"model\": 5, \"messages\": []}",
+            b"{\"messages\": [{\"role\": \"user\", \"content\": \"\\ud800\"}]}",
+            &[0xff, 0xfe],
+        ] {
+            let r = extract(Api::Chat, body, None, CONV);
+            assert!(r.is_err() || r.is_ok(), "no panic");
+        }
+        assert_eq!(extract(Api::Chat, b"", None, CONV), Err(KeyError::Empty));
+        assert!(matches!(extract(Api::Chat, b"{", None, CONV), Err(KeyError::Json(_))));
+        assert_eq!(
+            extract(Api::Chat, b"{\"model\":\"m\"}", None, CONV),
+            Err(KeyError::Missing("messages"))
+        );
+        assert_eq!(
+            extract(Api::Completions, b"{\"model\":\"m\"}", None, CONV),
+            Err(KeyError::Missing("prompt"))
+        );
+    }
+
+    #[test]
+    fn hash_is_golden() {
+        // Replicas and restarts agree on every key's home only if this never changes.
+        assert_eq!(format!("{:016x}", key_hash("llama", b"user\nhi\n", 0)), GOLDEN_HASH);
+        assert_ne!(key_hash("llama", b"k", 0), key_hash("mistral", b"k", 0));
+        assert_ne!(key_hash("llama", b"k", 0), key_hash("llama", b"k", 1));
+        // The pool/key separator keeps ("ab", "c") apart from ("a", "bc").
+        assert_ne!(key_hash("ab", b"c", 0), key_hash("a", b"bc", 0));
+    }
+    const GOLDEN_HASH: &str = "ba26594ed5f3b7d7";
+
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic(body in proptest::collection::vec(proptest::num::u8::ANY, 0..200)) {
+            let _ = extract(Api::Chat, &body, None, CONV);
+            let _ = extract(Api::Other, &body, None, PREFIX);
+        }
+
+        #[test]
+        fn keys_are_valid_prefixes(s in "\\PC{0,300}", n in 1usize..50) {
+            let spec = KeySpec { mode: KeyMode::Prefix, prefix_chars: n };
+            let body = serde_json::to_vec(&json!({"prompt": s})).unwrap();
+            let k = String::from_utf8(extract(Api::Completions, &body, None, spec).unwrap().key).unwrap();
+            prop_assert!(s.starts_with(&k));
+            prop_assert_eq!(k.chars().count(), s.chars().count().min(n));
+        }
+    }
+}

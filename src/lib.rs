@@ -1,0 +1,22 @@
+//! prefixlb: a prefix-affinity load balancer for self-hosted LLM inference fleets.
+//!
+//! Requests are placed on a consistent-hash ring by an xxh3 hash of their prompt
+//! prefix, so the engine that already holds a prefix in its KV cache serves it;
+//! bounded loads cap each engine's in-flight requests and spill clockwise.
+
+#![forbid(unsafe_code)]
+#![deny(rust_2018_idioms)]
+
+pub mod admin;
+pub mod balance;
+pub mod body;
+pub mod config;
+pub mod engine_model;
+pub mod explain;
+pub mod key;
+pub mod mock_engine;
+pub mod proxy;
+pub mod ring;
+pub mod server;
+pub mod serve;
+pub mod table;

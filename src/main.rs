@@ -1,0 +1,250 @@
+//! The `prefixlb` command line: `serve`, `check`, `route` and `mock-engine`.
+
+use std::io::Read;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand, ValueEnum};
+
+use prefixlb::config::Config;
+use prefixlb::engine_model::Costs;
+use prefixlb::mock_engine::{MockConfig, MockEngine};
+use prefixlb::table::{Registry, Table};
+
+#[derive(Parser)]
+#[command(name = "prefixlb", version, about = "Prefix-affinity load balancer for LLM inference fleets")]
+struct Cli {
+    /// Log format on stderr. Filter with RUST_LOG (default "info").
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the balancer.
+    Serve {
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Validate a config; print pools, nodes and ring stats. Exit 2 on a bad config.
+    Check {
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Explain offline how one request would be routed (JSON).
+    Route {
+        #[arg(long)]
+        config: PathBuf,
+        /// Request path.
+        #[arg(long, default_value = "/v1/chat/completions")]
+        path: String,
+        /// A request header, `name:value` (repeatable).
+        #[arg(long = "header", value_name = "K:V")]
+        headers: Vec<String>,
+        /// The request body file, or `-` for stdin.
+        #[arg(default_value = "-")]
+        body: String,
+    },
+    /// Run an OpenAI-compatible engine emulator with a prefix-cache latency model.
+    MockEngine {
+        #[arg(long)]
+        listen: SocketAddr,
+        #[arg(long, default_value = "mock")]
+        id: String,
+        #[arg(long, default_value = "mock")]
+        model: String,
+        /// Prefill cost per uncached prompt token, in µs.
+        #[arg(long, default_value_t = 100)]
+        prefill_us_per_token: u64,
+        /// Decode cost per output token, in ms.
+        #[arg(long, default_value_t = 10)]
+        decode_ms_per_token: u64,
+        /// KV-cache capacity in tokens.
+        #[arg(long, default_value_t = 200_000)]
+        cache_tokens: usize,
+        /// Sequences running at once; more wait.
+        #[arg(long, default_value_t = 64)]
+        max_num_seqs: usize,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.log_format);
+    match run(cli.command) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(command: Command) -> anyhow::Result<ExitCode> {
+    match command {
+        Command::Serve { config } => {
+            let Some(config) = load(&config) else { return Ok(ExitCode::from(2)) };
+            runtime()?.block_on(prefixlb::serve::run(config, prefixlb::server::termination()))?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Check { config: path } => {
+            let Some(config) = load(&path) else { return Ok(ExitCode::from(2)) };
+            print!("{}", check_report(&path, config));
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Route {
+            config,
+            path,
+            headers,
+            body,
+        } => {
+            let Some(config) = load(&config) else { return Ok(ExitCode::from(2)) };
+            let key_header = config.routing.key_header.clone();
+            let body = read_body(&body)?;
+            let mut header_key = None;
+            for h in &headers {
+                let (k, v) = h
+                    .split_once(':')
+                    .with_context(|| format!("--header {h:?} is not name:value"))?;
+                if k.trim().eq_ignore_ascii_case(key_header.as_str()) {
+                    header_key = Some(v.trim().as_bytes().to_vec());
+                }
+            }
+            let table = Table::build(config, &Registry::default());
+            match prefixlb::explain::explain(&table, &path, header_key.as_deref(), &body) {
+                Ok(x) => {
+                    println!("{}", serde_json::to_string_pretty(&x)?);
+                    Ok(ExitCode::SUCCESS)
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    Ok(ExitCode::from(2))
+                }
+            }
+        }
+        Command::MockEngine {
+            listen,
+            id,
+            model,
+            prefill_us_per_token,
+            decode_ms_per_token,
+            cache_tokens,
+            max_num_seqs,
+        } => {
+            let config = MockConfig {
+                id: id.clone(),
+                model,
+                costs: Costs {
+                    prefill_per_token: Duration::from_micros(prefill_us_per_token),
+                    decode_per_token: Duration::from_millis(decode_ms_per_token),
+                },
+                cache_tokens,
+                max_num_seqs,
+            };
+            runtime()?.block_on(async move {
+                let listener = tokio::net::TcpListener::bind(listen)
+                    .await
+                    .with_context(|| format!("cannot bind {listen}"))?;
+                println!("mock-engine {id} listening on http://{}", listener.local_addr()?);
+                MockEngine::new(config)
+                    .serve(listener, prefixlb::server::termination())
+                    .await;
+                anyhow::Ok(())
+            })?;
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+/// Loads a config, printing `file:line:col: message` on failure.
+fn load(path: &Path) -> Option<Config> {
+    match Config::load(path) {
+        Ok(c) => Some(c),
+        Err(e) => {
+            eprintln!("{e}");
+            None
+        }
+    }
+}
+
+fn check_report(path: &Path, config: Config) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let r = &config.routing;
+    let _ = writeln!(
+        out,
+        "{}: ok\nrouting: key={:?} prefix_chars={} vnodes={} max_in_flight={} load_factor={} when_saturated={:?} max_attempts={}",
+        path.display(),
+        r.key,
+        r.prefix_chars,
+        r.vnodes,
+        r.max_in_flight,
+        r.load_factor.map(|c| c.to_string()).unwrap_or_else(|| "none".into()),
+        r.when_saturated,
+        r.max_attempts
+    );
+    let table = Table::build(config, &Registry::default());
+    for pool in &table.pools {
+        let ring = &pool.balancer.ring;
+        let own = ring.ownership();
+        let _ = writeln!(
+            out,
+            "pool {} (models: {}){}: {} nodes, {} ring points",
+            pool.config.name,
+            pool.config.models.join(", "),
+            if pool.config.default { " [default]" } else { "" },
+            ring.len(),
+            ring.points()
+        );
+        for (i, n) in pool.config.nodes.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "  node {:<16} {:<32} weight {:<3} cap {:<4} key share {:5.1}%",
+                n.id,
+                n.url.to_string(),
+                n.weight,
+                pool.balancer.members[i].cap,
+                own[i] * 100.0
+            );
+        }
+    }
+    out
+}
+
+fn read_body(arg: &str) -> anyhow::Result<Vec<u8>> {
+    if arg == "-" {
+        let mut buf = Vec::new();
+        std::io::stdin().read_to_end(&mut buf).context("reading the body from stdin")?;
+        Ok(buf)
+    } else {
+        std::fs::read(arg).with_context(|| format!("reading body file {arg}"))
+    }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}

@@ -1,0 +1,429 @@
+//! `prefixlb mock-engine`: an OpenAI-compatible engine emulator for tests, demos and
+//! benchmarks. It streams SSE the way vLLM does (a role-only first chunk, one chunk per
+//! token, an optional usage chunk, `data: [DONE]`), sleeps for the times the
+//! [`engine_model`](crate::engine_model) computes, exports vLLM's metric names, and
+//! takes runtime faults on `POST /mock/fault`.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http::{header, Method, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use parking_lot::Mutex;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, Semaphore};
+
+use crate::body::{full, BoxBody, ChannelBody};
+use crate::engine_model::{Costs, EngineModel, Prompt};
+
+/// `mock-engine` settings (the subcommand's flags).
+#[derive(Debug, Clone)]
+pub struct MockConfig {
+    pub id: String,
+    pub model: String,
+    pub costs: Costs,
+    pub cache_tokens: usize,
+    pub max_num_seqs: usize,
+}
+
+impl Default for MockConfig {
+    fn default() -> Self {
+        MockConfig {
+            id: "mock".into(),
+            model: "mock".into(),
+            costs: Costs::default(),
+            cache_tokens: 200_000,
+            max_num_seqs: 64,
+        }
+    }
+}
+
+/// A fault the engine is told to show.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum FaultMode {
+    /// Serve normally.
+    #[default]
+    Ok,
+    /// Answer 500 (and fail `/health`).
+    Error,
+    /// Accept, send the role chunk, never a token.
+    Stall,
+    /// Add `ttft_ms` before the first token.
+    Slow,
+    /// End the stream with no content.
+    Empty,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, serde::Serialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Fault {
+    pub mode: FaultMode,
+    #[serde(default)]
+    pub ttft_ms: u64,
+}
+
+/// A running mock engine's shared state.
+pub struct MockEngine {
+    config: MockConfig,
+    model: Mutex<EngineModel>,
+    seqs: Semaphore,
+    fault: Mutex<Fault>,
+    waiting: AtomicU64,
+    running: AtomicU64,
+    peak_running: AtomicU64,
+    requests: AtomicU64,
+    cancelled: AtomicU64,
+    prompt_tokens: AtomicU64,
+    cached_tokens: AtomicU64,
+}
+
+/// Counts a running sequence for as long as it lives.
+struct Running(Arc<MockEngine>);
+
+impl Running {
+    fn start(engine: &Arc<MockEngine>) -> Running {
+        let now = engine.running.fetch_add(1, Ordering::AcqRel) + 1;
+        engine.peak_running.fetch_max(now, Ordering::AcqRel);
+        Running(engine.clone())
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.running.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Which completion API a request uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Text,
+}
+
+/// A parsed generation request.
+struct Job {
+    kind: Kind,
+    model: String,
+    prompt: Prompt,
+    max_tokens: usize,
+    stream: bool,
+    include_usage: bool,
+}
+
+impl MockEngine {
+    pub fn new(config: MockConfig) -> Arc<MockEngine> {
+        Arc::new(MockEngine {
+            model: Mutex::new(EngineModel::new(config.cache_tokens, config.costs)),
+            seqs: Semaphore::new(config.max_num_seqs.max(1)),
+            config,
+            fault: Mutex::new(Fault::default()),
+            waiting: AtomicU64::new(0),
+            running: AtomicU64::new(0),
+            peak_running: AtomicU64::new(0),
+            requests: AtomicU64::new(0),
+            cancelled: AtomicU64::new(0),
+            prompt_tokens: AtomicU64::new(0),
+            cached_tokens: AtomicU64::new(0),
+        })
+    }
+
+    /// Serves until `shutdown` resolves.
+    pub async fn serve(self: Arc<Self>, listener: TcpListener, shutdown: impl std::future::Future<Output = ()>) {
+        let engine = self;
+        crate::server::serve(
+            listener,
+            move |req, _peer: SocketAddr| {
+                let engine = engine.clone();
+                async move { engine.handle(req).await }
+            },
+            shutdown,
+            Duration::from_secs(1),
+        )
+        .await;
+    }
+
+    async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<BoxBody> {
+        let path = req.uri().path().to_string();
+        let mut resp = match (req.method(), path.as_str()) {
+            (&Method::GET, "/health") => match self.fault.lock().mode {
+                FaultMode::Error => text(StatusCode::SERVICE_UNAVAILABLE, "unhealthy"),
+                _ => text(StatusCode::OK, ""),
+            },
+            (&Method::GET, "/metrics") => text(StatusCode::OK, &self.metrics()),
+            (&Method::GET, "/v1/models") => json_response(
+                StatusCode::OK,
+                &json!({"object": "list", "data": [{"id": self.config.model, "object": "model", "created": 0, "owned_by": "mock-engine"}]}),
+            ),
+            (&Method::POST, "/mock/fault") => self.set_fault(req).await,
+            (&Method::POST, "/v1/chat/completions") => self.clone().generate(req, Kind::Chat).await,
+            (&Method::POST, "/v1/completions") => self.clone().generate(req, Kind::Text).await,
+            _ => error(StatusCode::NOT_FOUND, &format!("no route for {path}")),
+        };
+        if let Ok(id) = header::HeaderValue::from_str(&self.config.id) {
+            resp.headers_mut().insert("x-engine-id", id);
+        }
+        resp
+    }
+
+    async fn set_fault(&self, req: Request<Incoming>) -> Response<BoxBody> {
+        let Ok(body) = req.into_body().collect().await else {
+            return error(StatusCode::BAD_REQUEST, "could not read body");
+        };
+        match serde_json::from_slice::<Fault>(&body.to_bytes()) {
+            Ok(f) => {
+                *self.fault.lock() = f;
+                tracing::info!(engine = %self.config.id, mode = ?f.mode, ttft_ms = f.ttft_ms, "fault set");
+                json_response(StatusCode::OK, &json!(f))
+            }
+            Err(e) => error(StatusCode::BAD_REQUEST, &format!("bad fault: {e}")),
+        }
+    }
+
+    async fn generate(self: Arc<Self>, req: Request<Incoming>, kind: Kind) -> Response<BoxBody> {
+        let Ok(body) = req.into_body().collect().await else {
+            return error(StatusCode::BAD_REQUEST, "could not read body");
+        };
+        let job = match parse_job(&body.to_bytes(), kind, &self.config.model) {
+            Ok(job) => job,
+            Err(msg) => return error(StatusCode::BAD_REQUEST, &msg),
+        };
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        let fault = *self.fault.lock();
+        if fault.mode == FaultMode::Error {
+            return error(StatusCode::INTERNAL_SERVER_ERROR, "injected fault: error");
+        }
+
+        if job.stream {
+            let (tx, body) = ChannelBody::new(16);
+            tokio::spawn(self.clone().stream(job, fault, tx));
+            let mut resp = Response::new(BoxBody::new(body));
+            resp.headers_mut()
+                .insert(header::CONTENT_TYPE, header::HeaderValue::from_static("text/event-stream"));
+            return resp;
+        }
+
+        let permit = self.admit().await;
+        let _running = Running::start(&self);
+        let plan = self.model.lock().prefill(&job.prompt);
+        self.count_prompt(plan.prompt_tokens, plan.cached_tokens);
+        let content = match fault.mode {
+            FaultMode::Stall => {
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                String::new()
+            }
+            FaultMode::Empty => String::new(),
+            _ => {
+                tokio::time::sleep(plan.prefill + slow_extra(fault)).await;
+                let decode = self.config.costs.decode_per_token * job.max_tokens as u32;
+                tokio::time::sleep(decode).await;
+                (0..job.max_tokens).map(token_text).collect()
+            }
+        };
+        drop(permit);
+        let completion_tokens = if content.is_empty() { 0 } else { job.max_tokens };
+        let usage = usage(plan.prompt_tokens, completion_tokens, plan.cached_tokens);
+        let body = match job.kind {
+            Kind::Chat => json!({
+                "id": "chatcmpl-mock", "object": "chat.completion", "created": now(), "model": job.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "length"}],
+                "usage": usage,
+            }),
+            Kind::Text => json!({
+                "id": "cmpl-mock", "object": "text_completion", "created": now(), "model": job.model,
+                "choices": [{"index": 0, "text": content, "finish_reason": "length"}],
+                "usage": usage,
+            }),
+        };
+        json_response(StatusCode::OK, &body)
+    }
+
+    /// Produces one SSE stream. Every send doubles as a check that the client is still
+    /// there: a failed send means it left, and the sequence is aborted at once.
+    async fn stream(self: Arc<Self>, job: Job, fault: Fault, tx: mpsc::Sender<Bytes>) {
+        let permit = tokio::select! {
+            p = self.admit() => p,
+            _ = tx.closed() => return self.cancel(),
+        };
+        let _running = Running::start(&self);
+        let plan = self.model.lock().prefill(&job.prompt);
+        self.count_prompt(plan.prompt_tokens, plan.cached_tokens);
+        let chunk = |delta: Value, finish: Value| sse_chunk(job.kind, &job.model, delta, finish);
+
+        if job.kind == Kind::Chat && tx.send(chunk(json!({"role": "assistant", "content": ""}), Value::Null)).await.is_err() {
+            return self.cancel();
+        }
+        let tokens = match fault.mode {
+            FaultMode::Stall => {
+                tx.closed().await;
+                return self.cancel();
+            }
+            FaultMode::Empty => 0,
+            _ => job.max_tokens,
+        };
+        let first = plan.prefill + slow_extra(fault);
+        let decode = self.config.costs.decode_per_token;
+        for i in 0..tokens {
+            let wait = if i == 0 { first } else { decode };
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = tx.closed() => return self.cancel(),
+            }
+            if tx.send(chunk(json!({"content": token_text(i)}), Value::Null)).await.is_err() {
+                return self.cancel();
+            }
+        }
+        let _ = tx.send(chunk(json!({}), json!("length"))).await;
+        if job.include_usage {
+            let usage = usage(plan.prompt_tokens, tokens, plan.cached_tokens);
+            let object = if job.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
+            let data = json!({"id": "mock", "object": object, "created": now(), "model": job.model, "choices": [], "usage": usage});
+            let _ = tx.send(Bytes::from(format!("data: {data}\n\n"))).await;
+        }
+        let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+        drop(permit);
+    }
+
+    async fn admit(&self) -> tokio::sync::SemaphorePermit<'_> {
+        self.waiting.fetch_add(1, Ordering::AcqRel);
+        let permit = self.seqs.acquire().await.expect("the semaphore is never closed");
+        self.waiting.fetch_sub(1, Ordering::AcqRel);
+        permit
+    }
+
+    fn cancel(&self) {
+        self.cancelled.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(engine = %self.config.id, "request cancelled by the client");
+    }
+
+    fn count_prompt(&self, prompt: usize, cached: usize) {
+        self.prompt_tokens.fetch_add(prompt as u64, Ordering::Relaxed);
+        self.cached_tokens.fetch_add(cached as u64, Ordering::Relaxed);
+    }
+
+    fn metrics(&self) -> String {
+        let m = &self.config.model;
+        let g = |name: &str, kind: &str, help: &str, v: u64| {
+            format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{model_name=\"{m}\"}} {v}\n")
+        };
+        [
+            g("vllm:num_requests_running", "gauge", "Sequences running now.", self.running.load(Ordering::Acquire)),
+            g("vllm:num_requests_waiting", "gauge", "Sequences waiting for a slot.", self.waiting.load(Ordering::Acquire)),
+            g("vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", self.prompt_tokens.load(Ordering::Relaxed)),
+            g("vllm:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.", self.cached_tokens.load(Ordering::Relaxed)),
+            g("mock_engine_requests_total", "counter", "Generation requests received.", self.requests.load(Ordering::Relaxed)),
+            g("mock_engine_cancelled_total", "counter", "Requests aborted because the client left.", self.cancelled.load(Ordering::Relaxed)),
+            g("mock_engine_peak_running", "gauge", "Most sequences ever running at once.", self.peak_running.load(Ordering::Acquire)),
+        ]
+        .concat()
+    }
+}
+
+fn slow_extra(fault: Fault) -> Duration {
+    if fault.mode == FaultMode::Slow {
+        Duration::from_millis(fault.ttft_ms)
+    } else {
+        Duration::ZERO
+    }
+}
+
+fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<Job, String> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| format!("invalid JSON: {e}"))?;
+    let text = match kind {
+        Kind::Chat => {
+            let messages = v["messages"].as_array().ok_or("'messages' is required")?;
+            let mut text = String::new();
+            for m in messages {
+                text.push_str(m["role"].as_str().unwrap_or(""));
+                text.push('\n');
+                match &m["content"] {
+                    Value::String(s) => text.push_str(s),
+                    Value::Array(parts) => {
+                        for p in parts {
+                            text.push_str(p["text"].as_str().unwrap_or(""));
+                        }
+                    }
+                    _ => {}
+                }
+                text.push('\n');
+            }
+            text
+        }
+        Kind::Text => match &v["prompt"] {
+            Value::String(s) => s.clone(),
+            Value::Array(items) => items.first().map(|p| p.to_string()).unwrap_or_default(),
+            _ => return Err("'prompt' is required".into()),
+        },
+    };
+    let max_tokens = v["max_completion_tokens"]
+        .as_u64()
+        .or_else(|| v["max_tokens"].as_u64())
+        .unwrap_or(16) as usize;
+    Ok(Job {
+        kind,
+        model: v["model"].as_str().unwrap_or(default_model).to_string(),
+        prompt: Prompt::from_text(&text),
+        max_tokens,
+        stream: v["stream"].as_bool().unwrap_or(false),
+        include_usage: v["stream_options"]["include_usage"].as_bool().unwrap_or(false),
+    })
+}
+
+const WORDS: [&str; 8] = [" the", " cache", " holds", " every", " prefix", " we", " have", " seen"];
+
+fn token_text(i: usize) -> &'static str {
+    WORDS[i % WORDS.len()]
+}
+
+fn sse_chunk(kind: Kind, model: &str, delta: Value, finish: Value) -> Bytes {
+    let data = match kind {
+        Kind::Chat => json!({
+            "id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": now(), "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+        }),
+        Kind::Text => json!({
+            "id": "cmpl-mock", "object": "text_completion", "created": now(), "model": model,
+            "choices": [{"index": 0, "text": delta.get("content").and_then(Value::as_str).unwrap_or(""), "logprobs": null, "finish_reason": finish}],
+        }),
+    };
+    Bytes::from(format!("data: {data}\n\n"))
+}
+
+fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    })
+}
+
+fn now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+fn json_response(status: StatusCode, v: &Value) -> Response<BoxBody> {
+    let mut resp = Response::new(full(v.to_string()));
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .insert(header::CONTENT_TYPE, header::HeaderValue::from_static("application/json"));
+    resp
+}
+
+fn text(status: StatusCode, s: &str) -> Response<BoxBody> {
+    let mut resp = Response::new(full(s.to_string()));
+    *resp.status_mut() = status;
+    resp
+}
+
+fn error(status: StatusCode, msg: &str) -> Response<BoxBody> {
+    json_response(
+        status,
+        &json!({"error": {"message": msg, "type": "mock_engine_error", "code": status.as_u16()}}),
+    )
+}

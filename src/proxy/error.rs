@@ -1,0 +1,169 @@
+//! The proxy's one error type and its mapping to an OpenAI-style JSON response
+//! (`{"error": {"message", "type", "code"}}`) with the right status. Each error says
+//! whether the node is to blame (counts against it) or the client is.
+
+use http::{header, HeaderValue, Response, StatusCode};
+use serde_json::json;
+
+use crate::body::{full, BoxBody};
+use crate::key::KeyError;
+use crate::table::{PlanError, PoolError};
+
+/// Everything that can end a request before an engine's response reaches the client.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProxyError {
+    #[error("{0}")]
+    Plan(#[from] PlanError),
+    #[error("could not read the request body: {0}")]
+    BodyRead(String),
+    #[error("request body exceeds the limit of {limit} bytes (server.max_body_bytes)")]
+    BodyTooLarge { limit: usize },
+    #[error("content-type `{0}` is not supported; send the body as application/json")]
+    UnsupportedMediaType(String),
+    #[error("method {method} is not allowed on {path}; use POST")]
+    MethodNotAllowed { method: String, path: String },
+    #[error("all nodes of pool `{pool}` are at their in-flight cap")]
+    Saturated { pool: String },
+    #[error("the queue of pool `{pool}` is full ({max} requests waiting)")]
+    QueueFull { pool: String, max: usize },
+    #[error("no node of pool `{pool}` freed a slot within {waited_ms} ms")]
+    QueueTimeout { pool: String, waited_ms: u128 },
+    #[error("no node of pool `{pool}` is accepting requests (all down or draining)")]
+    NoNode { pool: String },
+    #[error("every engine tried is busy (429): {attempts}")]
+    Busy { attempts: String },
+    #[error("all {count} attempts failed: {attempts}")]
+    Upstream { count: u32, attempts: String },
+    #[error("no response from an engine within {timeout_ms} ms: {attempts}")]
+    UpstreamTimeout { timeout_ms: u128, attempts: String },
+}
+
+impl ProxyError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ProxyError::Plan(PlanError::Pool(PoolError::UnknownModel { .. })) => StatusCode::NOT_FOUND,
+            ProxyError::Plan(_) | ProxyError::BodyRead(_) => StatusCode::BAD_REQUEST,
+            ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ProxyError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
+            ProxyError::Saturated { .. }
+            | ProxyError::QueueFull { .. }
+            | ProxyError::QueueTimeout { .. }
+            | ProxyError::NoNode { .. }
+            | ProxyError::Busy { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
+            ProxyError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+
+    /// The OpenAI error `type`.
+    pub fn kind(&self) -> &'static str {
+        match self.status() {
+            s if s.is_client_error() => "invalid_request_error",
+            StatusCode::SERVICE_UNAVAILABLE => "overloaded_error",
+            _ => "upstream_error",
+        }
+    }
+
+    /// A stable machine-readable `code`.
+    pub fn code(&self) -> &'static str {
+        match self {
+            ProxyError::Plan(PlanError::Pool(PoolError::UnknownModel { .. })) => "model_not_found",
+            ProxyError::Plan(PlanError::Pool(PoolError::ModelRequired { .. })) => "model_required",
+            ProxyError::Plan(PlanError::Key(KeyError::Empty)) => "empty_body",
+            ProxyError::Plan(PlanError::Key(KeyError::Json(_))) => "invalid_json",
+            ProxyError::Plan(PlanError::Key(KeyError::Missing(_))) => "missing_required_parameter",
+            ProxyError::BodyRead(_) => "body_read_error",
+            ProxyError::BodyTooLarge { .. } => "request_too_large",
+            ProxyError::UnsupportedMediaType(_) => "unsupported_media_type",
+            ProxyError::MethodNotAllowed { .. } => "method_not_allowed",
+            ProxyError::Saturated { .. } => "saturated",
+            ProxyError::QueueFull { .. } => "queue_full",
+            ProxyError::QueueTimeout { .. } => "queue_timeout",
+            ProxyError::NoNode { .. } => "no_available_node",
+            ProxyError::Busy { .. } => "engines_busy",
+            ProxyError::Upstream { .. } => "upstream_failed",
+            ProxyError::UpstreamTimeout { .. } => "upstream_timeout",
+        }
+    }
+
+    /// Seconds a client should wait before retrying, for "try again later" errors.
+    pub fn retry_after(&self) -> Option<u32> {
+        (self.status() == StatusCode::SERVICE_UNAVAILABLE).then_some(1)
+    }
+
+    /// Whether the failure is the engines' (counted against nodes), not the client's.
+    pub fn blames_node(&self) -> bool {
+        matches!(self, ProxyError::Upstream { .. } | ProxyError::UpstreamTimeout { .. })
+    }
+}
+
+impl From<ProxyError> for Response<BoxBody> {
+    fn from(e: ProxyError) -> Self {
+        let body = json!({"error": {"message": e.to_string(), "type": e.kind(), "code": e.code()}});
+        let mut resp = Response::new(full(body.to_string()));
+        *resp.status_mut() = e.status();
+        let h = resp.headers_mut();
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        if let Some(secs) = e.retry_after() {
+            h.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+
+    async fn render(e: ProxyError) -> (StatusCode, Option<String>, serde_json::Value) {
+        let resp: Response<BoxBody> = e.into();
+        let status = resp.status();
+        let retry = resp
+            .headers()
+            .get(header::RETRY_AFTER)
+            .map(|v| v.to_str().unwrap().to_string());
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        (status, retry, serde_json::from_slice(&body).unwrap())
+    }
+
+    #[tokio::test]
+    async fn errors_map_to_status_and_openai_json() {
+        let cases = [
+            (ProxyError::Plan(PlanError::Key(KeyError::Json("eof".into()))), 400, "invalid_json", None),
+            (
+                ProxyError::Plan(PlanError::Pool(PoolError::UnknownModel {
+                    model: "x".into(),
+                    available: "a, b".into(),
+                })),
+                404,
+                "model_not_found",
+                None,
+            ),
+            (ProxyError::BodyTooLarge { limit: 10 }, 413, "request_too_large", None),
+            (ProxyError::UnsupportedMediaType("text/plain".into()), 415, "unsupported_media_type", None),
+            (ProxyError::Saturated { pool: "p".into() }, 503, "saturated", Some("1")),
+            (ProxyError::NoNode { pool: "p".into() }, 503, "no_available_node", Some("1")),
+            (
+                ProxyError::Upstream {
+                    count: 2,
+                    attempts: "a: refused".into(),
+                },
+                502,
+                "upstream_failed",
+                None,
+            ),
+        ];
+        for (err, status, code, retry) in cases {
+            let blames = err.blames_node();
+            let (s, r, body) = render(err).await;
+            assert_eq!(s.as_u16(), status, "{body}");
+            assert_eq!(body["error"]["code"], code);
+            assert!(body["error"]["message"].as_str().unwrap().len() > 5);
+            assert!(body["error"]["type"].is_string());
+            assert_eq!(r.as_deref(), retry);
+            assert_eq!(blames, status == 502);
+        }
+    }
+}

@@ -1,0 +1,85 @@
+//! Header rules: hop-by-hop headers are stripped in both directions (RFC 9110 §7.6.1),
+//! the client's address is appended to `x-forwarded-for`, and everything else (the
+//! client's `Authorization` included) passes through unchanged.
+
+use std::net::SocketAddr;
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+
+/// Connection-specific headers that a proxy must not forward (RFC 9110 §7.6.1, plus
+/// the legacy `proxy-connection` and `keep-alive`).
+static HOP_BY_HOP: [HeaderName; 9] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+/// Balancer response headers.
+pub static NODE: HeaderName = HeaderName::from_static("x-prefixlb-node");
+pub static ROUTE: HeaderName = HeaderName::from_static("x-prefixlb-route");
+pub static ATTEMPTS: HeaderName = HeaderName::from_static("x-prefixlb-attempts");
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+
+/// Removes hop-by-hop headers, including any named in `Connection`.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in HOP_BY_HOP.iter().chain(named.iter()) {
+        headers.remove(name);
+    }
+}
+
+/// The headers sent to an engine: the client's, minus hop-by-hop, `host` (the client
+/// sets it from the engine URL) and `content-length` (set from the body), plus the
+/// client's address in `x-forwarded-for`.
+pub fn upstream_headers(client: &HeaderMap, peer: SocketAddr) -> HeaderMap {
+    let mut headers = client.clone();
+    strip_hop_by_hop(&mut headers);
+    headers.remove(header::HOST);
+    headers.remove(header::CONTENT_LENGTH);
+    let ip = peer.ip().to_string();
+    let forwarded = match client.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
+        Some(prior) if !prior.is_empty() => format!("{prior}, {ip}"),
+        _ => ip,
+    };
+    if let Ok(v) = HeaderValue::from_str(&forwarded) {
+        headers.insert(X_FORWARDED_FOR.clone(), v);
+    }
+    headers
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_and_connection_named_headers_go() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, HeaderValue::from_static("keep-alive, x-secret"));
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer k"));
+        h.insert(header::HOST, HeaderValue::from_static("lb"));
+        h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("5"));
+        h.insert("x-forwarded-for", HeaderValue::from_static("10.0.0.1"));
+        let out = upstream_headers(&h, "127.0.0.1:5000".parse().unwrap());
+        assert!(out.get(header::CONNECTION).is_none());
+        assert!(out.get("x-secret").is_none());
+        assert!(out.get(header::TRANSFER_ENCODING).is_none());
+        assert!(out.get(header::HOST).is_none());
+        assert!(out.get(header::CONTENT_LENGTH).is_none());
+        assert_eq!(out[header::AUTHORIZATION], "Bearer k");
+        assert_eq!(out["x-forwarded-for"], "10.0.0.1, 127.0.0.1");
+    }
+}

@@ -1,0 +1,170 @@
+//! The data plane: reads a request (bounded), plans its route from the current
+//! [`Table`] snapshot, and hands it to [`forward`] for admission, the upstream exchange
+//! and failover. Requests the balancer answers itself (`GET /v1/models`, `GET /health`)
+//! and every error end here as complete responses.
+
+mod error;
+mod forward;
+pub mod headers;
+mod relay;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use bytes::Bytes;
+use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use serde_json::json;
+
+pub use error::ProxyError;
+
+use crate::body::{full, BoxBody};
+use crate::config::Config;
+use crate::key::Api;
+use crate::table::{Registry, Table};
+
+/// The upstream HTTP client: pooled keep-alive connections to the engines.
+pub type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
+
+/// The balancer's shared state: the current routing snapshot, the runtime state
+/// registry, and the pooled client.
+pub struct Proxy {
+    table: ArcSwap<Table>,
+    registry: Registry,
+    client: UpstreamClient,
+    stopping: AtomicBool,
+}
+
+impl Proxy {
+    pub fn new(config: Config) -> Arc<Proxy> {
+        let registry = Registry::default();
+        let client = upstream_client(config.server.connect_timeout);
+        let table = Table::build(config, &registry);
+        Arc::new(Proxy {
+            table: ArcSwap::from_pointee(table),
+            registry,
+            client,
+            stopping: AtomicBool::new(false),
+        })
+    }
+
+    /// The current routing snapshot.
+    pub fn table(&self) -> Arc<Table> {
+        self.table.load_full()
+    }
+
+    /// Builds a snapshot from `config` (carrying node state over by id) and swaps it in.
+    pub fn install(&self, config: Config) {
+        self.table.store(Arc::new(Table::build(config, &self.registry)));
+    }
+
+    /// Marks the balancer as shutting down (`/readyz` answers 503).
+    pub fn set_stopping(&self) {
+        self.stopping.store(true, Ordering::Relaxed);
+    }
+
+    pub fn is_stopping(&self) -> bool {
+        self.stopping.load(Ordering::Relaxed)
+    }
+
+    /// Handles one client request; always returns a complete response.
+    pub async fn handle(self: Arc<Self>, req: Request<Incoming>, peer: SocketAddr) -> Response<BoxBody> {
+        let table = self.table();
+        match self.route(&table, req, peer).await {
+            Ok(resp) => resp,
+            Err(e) => {
+                tracing::debug!(error = %e, code = e.code(), "request refused");
+                e.into()
+            }
+        }
+    }
+
+    async fn route(&self, table: &Arc<Table>, req: Request<Incoming>, peer: SocketAddr) -> Result<Response<BoxBody>, ProxyError> {
+        let path = req.uri().path();
+        if req.method() == Method::GET {
+            match path {
+                "/v1/models" => return Ok(models(table)),
+                "/health" => return Ok(Response::new(full("ok"))),
+                _ => {}
+            }
+        }
+        let api = Api::from_path(path);
+        if api.requires_json() {
+            if req.method() != Method::POST {
+                return Err(ProxyError::MethodNotAllowed {
+                    method: req.method().to_string(),
+                    path: path.to_string(),
+                });
+            }
+            check_json_content_type(req.headers())?;
+        }
+        let limit = table.config.server.max_body_bytes;
+        let declared = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > limit as u64) {
+            return Err(ProxyError::BodyTooLarge { limit });
+        }
+        let (parts, body) = req.into_parts();
+        let body = read_body(body, limit).await?;
+        let header_key = parts.headers.get(&table.config.routing.key_header).map(HeaderValue::as_bytes);
+        let plan = table.plan(parts.uri.path(), header_key, &body)?;
+        forward::forward(&self.client, table, plan, parts, body, peer).await
+    }
+}
+
+fn upstream_client(connect_timeout: Duration) -> UpstreamClient {
+    let mut connector = HttpConnector::new();
+    connector.set_connect_timeout(Some(connect_timeout));
+    connector.set_nodelay(true);
+    Client::builder(TokioExecutor::new())
+        .pool_timer(TokioTimer::new())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .build(connector)
+}
+
+/// JSON APIs take `application/json` (or a `+json` type); a missing content-type is
+/// accepted, as engines do.
+fn check_json_content_type(headers: &http::HeaderMap) -> Result<(), ProxyError> {
+    let Some(ct) = headers.get(header::CONTENT_TYPE) else {
+        return Ok(());
+    };
+    let ct = ct.to_str().unwrap_or("").to_ascii_lowercase();
+    let essence = ct.split(';').next().unwrap_or("").trim();
+    if essence == "application/json" || essence.ends_with("+json") {
+        Ok(())
+    } else {
+        Err(ProxyError::UnsupportedMediaType(essence.to_string()))
+    }
+}
+
+async fn read_body(body: Incoming, limit: usize) -> Result<Bytes, ProxyError> {
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
+            Err(ProxyError::BodyTooLarge { limit })
+        }
+        Err(e) => Err(ProxyError::BodyRead(e.to_string())),
+    }
+}
+
+/// `GET /v1/models`, answered from the pools.
+fn models(table: &Table) -> Response<BoxBody> {
+    let data: Vec<_> = table
+        .models()
+        .map(|(m, pool)| json!({"id": m, "object": "model", "created": 0, "owned_by": format!("prefixlb/{}", pool.config.name)}))
+        .collect();
+    let mut resp = Response::new(full(json!({"object": "list", "data": data}).to_string()));
+    *resp.status_mut() = StatusCode::OK;
+    resp.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp
+}

@@ -1,0 +1,68 @@
+//! `prefixlb serve`: binds the client and admin listeners, runs the proxy until
+//! SIGTERM/Ctrl-C, then drains: `/readyz` turns 503, no new connections are accepted,
+//! and in-flight requests get `shutdown_grace` to finish.
+
+use std::future::Future;
+use std::net::SocketAddr;
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::config::Config;
+use crate::proxy::Proxy;
+use crate::{admin, server};
+
+/// Binds both listeners, announces them on stdout, and serves until `shutdown`.
+pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> std::io::Result<()> {
+    let listener = bind(config.server.listen, "listen").await?;
+    let admin_listener = bind(config.server.admin_listen, "admin_listen").await?;
+    let (addr, admin_addr) = (listener.local_addr()?, admin_listener.local_addr()?);
+    let grace = config.server.shutdown_grace;
+    let pools = config.pools.len();
+    let nodes: usize = config.pools.iter().map(|p| p.nodes.len()).sum();
+    let proxy = Proxy::new(config);
+
+    // Tests and scripts read this line to find ports chosen by the OS.
+    println!("prefixlb listening on http://{addr} (admin http://{admin_addr})");
+    tracing::info!(%addr, %admin_addr, pools, nodes, "prefixlb serving");
+
+    let (admin_stop_tx, mut admin_stop) = watch::channel(false);
+    let admin_task = {
+        let proxy = proxy.clone();
+        tokio::spawn(server::serve(
+            admin_listener,
+            move |req, peer| admin::handle(proxy.clone(), req, peer),
+            async move {
+                let _ = admin_stop.wait_for(|stop| *stop).await;
+            },
+            std::time::Duration::from_secs(1),
+        ))
+    };
+
+    let stopping = {
+        let proxy = proxy.clone();
+        async move {
+            shutdown.await;
+            proxy.set_stopping();
+            tracing::info!("shutting down: no new connections; in-flight requests have {grace:?}");
+        }
+    };
+    let handler_proxy = proxy.clone();
+    server::serve(
+        listener,
+        move |req, peer| handler_proxy.clone().handle(req, peer),
+        stopping,
+        grace,
+    )
+    .await;
+    let _ = admin_stop_tx.send(true);
+    let _ = admin_task.await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn bind(addr: SocketAddr, key: &str) -> std::io::Result<TcpListener> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|e| std::io::Error::new(e.kind(), format!("cannot bind server.{key} {addr}: {e}")))
+}

@@ -1,0 +1,245 @@
+//! The routing table: one immutable snapshot of pools, rings and node handles, built
+//! from a validated [`Config`] and swapped whole. Node and pool runtime state lives in
+//! the [`Registry`], keyed by id, so in-flight counts (and later breakers) survive every
+//! rebuild. Also the pure "which pool, which key, which hash" step shared by the proxy,
+//! `prefixlb route` and `/admin/explain`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::balance::{Balancer, Member, NodeState, PoolLoad};
+use crate::config::{Config, PoolConfig};
+use crate::key::{self, Api, KeyError, KeySpec, RequestFacts};
+use crate::ring::{Ring, RingMember};
+
+/// Runtime state by id, carried into every new table.
+#[derive(Debug, Default)]
+pub struct Registry {
+    nodes: Mutex<HashMap<String, Arc<NodeState>>>,
+    pools: Mutex<HashMap<String, Arc<PoolLoad>>>,
+}
+
+impl Registry {
+    pub fn node(&self, id: &str) -> Arc<NodeState> {
+        self.nodes
+            .lock()
+            .entry(id.to_string())
+            .or_insert_with(|| Arc::new(NodeState::new(id)))
+            .clone()
+    }
+
+    pub fn pool(&self, name: &str) -> Arc<PoolLoad> {
+        self.pools.lock().entry(name.to_string()).or_default().clone()
+    }
+}
+
+/// One pool of the snapshot.
+#[derive(Debug)]
+pub struct Pool {
+    pub config: PoolConfig,
+    /// Ring and members, indexed like `config.nodes`.
+    pub balancer: Balancer,
+}
+
+/// An immutable routing snapshot.
+#[derive(Debug)]
+pub struct Table {
+    pub config: Config,
+    pub pools: Vec<Pool>,
+    by_model: HashMap<String, usize>,
+    default_pool: Option<usize>,
+}
+
+/// Why no pool can take a request.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PoolError {
+    #[error("The model `{model}` does not exist. Available models: {available}")]
+    UnknownModel { model: String, available: String },
+    #[error("'model' is required: this balancer serves several pools ({available})")]
+    ModelRequired { available: String },
+}
+
+/// The routing of one request before any node is asked: pool, key and hash.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub api: Api,
+    pub pool: usize,
+    pub facts: RequestFacts,
+    pub hash: u64,
+}
+
+/// Why a request cannot be planned: both are the client's fault.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    #[error(transparent)]
+    Key(#[from] KeyError),
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+}
+
+impl Table {
+    /// Builds a snapshot; state for ids already known to `registry` is reused.
+    pub fn build(config: Config, registry: &Registry) -> Table {
+        let mut by_model = HashMap::new();
+        let mut default_pool = None;
+        let pools = config
+            .pools
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                for m in &p.models {
+                    by_model.insert(m.clone(), i);
+                }
+                if p.default {
+                    default_pool = Some(i);
+                }
+                let ring_members: Vec<RingMember> = p
+                    .nodes
+                    .iter()
+                    .map(|n| RingMember {
+                        id: n.id.clone(),
+                        weight: n.weight,
+                    })
+                    .collect();
+                let members = p
+                    .nodes
+                    .iter()
+                    .map(|n| Member {
+                        state: registry.node(&n.id),
+                        weight: n.weight,
+                        cap: config.routing.max_in_flight.saturating_mul(n.weight),
+                    })
+                    .collect();
+                let ring = Ring::build(&ring_members, config.routing.vnodes);
+                Pool {
+                    config: p.clone(),
+                    balancer: Balancer::new(ring, members, registry.pool(&p.name), config.routing.load_factor),
+                }
+            })
+            .collect();
+        Table {
+            config,
+            pools,
+            by_model,
+            default_pool,
+        }
+    }
+
+    /// All model names served, in config order.
+    pub fn models(&self) -> impl Iterator<Item = (&str, &Pool)> {
+        self.pools
+            .iter()
+            .flat_map(|p| p.config.models.iter().map(move |m| (m.as_str(), p)))
+    }
+
+    fn model_list(&self) -> String {
+        self.models().map(|(m, _)| m).collect::<Vec<_>>().join(", ")
+    }
+
+    /// The pool serving `model`: by name, else the `default` pool; a request without a
+    /// model goes to the default pool, or to the only pool when there is one.
+    pub fn pool_for(&self, model: Option<&str>) -> Result<usize, PoolError> {
+        match model {
+            Some(m) => self
+                .by_model
+                .get(m)
+                .copied()
+                .or(self.default_pool)
+                .ok_or_else(|| PoolError::UnknownModel {
+                    model: m.to_string(),
+                    available: self.model_list(),
+                }),
+            None => self
+                .default_pool
+                .or((self.pools.len() == 1).then_some(0))
+                .ok_or_else(|| PoolError::ModelRequired {
+                    available: self.model_list(),
+                }),
+        }
+    }
+
+    /// Finds the pool, key and hash of a request.
+    pub fn plan(&self, path: &str, header_key: Option<&[u8]>, body: &[u8]) -> Result<Plan, PlanError> {
+        let api = Api::from_path(path);
+        let spec = KeySpec {
+            mode: self.config.routing.key,
+            prefix_chars: self.config.routing.prefix_chars,
+        };
+        let facts = key::extract(api, body, header_key, spec)?;
+        let pool = self.pool_for(facts.model.as_deref())?;
+        let hash = key::key_hash(&self.pools[pool].config.name, &facts.key, self.config.routing.hash_seed);
+        Ok(Plan {
+            api,
+            pool,
+            facts,
+            hash,
+        })
+    }
+
+    /// Finds a node by id: (pool index, node index).
+    pub fn find_node(&self, id: &str) -> Option<(usize, usize)> {
+        self.pools.iter().enumerate().find_map(|(p, pool)| {
+            pool.config
+                .nodes
+                .iter()
+                .position(|n| n.id == id)
+                .map(|n| (p, n))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(text: &str) -> Table {
+        Table::build(Config::parse(text, "t.toml").unwrap(), &Registry::default())
+    }
+
+    const TWO: &str = r#"
+[[pools]]
+name = "fast"
+models = ["small", "small-instruct"]
+nodes = [{ id = "a", url = "http://h:1" }]
+[[pools]]
+name = "deep"
+models = ["big"]
+nodes = [{ id = "b", url = "http://h:2" }]
+"#;
+
+    #[test]
+    fn pools_are_found_by_model() {
+        let t = table(TWO);
+        assert_eq!(t.pool_for(Some("small-instruct")), Ok(0));
+        assert_eq!(t.pool_for(Some("big")), Ok(1));
+        let err = t.pool_for(Some("gpt-5")).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "The model `gpt-5` does not exist. Available models: small, small-instruct, big"
+        );
+        assert!(matches!(t.pool_for(None), Err(PoolError::ModelRequired { .. })));
+    }
+
+    #[test]
+    fn default_pool_takes_unknown_and_missing_models() {
+        let t = table(&TWO.replace("name = \"deep\"", "name = \"deep\"\ndefault = true"));
+        assert_eq!(t.pool_for(Some("gpt-5")), Ok(1));
+        assert_eq!(t.pool_for(None), Ok(1));
+    }
+
+    #[test]
+    fn state_survives_a_rebuild() {
+        let registry = Registry::default();
+        let t1 = Table::build(Config::parse(TWO, "t").unwrap(), &registry);
+        let held = match t1.pools[0].balancer.choose(1, &[]) {
+            crate::balance::Walk::Chosen(c) => c,
+            w => panic!("{w:?}"),
+        };
+        let t2 = Table::build(Config::parse(&TWO.replace("h:1", "h:9"), "t").unwrap(), &registry);
+        assert_eq!(t2.pools[0].balancer.members[0].state.in_flight(), 1);
+        drop(held);
+        assert_eq!(t2.pools[0].balancer.members[0].state.in_flight(), 0);
+    }
+}
