@@ -14,12 +14,24 @@ use crate::explain::explain;
 use crate::proxy::Proxy;
 
 /// Handles one admin request.
-pub async fn handle(proxy: Arc<Proxy>, req: Request<Incoming>, _peer: SocketAddr) -> Response<BoxBody> {
+pub async fn handle(
+    proxy: Arc<Proxy>,
+    req: Request<Incoming>,
+    _peer: SocketAddr,
+) -> Response<BoxBody> {
     let table = proxy.table();
     if let Some(token) = &table.config.server.admin_token {
         let expected = format!("Bearer {token}");
-        if req.headers().get(header::AUTHORIZATION).map(HeaderValue::as_bytes) != Some(expected.as_bytes()) {
-            return error(StatusCode::UNAUTHORIZED, "missing or wrong admin token (Authorization: Bearer …)");
+        if req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .map(HeaderValue::as_bytes)
+            != Some(expected.as_bytes())
+        {
+            return error(
+                StatusCode::UNAUTHORIZED,
+                "missing or wrong admin token (Authorization: Bearer …)",
+            );
         }
     }
     let path = req.uri().path().to_string();
@@ -29,8 +41,13 @@ pub async fn handle(proxy: Arc<Proxy>, req: Request<Incoming>, _peer: SocketAddr
         (&Method::GET, ["readyz"]) => readyz(&proxy),
         (&Method::GET, ["admin", "nodes"]) => json_ok(nodes(&proxy)),
         (&Method::POST, ["admin", "explain"]) => explain_request(&proxy, req).await,
-        (&Method::POST, ["admin", "nodes", id, action @ ("drain" | "undrain")]) => drain(&proxy, id, *action == "drain"),
-        _ => error(StatusCode::NOT_FOUND, &format!("no admin route {} {path}", req.method())),
+        (&Method::POST, ["admin", "nodes", id, action @ ("drain" | "undrain")]) => {
+            drain(&proxy, id, *action == "drain")
+        }
+        _ => error(
+            StatusCode::NOT_FOUND,
+            &format!("no admin route {} {path}", req.method()),
+        ),
     }
 }
 
@@ -57,19 +74,23 @@ fn nodes(proxy: &Proxy) -> Value {
         .pools
         .iter()
         .flat_map(|pool| {
-            pool.config.nodes.iter().zip(&pool.balancer.members).map(move |(n, m)| {
-                json!({
-                    "id": n.id,
-                    "pool": pool.config.name,
-                    "url": n.url.to_string(),
-                    "weight": n.weight,
-                    "in_flight": m.state.in_flight(),
-                    "cap": pool.balancer.cap_of(m),
-                    "healthy": m.state.is_healthy(),
-                    "draining": m.state.is_draining(),
-                    "source": "static",
+            pool.config
+                .nodes
+                .iter()
+                .zip(&pool.balancer.members)
+                .map(move |(n, m)| {
+                    json!({
+                        "id": n.id,
+                        "pool": pool.config.name,
+                        "url": n.url.to_string(),
+                        "weight": n.weight,
+                        "in_flight": m.state.in_flight(),
+                        "cap": pool.balancer.cap_of(m),
+                        "healthy": m.state.is_healthy(),
+                        "draining": m.state.is_draining(),
+                        "source": "static",
+                    })
                 })
-            })
         })
         .collect();
     json!({ "nodes": list })
@@ -87,9 +108,17 @@ async fn explain_request(proxy: &Proxy, req: Request<Incoming>) -> Response<BoxB
         .headers()
         .get(&table.config.routing.key_header)
         .map(|v| v.as_bytes().to_vec());
-    let body = match Limited::new(req.into_body(), table.config.server.max_body_bytes).collect().await {
+    let body = match Limited::new(req.into_body(), table.config.server.max_body_bytes)
+        .collect()
+        .await
+    {
         Ok(b) => b.to_bytes(),
-        Err(e) => return error(StatusCode::BAD_REQUEST, &format!("could not read body: {e}")),
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                &format!("could not read body: {e}"),
+            )
+        }
     };
     match explain(&table, &path, header_key.as_deref(), &body) {
         Ok(x) => json_ok(serde_json::to_value(x).unwrap_or(Value::Null)),
@@ -114,13 +143,18 @@ fn json_ok(v: Value) -> Response<BoxBody> {
 }
 
 fn error(status: StatusCode, msg: &str) -> Response<BoxBody> {
-    json_response(status, &json!({"error": {"message": msg, "type": "admin_error", "code": status.as_u16()}}))
+    json_response(
+        status,
+        &json!({"error": {"message": msg, "type": "admin_error", "code": status.as_u16()}}),
+    )
 }
 
 fn json_response(status: StatusCode, v: &Value) -> Response<BoxBody> {
     let mut resp = Response::new(full(v.to_string()));
     *resp.status_mut() = status;
-    resp.headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     resp
 }

@@ -62,7 +62,9 @@ impl NodeState {
     /// can never push the count past `cap`.
     fn try_take(&self, cap: u32) -> bool {
         self.in_flight
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < cap).then_some(n + 1))
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < cap).then_some(n + 1)
+            })
             .is_ok()
     }
 }
@@ -95,7 +97,9 @@ impl PoolLoad {
     /// Joins the queue if it holds fewer than `max`; the ticket leaves it on drop.
     pub fn enqueue(self: &Arc<Self>, max: usize) -> Option<QueueTicket> {
         self.queued
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1))
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
             .ok()
             .map(|_| QueueTicket { pool: self.clone() })
     }
@@ -177,7 +181,12 @@ pub struct Balancer {
 }
 
 impl Balancer {
-    pub fn new(ring: Ring, members: Vec<Member>, load: Arc<PoolLoad>, load_factor: Option<f64>) -> Self {
+    pub fn new(
+        ring: Ring,
+        members: Vec<Member>,
+        load: Arc<PoolLoad>,
+        load_factor: Option<f64>,
+    ) -> Self {
         let total_weight = members.iter().map(|m| m.weight).sum();
         Balancer {
             ring,
@@ -235,7 +244,9 @@ impl Balancer {
             .enumerate()
             .filter(|(_, i)| !tried.contains(i) && self.members[*i].state.accepts_new())
             .min_by(|(_, a), (_, b)| {
-                let load = |i: usize| self.members[i].state.in_flight() as f64 / self.members[i].weight as f64;
+                let load = |i: usize| {
+                    self.members[i].state.in_flight() as f64 / self.members[i].weight as f64
+                };
                 load(*a).total_cmp(&load(*b))
             })?;
         let reservation = self.reserve(&self.members[index], u32::MAX)?;

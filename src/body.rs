@@ -17,12 +17,16 @@ pub type BoxBody = http_body_util::combinators::UnsyncBoxBody<Bytes, BodyError>;
 
 /// A complete body.
 pub fn full(bytes: impl Into<Bytes>) -> BoxBody {
-    Full::new(bytes.into()).map_err(|never| match never {}).boxed_unsync()
+    Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed_unsync()
 }
 
 /// An empty body.
 pub fn empty() -> BoxBody {
-    Empty::<Bytes>::new().map_err(|never| match never {}).boxed_unsync()
+    Empty::<Bytes>::new()
+        .map_err(|never| match never {})
+        .boxed_unsync()
 }
 
 /// A body fed by a channel: each message is sent as one frame as soon as it arrives.
@@ -44,8 +48,13 @@ impl Body for ChannelBody {
     type Data = Bytes;
     type Error = BodyError;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
-        self.rx.poll_recv(cx).map(|chunk| chunk.map(|b| Ok(Frame::data(b))))
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        self.rx
+            .poll_recv(cx)
+            .map(|chunk| chunk.map(|b| Ok(Frame::data(b))))
     }
 
     fn size_hint(&self) -> SizeHint {

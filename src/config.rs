@@ -206,7 +206,9 @@ impl Dur {
 impl<'de> Deserialize<'de> for Dur {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = String::deserialize(d)?;
-        parse_duration(&s).map(Dur).map_err(serde::de::Error::custom)
+        parse_duration(&s)
+            .map(Dur)
+            .map_err(serde::de::Error::custom)
     }
 }
 
@@ -226,7 +228,11 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "s" => value,
         "m" => value * 60.0,
         "h" => value * 3600.0,
-        _ => return Err(format!("duration {s:?} has unknown unit {unit:?} (use us, ms, s, m or h)")),
+        _ => {
+            return Err(format!(
+                "duration {s:?} has unknown unit {unit:?} (use us, ms, s, m or h)"
+            ))
+        }
     };
     Ok(Duration::from_secs_f64(secs))
 }
@@ -315,7 +321,11 @@ pub struct ConfigError {
 
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}:{}: {}", self.file, self.line, self.col, self.message)
+        write!(
+            f,
+            "{}:{}:{}: {}",
+            self.file, self.line, self.col, self.message
+        )
     }
 }
 
@@ -371,7 +381,10 @@ fn validate(raw: FileConfig) -> Result<Config, Invalid> {
     let server = validate_server(raw.server)?;
     let routing = validate_routing(raw.routing)?;
     if raw.pools.is_empty() {
-        return invalid(0..0, "no [[pools]]: at least one pool with nodes is required");
+        return invalid(
+            0..0,
+            "no [[pools]]: at least one pool with nodes is required",
+        );
     }
 
     let mut pool_names = HashSet::new();
@@ -393,7 +406,9 @@ fn validate(raw: FileConfig) -> Result<Config, Invalid> {
             if let Some(other) = &default_pool {
                 return invalid(
                     p.default.span(),
-                    format!("pools {other:?} and {name:?} are both marked default; only one may be"),
+                    format!(
+                        "pools {other:?} and {name:?} are both marked default; only one may be"
+                    ),
                 );
             }
             default_pool = Some(name.clone());
@@ -421,7 +436,10 @@ fn validate(raw: FileConfig) -> Result<Config, Invalid> {
                 return invalid(f.span(), format!("fallback {target:?} names no pool"));
             }
             if *target == name {
-                return invalid(f.span(), format!("pool {name:?} lists itself as a fallback"));
+                return invalid(
+                    f.span(),
+                    format!("pool {name:?} lists itself as a fallback"),
+                );
             }
             fallbacks.push(target.clone());
         }
@@ -438,12 +456,18 @@ fn validate(raw: FileConfig) -> Result<Config, Invalid> {
                 return invalid(n.id.span(), "node id is empty");
             }
             if !node_ids.insert(id.clone()) {
-                return invalid(n.id.span(), format!("duplicate node id {id:?} (ids are unique across pools)"));
+                return invalid(
+                    n.id.span(),
+                    format!("duplicate node id {id:?} (ids are unique across pools)"),
+                );
             }
             let url = parse_node_url(n.url.get_ref()).or_else(|m| invalid(n.url.span(), m))?;
             let weight = *n.weight.get_ref();
             if weight == 0 || weight > 1000 {
-                return invalid(n.weight.span(), format!("weight {weight} is out of range 1..=1000"));
+                return invalid(
+                    n.weight.span(),
+                    format!("weight {weight} is out of range 1..=1000"),
+                );
             }
             nodes.push(NodeConfig { id, url, weight });
         }
@@ -469,7 +493,10 @@ fn validate_server(s: ServerSection) -> Result<ServerConfig, Invalid> {
         v.get_ref().parse().or_else(|_| {
             invalid(
                 v.span(),
-                format!("{key} {:?} is not an address like \"0.0.0.0:8080\"", v.get_ref()),
+                format!(
+                    "{key} {:?} is not an address like \"0.0.0.0:8080\"",
+                    v.get_ref()
+                ),
             )
         })
     };
@@ -488,13 +515,21 @@ fn validate_server(s: ServerSection) -> Result<ServerConfig, Invalid> {
 
 fn validate_routing(r: RoutingSection) -> Result<RoutingConfig, Invalid> {
     let key_header = http::HeaderName::from_bytes(r.key_header.to_ascii_lowercase().as_bytes())
-        .or_else(|_| invalid(0..0, format!("key_header {:?} is not a valid header name", r.key_header)))?;
+        .or_else(|_| {
+            invalid(
+                0..0,
+                format!("key_header {:?} is not a valid header name", r.key_header),
+            )
+        })?;
     if *r.prefix_chars.get_ref() == 0 {
         return invalid(r.prefix_chars.span(), "prefix_chars must be at least 1");
     }
     let vnodes = *r.vnodes.get_ref();
     if !(1..=10_000).contains(&vnodes) {
-        return invalid(r.vnodes.span(), format!("vnodes {vnodes} is out of range 1..=10000"));
+        return invalid(
+            r.vnodes.span(),
+            format!("vnodes {vnodes} is out of range 1..=10000"),
+        );
     }
     if *r.max_in_flight.get_ref() == 0 {
         return invalid(r.max_in_flight.span(), "max_in_flight must be at least 1");
@@ -504,7 +539,10 @@ fn validate_routing(r: RoutingSection) -> Result<RoutingConfig, Invalid> {
     }
     let load_factor = match r.load_factor {
         Some(lf) if !(*lf.get_ref() >= 1.0 && lf.get_ref().is_finite()) => {
-            return invalid(lf.span(), format!("load_factor {} must be a number ≥ 1.0", lf.get_ref()));
+            return invalid(
+                lf.span(),
+                format!("load_factor {} must be a number ≥ 1.0", lf.get_ref()),
+            );
         }
         Some(lf) => Some(*lf.get_ref()),
         None => None,
@@ -611,11 +649,14 @@ nodes = [{ id = "a", url = "http://127.0.0.1:8001" }]
         let url = err("[[pools]]\nname=\"p\"\n[[pools.nodes]]\nid=\"a\"\nurl=\"h:1:2\"\n");
         assert_eq!((url.line, url.col), (5, 5), "{url}");
 
-        let w = err("[[pools]]\nname=\"p\"\n[[pools.nodes]]\nid=\"a\"\nurl=\"http://h:1\"\nweight=0\n");
+        let w =
+            err("[[pools]]\nname=\"p\"\n[[pools.nodes]]\nid=\"a\"\nurl=\"http://h:1\"\nweight=0\n");
         assert_eq!(w.line, 6);
         assert!(w.message.contains("weight 0"), "{w}");
 
-        let fb = err("[[pools]]\nname=\"p\"\nfallbacks=[\"q\"]\nnodes=[{id=\"a\",url=\"http://h:1\"}]\n");
+        let fb = err(
+            "[[pools]]\nname=\"p\"\nfallbacks=[\"q\"]\nnodes=[{id=\"a\",url=\"http://h:1\"}]\n",
+        );
         assert_eq!(fb.line, 3);
         assert!(fb.message.contains("names no pool"), "{fb}");
 
@@ -647,7 +688,9 @@ nodes = [{ id = "a", url = "http://127.0.0.1:8001" }]
             weight: 1,
         };
         assert_eq!(
-            n.upstream_uri("/v1/chat/completions?x=1").unwrap().to_string(),
+            n.upstream_uri("/v1/chat/completions?x=1")
+                .unwrap()
+                .to_string(),
             "http://h:8000/engine/v1/chat/completions?x=1"
         );
     }

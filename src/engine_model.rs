@@ -78,7 +78,10 @@ impl PrefixCache {
 
     /// Number of leading blocks of `blocks` that are cached (without touching them).
     pub fn cached_prefix(&self, blocks: &[u64]) -> usize {
-        blocks.iter().take_while(|b| self.last_use.contains_key(b)).count()
+        blocks
+            .iter()
+            .take_while(|b| self.last_use.contains_key(b))
+            .count()
     }
 
     /// Serves a prompt: returns the cached leading blocks, then stores all its blocks as
@@ -89,7 +92,9 @@ impl PrefixCache {
             self.touch(b);
         }
         while self.last_use.len() > self.capacity {
-            let Some((_, victim)) = self.by_age.pop_first() else { break };
+            let Some((_, victim)) = self.by_age.pop_first() else {
+                break;
+            };
             self.last_use.remove(&victim);
         }
         hit

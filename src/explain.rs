@@ -37,7 +37,12 @@ pub struct Step {
 }
 
 /// Explains how `table` would route a request with this path, key header and body.
-pub fn explain(table: &Table, path: &str, header_key: Option<&[u8]>, body: &[u8]) -> Result<Explanation, PlanError> {
+pub fn explain(
+    table: &Table,
+    path: &str,
+    header_key: Option<&[u8]>,
+    body: &[u8],
+) -> Result<Explanation, PlanError> {
     let plan = table.plan(path, header_key, body)?;
     let pool = &table.pools[plan.pool];
     let b = &pool.balancer;

@@ -180,7 +180,8 @@ pub fn extract(
         if body.iter().all(u8::is_ascii_whitespace) {
             return Err(KeyError::Empty);
         }
-        let env: Envelope<'_> = serde_json::from_slice(body).map_err(|e| KeyError::Json(e.to_string()))?;
+        let env: Envelope<'_> =
+            serde_json::from_slice(body).map_err(|e| KeyError::Json(e.to_string()))?;
         Some(env)
     } else {
         // Anything else: use the JSON fields if it is a JSON object, else raw bytes.
@@ -188,7 +189,10 @@ pub fn extract(
     };
 
     let (model, stream) = match &envelope {
-        Some(env) => (env.model.as_deref().map(str::to_owned), env.stream == Some(true)),
+        Some(env) => (
+            env.model.as_deref().map(str::to_owned),
+            env.stream == Some(true),
+        ),
         None => (None, false),
     };
     if let Some(env) = &envelope {
@@ -228,9 +232,12 @@ pub fn key_hash(pool: &str, key: &[u8], seed: u64) -> u64 {
 fn prompt_key(api: Api, env: &Envelope<'_>, spec: KeySpec) -> Option<String> {
     let n = spec.prefix_chars;
     match api {
-        Api::Chat | Api::Other if env.messages.is_some() => {
-            Some(messages_key(env.tools, None, env.messages.as_deref()?, spec))
-        }
+        Api::Chat | Api::Other if env.messages.is_some() => Some(messages_key(
+            env.tools,
+            None,
+            env.messages.as_deref()?,
+            spec,
+        )),
         Api::Responses => {
             let items = match env.input {
                 Some(raw) if raw.get().trim_start().starts_with('[') => {
@@ -344,7 +351,12 @@ fn first_of(raw: Option<&RawValue>, n: usize) -> Option<String> {
     if s.starts_with('[') {
         if let Ok(items) = serde_json::from_str::<Vec<&RawValue>>(s) {
             match items.first() {
-                Some(first) if !first.get().trim_start().starts_with(|c: char| c.is_ascii_digit() || c == '-') => {
+                Some(first)
+                    if !first
+                        .get()
+                        .trim_start()
+                        .starts_with(|c: char| c.is_ascii_digit() || c == '-') =>
+                {
                     text.push_value(first);
                     return Some(text.out);
                 }
@@ -557,10 +569,17 @@ mod tests {
     #[test]
     fn turns_of_one_conversation_share_the_key() {
         let t1 = key(Api::Chat, &chat("You are helpful.", &["hi there"]), CONV);
-        let t2 = key(Api::Chat, &chat("You are helpful.", &["hi there", "hello!", "more"]), CONV);
+        let t2 = key(
+            Api::Chat,
+            &chat("You are helpful.", &["hi there", "hello!", "more"]),
+            CONV,
+        );
         let t3 = key(
             Api::Chat,
-            &chat("You are helpful.", &["hi there", "hello!", "more", "ok", "bye"]),
+            &chat(
+                "You are helpful.",
+                &["hi there", "hello!", "more", "ok", "bye"],
+            ),
             CONV,
         );
         assert_eq!(t1, t2);
@@ -583,7 +602,10 @@ mod tests {
         let long = "x".repeat(5000);
         let a = key(Api::Chat, &chat(&long, &["question one"]), CONV);
         let b = key(Api::Chat, &chat(&long, &["question two"]), CONV);
-        assert_ne!(a, b, "conversations sharing a system prompt must not collapse");
+        assert_ne!(
+            a, b,
+            "conversations sharing a system prompt must not collapse"
+        );
         let pa = key(Api::Chat, &chat(&long, &["question one"]), PREFIX);
         let pb = key(Api::Chat, &chat(&long, &["question two"]), PREFIX);
         assert_eq!(pa, pb, "prefix mode hashes only the shared prefix");
@@ -599,7 +621,10 @@ mod tests {
                 {"type": "text", "text": " please"}
             ]}
         ]});
-        assert_eq!(key(Api::Chat, &body, CONV), "user\nlook at image_url https://x/cat.png please\n");
+        assert_eq!(
+            key(Api::Chat, &body, CONV),
+            "user\nlook at image_url https://x/cat.png please\n"
+        );
     }
 
     #[test]
@@ -620,7 +645,8 @@ q
             mode: KeyMode::Prefix,
             prefix_chars: 10,
         };
-        let body = json!({"model": "m", "messages": [{"role": "user", "content": "héllo wörld 🎉🎉🎉"}]});
+        let body =
+            json!({"model": "m", "messages": [{"role": "user", "content": "héllo wörld 🎉🎉🎉"}]});
         let k = key(Api::Chat, &body, spec);
         assert_eq!(k.chars().count(), 10);
         assert_eq!(k, "user\nhéllo");
@@ -632,17 +658,33 @@ q
 
     #[test]
     fn other_apis_find_their_prompt() {
-        let c = key(Api::Completions, &json!({"model": "m", "prompt": "Once upon"}), CONV);
+        let c = key(
+            Api::Completions,
+            &json!({"model": "m", "prompt": "Once upon"}),
+            CONV,
+        );
         assert_eq!(c, "Once upon");
-        let c = key(Api::Completions, &json!({"model": "m", "prompt": ["first", "second"]}), CONV);
+        let c = key(
+            Api::Completions,
+            &json!({"model": "m", "prompt": ["first", "second"]}),
+            CONV,
+        );
         assert_eq!(c, "first");
-        let c = key(Api::Completions, &json!({"model": "m", "prompt": [1, 2, 3]}), CONV);
+        let c = key(
+            Api::Completions,
+            &json!({"model": "m", "prompt": [1, 2, 3]}),
+            CONV,
+        );
         assert_eq!(c, "[1,2,3]");
         let g = key(Api::Generate, &json!({"text": "abc"}), CONV);
         assert_eq!(g, "abc");
         let g = key(Api::Generate, &json!({"input_ids": [7, 8]}), CONV);
         assert_eq!(g, "[7,8]");
-        let r = key(Api::Responses, &json!({"model": "m", "instructions": "be brief", "input": "hi"}), CONV);
+        let r = key(
+            Api::Responses,
+            &json!({"model": "m", "instructions": "be brief", "input": "hi"}),
+            CONV,
+        );
         assert_eq!(r, "be briefhi");
         let r = key(
             Api::Responses,
@@ -650,7 +692,11 @@ q
             CONV,
         );
         assert_eq!(r, "developer\nd\nuser\nu\n");
-        let e = key(Api::Embeddings, &json!({"model": "m", "input": "embed me"}), CONV);
+        let e = key(
+            Api::Embeddings,
+            &json!({"model": "m", "input": "embed me"}),
+            CONV,
+        );
         assert_eq!(e, "embed me");
     }
 
@@ -696,7 +742,10 @@ q
             assert!(r.is_err() || r.is_ok(), "no panic");
         }
         assert_eq!(extract(Api::Chat, b"", None, CONV), Err(KeyError::Empty));
-        assert!(matches!(extract(Api::Chat, b"{", None, CONV), Err(KeyError::Json(_))));
+        assert!(matches!(
+            extract(Api::Chat, b"{", None, CONV),
+            Err(KeyError::Json(_))
+        ));
         assert_eq!(
             extract(Api::Chat, b"{\"model\":\"m\"}", None, CONV),
             Err(KeyError::Missing("messages"))
@@ -710,7 +759,10 @@ q
     #[test]
     fn hash_is_golden() {
         // Replicas and restarts agree on every key's home only if this never changes.
-        assert_eq!(format!("{:016x}", key_hash("llama", b"user\nhi\n", 0)), GOLDEN_HASH);
+        assert_eq!(
+            format!("{:016x}", key_hash("llama", b"user\nhi\n", 0)),
+            GOLDEN_HASH
+        );
         assert_ne!(key_hash("llama", b"k", 0), key_hash("mistral", b"k", 0));
         assert_ne!(key_hash("llama", b"k", 0), key_hash("llama", b"k", 1));
         // The pool/key separator keeps ("ab", "c") apart from ("a", "bc").

@@ -17,6 +17,6 @@ pub mod key;
 pub mod mock_engine;
 pub mod proxy;
 pub mod ring;
-pub mod server;
 pub mod serve;
+pub mod server;
 pub mod table;

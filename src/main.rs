@@ -15,7 +15,11 @@ use prefixlb::mock_engine::{MockConfig, MockEngine};
 use prefixlb::table::{Registry, Table};
 
 #[derive(Parser)]
-#[command(name = "prefixlb", version, about = "Prefix-affinity load balancer for LLM inference fleets")]
+#[command(
+    name = "prefixlb",
+    version,
+    about = "Prefix-affinity load balancer for LLM inference fleets"
+)]
 struct Cli {
     /// Log format on stderr. Filter with RUST_LOG (default "info").
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
@@ -94,12 +98,19 @@ fn main() -> ExitCode {
 fn run(command: Command) -> anyhow::Result<ExitCode> {
     match command {
         Command::Serve { config } => {
-            let Some(config) = load(&config) else { return Ok(ExitCode::from(2)) };
-            runtime()?.block_on(prefixlb::serve::run(config, prefixlb::server::termination()))?;
+            let Some(config) = load(&config) else {
+                return Ok(ExitCode::from(2));
+            };
+            runtime()?.block_on(prefixlb::serve::run(
+                config,
+                prefixlb::server::termination(),
+            ))?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Check { config: path } => {
-            let Some(config) = load(&path) else { return Ok(ExitCode::from(2)) };
+            let Some(config) = load(&path) else {
+                return Ok(ExitCode::from(2));
+            };
             print!("{}", check_report(&path, config));
             Ok(ExitCode::SUCCESS)
         }
@@ -109,7 +120,9 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             headers,
             body,
         } => {
-            let Some(config) = load(&config) else { return Ok(ExitCode::from(2)) };
+            let Some(config) = load(&config) else {
+                return Ok(ExitCode::from(2));
+            };
             let key_header = config.routing.key_header.clone();
             let body = read_body(&body)?;
             let mut header_key = None;
@@ -156,7 +169,10 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 let listener = tokio::net::TcpListener::bind(listen)
                     .await
                     .with_context(|| format!("cannot bind {listen}"))?;
-                println!("mock-engine {id} listening on http://{}", listener.local_addr()?);
+                println!(
+                    "mock-engine {id} listening on http://{}",
+                    listener.local_addr()?
+                );
                 MockEngine::new(config)
                     .serve(listener, prefixlb::server::termination())
                     .await;
@@ -203,7 +219,11 @@ fn check_report(path: &Path, config: Config) -> String {
             "pool {} (models: {}){}: {} nodes, {} ring points",
             pool.config.name,
             pool.config.models.join(", "),
-            if pool.config.default { " [default]" } else { "" },
+            if pool.config.default {
+                " [default]"
+            } else {
+                ""
+            },
             ring.len(),
             ring.points()
         );
@@ -225,7 +245,9 @@ fn check_report(path: &Path, config: Config) -> String {
 fn read_body(arg: &str) -> anyhow::Result<Vec<u8>> {
     if arg == "-" {
         let mut buf = Vec::new();
-        std::io::stdin().read_to_end(&mut buf).context("reading the body from stdin")?;
+        std::io::stdin()
+            .read_to_end(&mut buf)
+            .context("reading the body from stdin")?;
         Ok(buf)
     } else {
         std::fs::read(arg).with_context(|| format!("reading body file {arg}"))
@@ -242,7 +264,9 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),

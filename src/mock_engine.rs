@@ -136,7 +136,11 @@ impl MockEngine {
     }
 
     /// Serves until `shutdown` resolves.
-    pub async fn serve(self: Arc<Self>, listener: TcpListener, shutdown: impl std::future::Future<Output = ()>) {
+    pub async fn serve(
+        self: Arc<Self>,
+        listener: TcpListener,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) {
         let engine = self;
         crate::server::serve(
             listener,
@@ -205,8 +209,10 @@ impl MockEngine {
             let (tx, body) = ChannelBody::new(16);
             tokio::spawn(self.clone().stream(job, fault, tx));
             let mut resp = Response::new(BoxBody::new(body));
-            resp.headers_mut()
-                .insert(header::CONTENT_TYPE, header::HeaderValue::from_static("text/event-stream"));
+            resp.headers_mut().insert(
+                header::CONTENT_TYPE,
+                header::HeaderValue::from_static("text/event-stream"),
+            );
             return resp;
         }
 
@@ -228,7 +234,11 @@ impl MockEngine {
             }
         };
         drop(permit);
-        let completion_tokens = if content.is_empty() { 0 } else { job.max_tokens };
+        let completion_tokens = if content.is_empty() {
+            0
+        } else {
+            job.max_tokens
+        };
         let usage = usage(plan.prompt_tokens, completion_tokens, plan.cached_tokens);
         let body = match job.kind {
             Kind::Chat => json!({
@@ -257,7 +267,15 @@ impl MockEngine {
         self.count_prompt(plan.prompt_tokens, plan.cached_tokens);
         let chunk = |delta: Value, finish: Value| sse_chunk(job.kind, &job.model, delta, finish);
 
-        if job.kind == Kind::Chat && tx.send(chunk(json!({"role": "assistant", "content": ""}), Value::Null)).await.is_err() {
+        if job.kind == Kind::Chat
+            && tx
+                .send(chunk(
+                    json!({"role": "assistant", "content": ""}),
+                    Value::Null,
+                ))
+                .await
+                .is_err()
+        {
             return self.cancel();
         }
         let tokens = match fault.mode {
@@ -276,14 +294,22 @@ impl MockEngine {
                 _ = tokio::time::sleep(wait) => {}
                 _ = tx.closed() => return self.cancel(),
             }
-            if tx.send(chunk(json!({"content": token_text(i)}), Value::Null)).await.is_err() {
+            if tx
+                .send(chunk(json!({"content": token_text(i)}), Value::Null))
+                .await
+                .is_err()
+            {
                 return self.cancel();
             }
         }
         let _ = tx.send(chunk(json!({}), json!("length"))).await;
         if job.include_usage {
             let usage = usage(plan.prompt_tokens, tokens, plan.cached_tokens);
-            let object = if job.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
+            let object = if job.kind == Kind::Chat {
+                "chat.completion.chunk"
+            } else {
+                "text_completion"
+            };
             let data = json!({"id": "mock", "object": object, "created": now(), "model": job.model, "choices": [], "usage": usage});
             let _ = tx.send(Bytes::from(format!("data: {data}\n\n"))).await;
         }
@@ -293,7 +319,11 @@ impl MockEngine {
 
     async fn admit(&self) -> tokio::sync::SemaphorePermit<'_> {
         self.waiting.fetch_add(1, Ordering::AcqRel);
-        let permit = self.seqs.acquire().await.expect("the semaphore is never closed");
+        let permit = self
+            .seqs
+            .acquire()
+            .await
+            .expect("the semaphore is never closed");
         self.waiting.fetch_sub(1, Ordering::AcqRel);
         permit
     }
@@ -304,23 +334,62 @@ impl MockEngine {
     }
 
     fn count_prompt(&self, prompt: usize, cached: usize) {
-        self.prompt_tokens.fetch_add(prompt as u64, Ordering::Relaxed);
-        self.cached_tokens.fetch_add(cached as u64, Ordering::Relaxed);
+        self.prompt_tokens
+            .fetch_add(prompt as u64, Ordering::Relaxed);
+        self.cached_tokens
+            .fetch_add(cached as u64, Ordering::Relaxed);
     }
 
     fn metrics(&self) -> String {
         let m = &self.config.model;
         let g = |name: &str, kind: &str, help: &str, v: u64| {
-            format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{model_name=\"{m}\"}} {v}\n")
+            format!(
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{model_name=\"{m}\"}} {v}\n"
+            )
         };
         [
-            g("vllm:num_requests_running", "gauge", "Sequences running now.", self.running.load(Ordering::Acquire)),
-            g("vllm:num_requests_waiting", "gauge", "Sequences waiting for a slot.", self.waiting.load(Ordering::Acquire)),
-            g("vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", self.prompt_tokens.load(Ordering::Relaxed)),
-            g("vllm:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.", self.cached_tokens.load(Ordering::Relaxed)),
-            g("mock_engine_requests_total", "counter", "Generation requests received.", self.requests.load(Ordering::Relaxed)),
-            g("mock_engine_cancelled_total", "counter", "Requests aborted because the client left.", self.cancelled.load(Ordering::Relaxed)),
-            g("mock_engine_peak_running", "gauge", "Most sequences ever running at once.", self.peak_running.load(Ordering::Acquire)),
+            g(
+                "vllm:num_requests_running",
+                "gauge",
+                "Sequences running now.",
+                self.running.load(Ordering::Acquire),
+            ),
+            g(
+                "vllm:num_requests_waiting",
+                "gauge",
+                "Sequences waiting for a slot.",
+                self.waiting.load(Ordering::Acquire),
+            ),
+            g(
+                "vllm:prefix_cache_queries_total",
+                "counter",
+                "Prompt tokens looked up in the prefix cache.",
+                self.prompt_tokens.load(Ordering::Relaxed),
+            ),
+            g(
+                "vllm:prefix_cache_hits_total",
+                "counter",
+                "Prompt tokens found in the prefix cache.",
+                self.cached_tokens.load(Ordering::Relaxed),
+            ),
+            g(
+                "mock_engine_requests_total",
+                "counter",
+                "Generation requests received.",
+                self.requests.load(Ordering::Relaxed),
+            ),
+            g(
+                "mock_engine_cancelled_total",
+                "counter",
+                "Requests aborted because the client left.",
+                self.cancelled.load(Ordering::Relaxed),
+            ),
+            g(
+                "mock_engine_peak_running",
+                "gauge",
+                "Most sequences ever running at once.",
+                self.peak_running.load(Ordering::Acquire),
+            ),
         ]
         .concat()
     }
@@ -372,11 +441,15 @@ fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<Job, String
         prompt: Prompt::from_text(&text),
         max_tokens,
         stream: v["stream"].as_bool().unwrap_or(false),
-        include_usage: v["stream_options"]["include_usage"].as_bool().unwrap_or(false),
+        include_usage: v["stream_options"]["include_usage"]
+            .as_bool()
+            .unwrap_or(false),
     })
 }
 
-const WORDS: [&str; 8] = [" the", " cache", " holds", " every", " prefix", " we", " have", " seen"];
+const WORDS: [&str; 8] = [
+    " the", " cache", " holds", " every", " prefix", " we", " have", " seen",
+];
 
 fn token_text(i: usize) -> &'static str {
     WORDS[i % WORDS.len()]
@@ -404,14 +477,19 @@ fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
 }
 
 fn now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 fn json_response(status: StatusCode, v: &Value) -> Response<BoxBody> {
     let mut resp = Response::new(full(v.to_string()));
     *resp.status_mut() = status;
-    resp.headers_mut()
-        .insert(header::CONTENT_TYPE, header::HeaderValue::from_static("application/json"));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
     resp
 }
 

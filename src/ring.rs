@@ -186,7 +186,9 @@ mod tests {
         // Fixed inputs, fixed outputs: a change here changes every deployed fleet's
         // placement, so it must be deliberate.
         let ring = Ring::build(&members(4), 160);
-        let homes: Vec<usize> = (0..16).map(|i| ring.primary(key_hash(i)).unwrap()).collect();
+        let homes: Vec<usize> = (0..16)
+            .map(|i| ring.primary(key_hash(i)).unwrap())
+            .collect();
         assert_eq!(homes, GOLDEN_HOMES);
         assert_eq!(ring.points(), 640);
     }
@@ -212,7 +214,10 @@ mod tests {
             let old = &all[before.primary(h).unwrap()].id;
             let new = &rest[after.primary(h).unwrap()].id;
             if old != new {
-                assert_eq!(old, &all[removed].id, "a key not owned by the removed node moved");
+                assert_eq!(
+                    old, &all[removed].id,
+                    "a key not owned by the removed node moved"
+                );
                 moved += 1;
             }
         }

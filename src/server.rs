@@ -19,8 +19,12 @@ use crate::body::BoxBody;
 
 /// Serves `handler` on `listener` until `shutdown` resolves, then waits up to `grace`
 /// for open connections (and their streams) to finish.
-pub async fn serve<H, F>(listener: TcpListener, handler: H, shutdown: impl Future<Output = ()>, grace: Duration)
-where
+pub async fn serve<H, F>(
+    listener: TcpListener,
+    handler: H,
+    shutdown: impl Future<Output = ()>,
+    grace: Duration,
+) where
     H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<BoxBody>> + Send + 'static,
 {

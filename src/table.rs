@@ -31,7 +31,11 @@ impl Registry {
     }
 
     pub fn pool(&self, name: &str) -> Arc<PoolLoad> {
-        self.pools.lock().entry(name.to_string()).or_default().clone()
+        self.pools
+            .lock()
+            .entry(name.to_string())
+            .or_default()
+            .clone()
     }
 }
 
@@ -115,7 +119,12 @@ impl Table {
                 let ring = Ring::build(&ring_members, config.routing.vnodes);
                 Pool {
                     config: p.clone(),
-                    balancer: Balancer::new(ring, members, registry.pool(&p.name), config.routing.load_factor),
+                    balancer: Balancer::new(
+                        ring,
+                        members,
+                        registry.pool(&p.name),
+                        config.routing.load_factor,
+                    ),
                 }
             })
             .collect();
@@ -161,7 +170,12 @@ impl Table {
     }
 
     /// Finds the pool, key and hash of a request.
-    pub fn plan(&self, path: &str, header_key: Option<&[u8]>, body: &[u8]) -> Result<Plan, PlanError> {
+    pub fn plan(
+        &self,
+        path: &str,
+        header_key: Option<&[u8]>,
+        body: &[u8],
+    ) -> Result<Plan, PlanError> {
         let api = Api::from_path(path);
         let spec = KeySpec {
             mode: self.config.routing.key,
@@ -169,7 +183,11 @@ impl Table {
         };
         let facts = key::extract(api, body, header_key, spec)?;
         let pool = self.pool_for(facts.model.as_deref())?;
-        let hash = key::key_hash(&self.pools[pool].config.name, &facts.key, self.config.routing.hash_seed);
+        let hash = key::key_hash(
+            &self.pools[pool].config.name,
+            &facts.key,
+            self.config.routing.hash_seed,
+        );
         Ok(Plan {
             api,
             pool,
@@ -219,7 +237,10 @@ nodes = [{ id = "b", url = "http://h:2" }]
             err.to_string(),
             "The model `gpt-5` does not exist. Available models: small, small-instruct, big"
         );
-        assert!(matches!(t.pool_for(None), Err(PoolError::ModelRequired { .. })));
+        assert!(matches!(
+            t.pool_for(None),
+            Err(PoolError::ModelRequired { .. })
+        ));
     }
 
     #[test]
@@ -237,7 +258,10 @@ nodes = [{ id = "b", url = "http://h:2" }]
             crate::balance::Walk::Chosen(c) => c,
             w => panic!("{w:?}"),
         };
-        let t2 = Table::build(Config::parse(&TWO.replace("h:1", "h:9"), "t").unwrap(), &registry);
+        let t2 = Table::build(
+            Config::parse(&TWO.replace("h:1", "h:9"), "t").unwrap(),
+            &registry,
+        );
         assert_eq!(t2.pools[0].balancer.members[0].state.in_flight(), 1);
         drop(held);
         assert_eq!(t2.pools[0].balancer.members[0].state.in_flight(), 0);

@@ -41,7 +41,9 @@ pub enum ProxyError {
 impl ProxyError {
     pub fn status(&self) -> StatusCode {
         match self {
-            ProxyError::Plan(PlanError::Pool(PoolError::UnknownModel { .. })) => StatusCode::NOT_FOUND,
+            ProxyError::Plan(PlanError::Pool(PoolError::UnknownModel { .. })) => {
+                StatusCode::NOT_FOUND
+            }
             ProxyError::Plan(_) | ProxyError::BodyRead(_) => StatusCode::BAD_REQUEST,
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -94,7 +96,10 @@ impl ProxyError {
 
     /// Whether the failure is the engines' (counted against nodes), not the client's.
     pub fn blames_node(&self) -> bool {
-        matches!(self, ProxyError::Upstream { .. } | ProxyError::UpstreamTimeout { .. })
+        matches!(
+            self,
+            ProxyError::Upstream { .. } | ProxyError::UpstreamTimeout { .. }
+        )
     }
 }
 
@@ -104,7 +109,10 @@ impl From<ProxyError> for Response<BoxBody> {
         let mut resp = Response::new(full(body.to_string()));
         *resp.status_mut() = e.status();
         let h = resp.headers_mut();
-        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
         if let Some(secs) = e.retry_after() {
             h.insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
@@ -131,7 +139,12 @@ mod tests {
     #[tokio::test]
     async fn errors_map_to_status_and_openai_json() {
         let cases = [
-            (ProxyError::Plan(PlanError::Key(KeyError::Json("eof".into()))), 400, "invalid_json", None),
+            (
+                ProxyError::Plan(PlanError::Key(KeyError::Json("eof".into()))),
+                400,
+                "invalid_json",
+                None,
+            ),
             (
                 ProxyError::Plan(PlanError::Pool(PoolError::UnknownModel {
                     model: "x".into(),
@@ -141,10 +154,30 @@ mod tests {
                 "model_not_found",
                 None,
             ),
-            (ProxyError::BodyTooLarge { limit: 10 }, 413, "request_too_large", None),
-            (ProxyError::UnsupportedMediaType("text/plain".into()), 415, "unsupported_media_type", None),
-            (ProxyError::Saturated { pool: "p".into() }, 503, "saturated", Some("1")),
-            (ProxyError::NoNode { pool: "p".into() }, 503, "no_available_node", Some("1")),
+            (
+                ProxyError::BodyTooLarge { limit: 10 },
+                413,
+                "request_too_large",
+                None,
+            ),
+            (
+                ProxyError::UnsupportedMediaType("text/plain".into()),
+                415,
+                "unsupported_media_type",
+                None,
+            ),
+            (
+                ProxyError::Saturated { pool: "p".into() },
+                503,
+                "saturated",
+                Some("1"),
+            ),
+            (
+                ProxyError::NoNode { pool: "p".into() },
+                503,
+                "no_available_node",
+                Some("1"),
+            ),
             (
                 ProxyError::Upstream {
                     count: 2,

@@ -49,7 +49,11 @@ pub(super) async fn forward(
 ) -> Result<Response<BoxBody>, ProxyError> {
     let pool = &table.pools[plan.pool];
     let routing = &table.config.routing;
-    let path = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+    let path = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str())
+        .unwrap_or("/");
     let upstream_headers = headers::upstream_headers(&parts.headers, peer);
     let request_timeout = table.config.server.request_timeout;
 
@@ -74,7 +78,11 @@ pub(super) async fn forward(
         *req.headers_mut() = upstream_headers.clone();
 
         let failure = match tokio::time::timeout(request_timeout, client.request(req)).await {
-            Err(_) => Failure::Timeout(format!("{}: no response within {} ms", node.id, request_timeout.as_millis())),
+            Err(_) => Failure::Timeout(format!(
+                "{}: no response within {} ms",
+                node.id,
+                request_timeout.as_millis()
+            )),
             Ok(Err(e)) => Failure::Broken(format!("{}: {}", node.id, error_chain(&e))),
             Ok(Ok(resp)) if resp.status() == StatusCode::TOO_MANY_REQUESTS => {
                 Failure::Busy(format!("{}: HTTP 429", node.id))
@@ -96,12 +104,22 @@ pub(super) async fn forward(
 
 /// Takes a slot on the first willing node of the key's walk; when every willing node
 /// is at cap, applies `routing.when_saturated`. Returns whether the request queued.
-async fn admit(pool: &Pool, routing: &RoutingConfig, hash: u64, tried: &[usize]) -> Result<(Choice, bool), ProxyError> {
+async fn admit(
+    pool: &Pool,
+    routing: &RoutingConfig,
+    hash: u64,
+    tried: &[usize],
+) -> Result<(Choice, bool), ProxyError> {
     let b = &pool.balancer;
     let name = || pool.config.name.clone();
     // FIFO: a new request does not overtake the ones already waiting.
-    let queue_first = routing.when_saturated == WhenSaturated::Queue && tried.is_empty() && b.load.queued() > 0;
-    let walk = if queue_first { Walk::Saturated } else { b.choose(hash, tried) };
+    let queue_first =
+        routing.when_saturated == WhenSaturated::Queue && tried.is_empty() && b.load.queued() > 0;
+    let walk = if queue_first {
+        Walk::Saturated
+    } else {
+        b.choose(hash, tried)
+    };
     match walk {
         Walk::Chosen(c) => Ok((c, false)),
         Walk::Unavailable => Err(ProxyError::NoNode { pool: name() }),
@@ -127,10 +145,13 @@ async fn wait_for_slot(
     tried: &[usize],
     pool: &str,
 ) -> Result<Choice, ProxyError> {
-    let _ticket = b.load.enqueue(routing.max_queue).ok_or_else(|| ProxyError::QueueFull {
-        pool: pool.to_string(),
-        max: routing.max_queue,
-    })?;
+    let _ticket = b
+        .load
+        .enqueue(routing.max_queue)
+        .ok_or_else(|| ProxyError::QueueFull {
+            pool: pool.to_string(),
+            max: routing.max_queue,
+        })?;
     let started = Instant::now();
     let deadline = started + routing.queue_timeout;
     loop {
@@ -139,7 +160,11 @@ async fn wait_for_slot(
         freed.as_mut().enable();
         match b.choose(hash, tried) {
             Walk::Chosen(c) => return Ok(c),
-            Walk::Unavailable => return Err(ProxyError::NoNode { pool: pool.to_string() }),
+            Walk::Unavailable => {
+                return Err(ProxyError::NoNode {
+                    pool: pool.to_string(),
+                })
+            }
             Walk::Saturated => {}
         }
         if tokio::time::timeout_at(deadline, freed).await.is_err() {
@@ -161,7 +186,13 @@ fn route_label(queued: bool, distance: usize) -> String {
 
 /// The engine's response, headers cleaned and labelled, body relayed with the
 /// reservation attached.
-fn relay(resp: Response<Incoming>, choice: Choice, node: &str, route: &str, attempts: u32) -> Response<BoxBody> {
+fn relay(
+    resp: Response<Incoming>,
+    choice: Choice,
+    node: &str,
+    route: &str,
+    attempts: u32,
+) -> Response<BoxBody> {
     let (mut parts, body) = resp.into_parts();
     headers::strip_hop_by_hop(&mut parts.headers);
     let h = &mut parts.headers;
@@ -172,16 +203,26 @@ fn relay(resp: Response<Incoming>, choice: Choice, node: &str, route: &str, atte
         h.insert(headers::ROUTE.clone(), v);
     }
     h.insert(headers::ATTEMPTS.clone(), HeaderValue::from(attempts));
-    Response::from_parts(parts, BoxBody::new(RelayBody::new(body, choice.reservation)))
+    Response::from_parts(
+        parts,
+        BoxBody::new(RelayBody::new(body, choice.reservation)),
+    )
 }
 
 fn final_error(failures: &[Failure], timeout_ms: u128) -> ProxyError {
-    let attempts = failures.iter().map(Failure::text).collect::<Vec<_>>().join("; ");
+    let attempts = failures
+        .iter()
+        .map(Failure::text)
+        .collect::<Vec<_>>()
+        .join("; ");
     if failures.iter().all(|f| matches!(f, Failure::Busy(_))) {
         return ProxyError::Busy { attempts };
     }
     match failures.last() {
-        Some(Failure::Timeout(_)) => ProxyError::UpstreamTimeout { timeout_ms, attempts },
+        Some(Failure::Timeout(_)) => ProxyError::UpstreamTimeout {
+            timeout_ms,
+            attempts,
+        },
         _ => ProxyError::Upstream {
             count: failures.len() as u32,
             attempts,

@@ -66,9 +66,15 @@ mod tests {
     #[test]
     fn hop_by_hop_and_connection_named_headers_go() {
         let mut h = HeaderMap::new();
-        h.insert(header::CONNECTION, HeaderValue::from_static("keep-alive, x-secret"));
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, x-secret"),
+        );
         h.insert("x-secret", HeaderValue::from_static("1"));
-        h.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+        h.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
         h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer k"));
         h.insert(header::HOST, HeaderValue::from_static("lb"));
         h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("5"));

@@ -16,7 +16,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
@@ -62,7 +62,8 @@ impl Proxy {
 
     /// Builds a snapshot from `config` (carrying node state over by id) and swaps it in.
     pub fn install(&self, config: Config) {
-        self.table.store(Arc::new(Table::build(config, &self.registry)));
+        self.table
+            .store(Arc::new(Table::build(config, &self.registry)));
     }
 
     /// Marks the balancer as shutting down (`/readyz` answers 503).
@@ -75,7 +76,11 @@ impl Proxy {
     }
 
     /// Handles one client request; always returns a complete response.
-    pub async fn handle(self: Arc<Self>, req: Request<Incoming>, peer: SocketAddr) -> Response<BoxBody> {
+    pub async fn handle(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+    ) -> Response<BoxBody> {
         let table = self.table();
         match self.route(&table, req, peer).await {
             Ok(resp) => resp,
@@ -86,7 +91,12 @@ impl Proxy {
         }
     }
 
-    async fn route(&self, table: &Arc<Table>, req: Request<Incoming>, peer: SocketAddr) -> Result<Response<BoxBody>, ProxyError> {
+    async fn route(
+        &self,
+        table: &Arc<Table>,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+    ) -> Result<Response<BoxBody>, ProxyError> {
         let path = req.uri().path();
         if req.method() == Method::GET {
             match path {
@@ -111,11 +121,15 @@ impl Proxy {
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
         if declared.is_some_and(|n| n > limit as u64) {
+            discard_body(req.into_body(), limit).await;
             return Err(ProxyError::BodyTooLarge { limit });
         }
         let (parts, body) = req.into_parts();
-        let body = read_body(body, limit).await?;
-        let header_key = parts.headers.get(&table.config.routing.key_header).map(HeaderValue::as_bytes);
+        let body = read_body(body, limit, declared.unwrap_or(0) as usize).await?;
+        let header_key = parts
+            .headers
+            .get(&table.config.routing.key_header)
+            .map(HeaderValue::as_bytes);
         let plan = table.plan(parts.uri.path(), header_key, &body)?;
         forward::forward(&self.client, table, plan, parts, body, peer).await
     }
@@ -146,14 +160,36 @@ fn check_json_content_type(headers: &http::HeaderMap) -> Result<(), ProxyError> 
     }
 }
 
-async fn read_body(body: Incoming, limit: usize) -> Result<Bytes, ProxyError> {
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
-            Err(ProxyError::BodyTooLarge { limit })
+/// Reads a body of at most `limit` bytes into one buffer (sized by `content-length`).
+async fn read_body(mut body: Incoming, limit: usize, declared: usize) -> Result<Bytes, ProxyError> {
+    let mut buf = bytes::BytesMut::with_capacity(declared.min(limit));
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| ProxyError::BodyRead(e.to_string()))?;
+        if let Ok(data) = frame.into_data() {
+            if buf.len() + data.len() > limit {
+                discard_body(body, limit).await;
+                return Err(ProxyError::BodyTooLarge { limit });
+            }
+            buf.extend_from_slice(&data);
         }
-        Err(e) => Err(ProxyError::BodyRead(e.to_string())),
     }
+    Ok(buf.freeze())
+}
+
+/// Reads and drops the rest of an oversized body (up to 4 × the limit, for at most
+/// 10 s) so that the client, still sending, can read our 413 instead of a broken pipe.
+async fn discard_body(mut body: Incoming, limit: usize) {
+    let cap = limit.saturating_mul(4);
+    let drain = async {
+        let mut seen = 0usize;
+        while let Some(Ok(frame)) = body.frame().await {
+            seen += frame.data_ref().map_or(0, Bytes::len);
+            if seen > cap {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(10), drain).await;
 }
 
 /// `GET /v1/models`, answered from the pools.
@@ -164,7 +200,9 @@ fn models(table: &Table) -> Response<BoxBody> {
         .collect();
     let mut resp = Response::new(full(json!({"object": "list", "data": data}).to_string()));
     *resp.status_mut() = StatusCode::OK;
-    resp.headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     resp
 }

@@ -1,0 +1,270 @@
+//! Test harness: real `prefixlb` processes (`mock-engine`s and `serve`) on loopback
+//! ports chosen by the OS, and a small real HTTP client.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde_json::Value;
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_prefixlb");
+
+/// A child process killed on drop.
+pub struct Proc {
+    child: Child,
+    pub addr: SocketAddr,
+    pub admin: Option<SocketAddr>,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Proc {
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.admin.expect("not a balancer"))
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits for the process to exit by itself; returns its exit code.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<i32> {
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return status.code();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+/// Starts a process and reads its "listening on http://ADDR [(admin http://ADDR)]" line.
+fn spawn(args: &[&str]) -> Proc {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawning prefixlb");
+    let stdout = child.stdout.take().unwrap();
+    let mut line = String::new();
+    BufReader::new(stdout)
+        .read_line(&mut line)
+        .expect("reading the listening line");
+    let urls: Vec<SocketAddr> = line
+        .split("http://")
+        .skip(1)
+        .map(|s| {
+            s.trim_end_matches(|c: char| !c.is_ascii_digit())
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    assert!(!urls.is_empty(), "no address in {line:?}");
+    Proc {
+        child,
+        addr: urls[0],
+        admin: urls.get(1).copied(),
+    }
+}
+
+/// Starts a `mock-engine` with extra flags.
+pub fn engine(id: &str, flags: &[&str]) -> Proc {
+    let mut args = vec!["mock-engine", "--listen", "127.0.0.1:0", "--id", id];
+    args.extend_from_slice(flags);
+    spawn(&args)
+}
+
+static CONFIGS: AtomicUsize = AtomicUsize::new(0);
+
+/// Writes a config file for this test run and returns its path.
+pub fn write_config(text: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("prefixlb-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!("c{}.toml", CONFIGS.fetch_add(1, Ordering::Relaxed)));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// A config with one pool `mock` over the given engines (node ids n0, n1, …), plus
+/// extra `[routing]`/`[server]` lines.
+pub fn config(engines: &[&Proc], server: &str, routing: &str) -> String {
+    let nodes: Vec<String> = engines
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            format!(
+                "[[pools.nodes]]\nid = \"n{i}\"\nurl = \"http://{}\"\n",
+                e.addr
+            )
+        })
+        .collect();
+    format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{server}\n[routing]\n{routing}\n[[pools]]\nname = \"mock\"\nmodels = [\"mock\"]\n{}",
+        nodes.join("")
+    )
+}
+
+/// Starts `prefixlb serve` on a config text.
+pub fn balancer(config_text: &str) -> Proc {
+    let path = write_config(config_text);
+    spawn(&["serve", "--config", path.to_str().unwrap()])
+}
+
+pub fn client() -> Client<HttpConnector, Full<Bytes>> {
+    Client::builder(TokioExecutor::new()).build(HttpConnector::new())
+}
+
+/// A complete response.
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+
+    pub fn header(&self, name: &str) -> &str {
+        self.headers
+            .get(name)
+            .map(|v| v.to_str().unwrap())
+            .unwrap_or_else(|| panic!("no header {name} in {:?}", self.headers))
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+/// Sends a request and returns the response head with its streaming body.
+pub async fn send(
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
+) -> hyper::Response<Incoming> {
+    let mut req = Request::builder().method(method).uri(url);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    client()
+        .request(req.body(Full::new(body.into())).unwrap())
+        .await
+        .expect("request failed")
+}
+
+/// Sends a request and reads the whole response.
+pub async fn call(
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
+) -> Reply {
+    let resp = send(method, url, headers, body).await;
+    let (parts, body) = resp.into_parts();
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body: body.collect().await.expect("reading body").to_bytes(),
+    }
+}
+
+/// POSTs a JSON body.
+pub async fn post_json(url: &str, body: &Value, headers: &[(&str, &str)]) -> Reply {
+    let mut h = vec![("content-type", "application/json")];
+    h.extend_from_slice(headers);
+    call("POST", url, &h, serde_json::to_vec(body).unwrap()).await
+}
+
+pub async fn get_json(url: &str) -> Value {
+    call("GET", url, &[], Bytes::new()).await.json()
+}
+
+/// The value of a metric in a Prometheus text page (first series with that name).
+pub async fn metric(url: &str, name: &str) -> f64 {
+    let page = call("GET", url, &[], Bytes::new()).await.text();
+    page.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no metric {name} in {page}"))
+}
+
+/// In-flight count per node id from `/admin/nodes`.
+pub async fn in_flight(lb: &Proc) -> Vec<(String, u64)> {
+    let nodes = get_json(&lb.admin_url("/admin/nodes")).await;
+    nodes["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| {
+            (
+                n["id"].as_str().unwrap().to_string(),
+                n["in_flight"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// Polls `cond` until it holds or `limit` passes.
+pub async fn eventually<F, Fut>(limit: Duration, mut cond: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if cond().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}
+
+/// A chat body.
+pub fn chat(messages: &[(&str, &str)], stream: bool, max_tokens: u32) -> Value {
+    let messages: Vec<Value> = messages
+        .iter()
+        .map(|(role, content)| serde_json::json!({"role": role, "content": content}))
+        .collect();
+    serde_json::json!({"model": "mock", "messages": messages, "stream": stream, "max_tokens": max_tokens})
+}
+
+/// Reads the next data frame of a streaming body.
+pub async fn next_chunk(body: &mut Incoming) -> Option<Bytes> {
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.expect("stream error").into_data() {
+            return Some(data);
+        }
+    }
+    None
+}

@@ -1,0 +1,517 @@
+//! The data plane end to end: `prefixlb serve` in front of `mock-engine` processes,
+//! driven over loopback by a real HTTP client.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{json, Value};
+
+fn four_engines(flags: &[&str]) -> Vec<Proc> {
+    (0..4).map(|i| engine(&format!("e{i}"), flags)).collect()
+}
+
+fn refs(engines: &[Proc]) -> Vec<&Proc> {
+    engines.iter().collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_turn_of_a_conversation_lands_on_one_node() {
+    let engines = four_engines(&["--decode-ms-per-token", "0", "--prefill-us-per-token", "0"]);
+    let lb = balancer(&config(&refs(&engines), "", ""));
+    let system = "You are a careful assistant. ".repeat(20);
+    let mut history: Vec<Vec<(String, String)>> = (0..20)
+        .map(|c| {
+            vec![
+                ("system".into(), system.clone()),
+                (
+                    "user".into(),
+                    format!("Conversation {c}: tell me about topic {c}."),
+                ),
+            ]
+        })
+        .collect();
+    let mut homes: HashMap<usize, HashSet<String>> = HashMap::new();
+    for turn in 0..10 {
+        for (c, messages) in history.iter_mut().enumerate() {
+            let refs: Vec<(&str, &str)> = messages
+                .iter()
+                .map(|(r, t)| (r.as_str(), t.as_str()))
+                .collect();
+            let reply =
+                post_json(&lb.url("/v1/chat/completions"), &chat(&refs, false, 4), &[]).await;
+            assert_eq!(reply.status, 200, "{}", reply.text());
+            homes
+                .entry(c)
+                .or_default()
+                .insert(reply.header("x-prefixlb-node").to_string());
+            let answer = reply.json()["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string();
+            messages.push(("assistant".into(), answer));
+            messages.push(("user".into(), format!("Follow-up {turn} on topic {c}")));
+        }
+    }
+    for (c, nodes) in &homes {
+        assert_eq!(nodes.len(), 1, "conversation {c} was served by {nodes:?}");
+    }
+    let used: HashSet<&String> = homes.values().flatten().collect();
+    assert!(used.len() >= 3, "only {used:?} used");
+    // Affinity is what makes the engines' caches hit: later turns reuse earlier blocks.
+    let mut hits = 0.0;
+    let mut queries = 0.0;
+    for e in &engines {
+        hits += metric(&e.url("/metrics"), "vllm:prefix_cache_hits_total").await;
+        queries += metric(&e.url("/metrics"), "vllm:prefix_cache_queries_total").await;
+    }
+    assert!(hits / queries > 0.5, "fleet hit rate {}", hits / queries);
+}
+
+/// Starts 16 slow streams with one key, waits until all hold a slot, and returns them
+/// with the key's successor order.
+async fn saturate(lb: &Proc) -> (Vec<hyper::Response<hyper::body::Incoming>>, Vec<String>) {
+    let body = serde_json::to_vec(&chat(&[("user", "same key")], true, 60)).unwrap();
+    let explain = call(
+        "POST",
+        &lb.admin_url("/admin/explain"),
+        &[("x-session-id", "hot-key")],
+        body.clone(),
+    )
+    .await
+    .json();
+    let order: Vec<String> = explain["successors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["node"].as_str().unwrap().to_string())
+        .collect();
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        let url = lb.url("/v1/chat/completions");
+        let body = body.clone();
+        tasks.push(tokio::spawn(async move {
+            send(
+                "POST",
+                &url,
+                &[
+                    ("content-type", "application/json"),
+                    ("x-session-id", "hot-key"),
+                ],
+                body,
+            )
+            .await
+        }));
+    }
+    let mut streams = Vec::new();
+    for t in tasks {
+        streams.push(t.await.unwrap());
+    }
+    (streams, order)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hot_key_fills_successors_in_ring_order_and_rejects_beyond() {
+    let engines = four_engines(&["--decode-ms-per-token", "50"]);
+    let lb = balancer(&config(&refs(&engines), "", "when_saturated = \"reject\""));
+    let (streams, order) = saturate(&lb).await;
+
+    let mut per_node: HashMap<String, usize> = HashMap::new();
+    for s in &streams {
+        assert_eq!(s.status(), 200);
+        let node = s.headers()["x-prefixlb-node"].to_str().unwrap().to_string();
+        let route = s.headers()["x-prefixlb-route"]
+            .to_str()
+            .unwrap()
+            .to_string();
+        let distance = order.iter().position(|n| *n == node).unwrap();
+        let expected = if distance == 0 {
+            "primary".to_string()
+        } else {
+            format!("spill:{distance}")
+        };
+        assert_eq!(
+            route, expected,
+            "route label matches the node's place in the walk"
+        );
+        *per_node.entry(node).or_default() += 1;
+    }
+    assert_eq!(per_node.len(), 4);
+    assert!(per_node.values().all(|&n| n == 4), "{per_node:?}");
+    for (node, n) in in_flight(&lb).await {
+        assert_eq!(n, 4, "{node}");
+    }
+
+    let extra = post_json(
+        &lb.url("/v1/chat/completions"),
+        &chat(&[("user", "same key")], true, 4),
+        &[("x-session-id", "hot-key")],
+    )
+    .await;
+    assert_eq!(extra.status, 503);
+    assert_eq!(extra.header("retry-after"), "1");
+    assert_eq!(extra.json()["error"]["code"], "saturated");
+
+    // Finish every stream; no engine ever ran more than its cap; all slots come back.
+    for s in streams {
+        let body = http_body_util::BodyExt::collect(s.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        assert!(String::from_utf8_lossy(&body).ends_with("data: [DONE]\n\n"));
+    }
+    for e in &engines {
+        assert!(metric(&e.url("/metrics"), "mock_engine_peak_running").await <= 4.0);
+    }
+    assert!(
+        eventually(Duration::from_secs(2), || async {
+            in_flight(&lb).await.iter().all(|(_, n)| *n == 0)
+        })
+        .await
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn saturated_requests_queue_until_a_slot_frees() {
+    let engines = four_engines(&["--decode-ms-per-token", "20"]);
+    let lb = balancer(&config(&refs(&engines), "", ""));
+    let (streams, order) = saturate(&lb).await;
+    let started = Instant::now();
+    let waiter = {
+        let url = lb.url("/v1/chat/completions");
+        tokio::spawn(async move {
+            post_json(
+                &url,
+                &chat(&[("user", "same key")], true, 2),
+                &[("x-session-id", "hot-key")],
+            )
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiter.is_finished(),
+        "the 17th request must wait while all 16 slots are held"
+    );
+    drop(streams); // the clients leave: slots free, the waiter is admitted
+    let reply = waiter.await.unwrap();
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.header("x-prefixlb-route"), "queued");
+    assert!(order.contains(&reply.header("x-prefixlb-node").to_string()));
+    assert!(reply.text().contains("data: [DONE]"));
+    assert!(started.elapsed() < Duration::from_secs(10));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_are_relayed_chunk_by_chunk() {
+    let engines = vec![engine("e0", &["--decode-ms-per-token", "100"])];
+    let lb = balancer(&config(&refs(&engines), "", ""));
+    let resp = send(
+        "POST",
+        &lb.url("/v1/chat/completions"),
+        &[("content-type", "application/json")],
+        serde_json::to_vec(&chat(&[("user", "stream please")], true, 10)).unwrap(),
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    let mut body = resp.into_body();
+    let mut arrivals = Vec::new();
+    let mut text = String::new();
+    while let Some(chunk) = next_chunk(&mut body).await {
+        let s = String::from_utf8_lossy(&chunk).into_owned();
+        if s.contains("\"content\":\" ") {
+            arrivals.push(Instant::now());
+        }
+        text.push_str(&s);
+    }
+    assert_eq!(arrivals.len(), 10, "{text}");
+    // Tokens are produced 100 ms apart; buffering would deliver them together.
+    let spread = arrivals[9] - arrivals[0];
+    assert!(
+        spread >= Duration::from_millis(600),
+        "first and last token arrived {spread:?} apart"
+    );
+    assert!(text.ends_with("data: [DONE]\n\n"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnect_cancels_upstream_and_frees_the_slot() {
+    let engines = vec![engine("e0", &["--decode-ms-per-token", "100"])];
+    let lb = balancer(&config(&refs(&engines), "", ""));
+    let resp = send(
+        "POST",
+        &lb.url("/v1/chat/completions"),
+        &[("content-type", "application/json")],
+        serde_json::to_vec(&chat(&[("user", "a long answer")], true, 500)).unwrap(),
+    )
+    .await;
+    let mut body = resp.into_body();
+    next_chunk(&mut body).await.expect("first chunk");
+    next_chunk(&mut body).await.expect("second chunk");
+    assert_eq!(in_flight(&lb).await[0].1, 1);
+    let left = Instant::now();
+    drop(body);
+    let engine_url = engines[0].url("/metrics");
+    assert!(
+        eventually(Duration::from_secs(1), || async {
+            metric(&engine_url, "mock_engine_cancelled_total").await == 1.0
+        })
+        .await,
+        "the engine did not see the cancellation within 1 s"
+    );
+    assert!(left.elapsed() < Duration::from_secs(1));
+    assert!(
+        eventually(Duration::from_secs(1), || async {
+            in_flight(&lb).await[0].1 == 0
+        })
+        .await
+    );
+    assert_eq!(metric(&engine_url, "vllm:num_requests_running").await, 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_connections_fail_over_to_the_next_node() {
+    let live = four_engines(&["--decode-ms-per-token", "0"]);
+    // A port that refuses connections: bound once, then closed.
+    let dead_addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let mut text = config(&refs(&live), "", "");
+    text.push_str(&format!(
+        "[[pools.nodes]]\nid = \"dead\"\nurl = \"http://{dead_addr}\"\n"
+    ));
+    let lb = balancer(&text);
+
+    let mut failed_over = 0;
+    for i in 0..40 {
+        let body = chat(&[("user", &format!("question number {i}"))], false, 2);
+        let explain = call(
+            "POST",
+            &lb.admin_url("/admin/explain"),
+            &[],
+            serde_json::to_vec(&body).unwrap(),
+        )
+        .await
+        .json();
+        let reply = post_json(&lb.url("/v1/chat/completions"), &body, &[]).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        assert_ne!(reply.header("x-prefixlb-node"), "dead");
+        if explain["successors"][0]["node"] == "dead" {
+            failed_over += 1;
+            assert_eq!(reply.header("x-prefixlb-attempts"), "2");
+            assert_eq!(
+                reply.header("x-prefixlb-node"),
+                explain["successors"][1]["node"].as_str().unwrap()
+            );
+        } else {
+            assert_eq!(reply.header("x-prefixlb-attempts"), "1");
+        }
+    }
+    assert!(failed_over > 0, "no key had the dead node as primary");
+    assert!(in_flight(&lb).await.iter().all(|(_, n)| *n == 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_inputs_get_clear_errors_and_the_balancer_keeps_serving() {
+    let engines = vec![engine(
+        "e0",
+        &["--decode-ms-per-token", "0", "--prefill-us-per-token", "0"],
+    )];
+    let lb = balancer(&config(&refs(&engines), "", ""));
+    let url = lb.url("/v1/chat/completions");
+    let json_ct = [("content-type", "application/json")];
+
+    let cases: Vec<(&str, Reply, u16, &str)> = vec![
+        (
+            "invalid JSON",
+            call(
+                "POST",
+                &url,
+                &json_ct,
+                "{\"model\": \"mock\", \"messages\": [",
+            )
+            .await,
+            400,
+            "invalid_json",
+        ),
+        (
+            "missing messages",
+            call("POST", &url, &json_ct, "{\"model\": \"mock\"}").await,
+            400,
+            "missing_required_parameter",
+        ),
+        (
+            "unknown model",
+            post_json(
+                &url,
+                &json!({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}),
+                &[],
+            )
+            .await,
+            404,
+            "model_not_found",
+        ),
+        (
+            "over the limit",
+            call("POST", &url, &json_ct, vec![b' '; 17 * 1024 * 1024]).await,
+            413,
+            "request_too_large",
+        ),
+        (
+            "wrong content type",
+            call(
+                "POST",
+                &url,
+                &[("content-type", "text/plain")],
+                "{\"model\": \"mock\"}",
+            )
+            .await,
+            415,
+            "unsupported_media_type",
+        ),
+        (
+            "empty body",
+            call("POST", &url, &json_ct, "").await,
+            400,
+            "empty_body",
+        ),
+    ];
+    for (name, reply, status, code) in cases {
+        assert_eq!(reply.status.as_u16(), status, "{name}: {}", reply.text());
+        let body = reply.json();
+        assert_eq!(body["error"]["code"], code, "{name}");
+        assert!(
+            body["error"]["message"].as_str().unwrap().len() > 10,
+            "{name}"
+        );
+        assert_eq!(reply.header("content-type"), "application/json", "{name}");
+    }
+    assert!(
+        call("POST", &url, &json_ct, "{}").await.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("messages")
+    );
+
+    // A 10 MB single-line prompt is under the 16 MB limit: it is served.
+    let big = "a".repeat(10 * 1024 * 1024);
+    let reply = post_json(&url, &chat(&[("user", &big)], false, 2), &[]).await;
+    assert_eq!(
+        reply.status,
+        200,
+        "{}",
+        &reply.text()[..reply.text().len().min(300)]
+    );
+    assert_eq!(
+        reply.json()["usage"]["prompt_tokens"].as_u64().unwrap(),
+        (big.len() as u64 + 6).div_ceil(4)
+    );
+
+    // Still serving, with nothing leaked.
+    let ok = post_json(&url, &chat(&[("user", "still there?")], false, 2), &[]).await;
+    assert_eq!(ok.status, 200);
+    assert!(in_flight(&lb).await.iter().all(|(_, n)| *n == 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_are_answered_from_config_and_h2c_works() {
+    let engines = vec![engine("e0", &["--decode-ms-per-token", "0"])];
+    let lb = balancer(&config(&refs(&engines), "", ""));
+    let models = get_json(&lb.url("/v1/models")).await;
+    assert_eq!(models["data"][0]["id"], "mock");
+    assert_eq!(models["object"], "list");
+
+    // HTTP/2 with prior knowledge (h2c) on the same port.
+    let h2: hyper_util::client::legacy::Client<_, http_body_util::Full<bytes::Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .http2_only(true)
+            .build_http();
+    let req = http::Request::post(lb.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .header("authorization", "Bearer sk-test")
+        .body(http_body_util::Full::new(bytes::Bytes::from(
+            serde_json::to_vec(&chat(&[("user", "h2")], false, 2)).unwrap(),
+        )))
+        .unwrap();
+    let resp = h2.request(req).await.unwrap();
+    assert_eq!(resp.version(), http::Version::HTTP_2);
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-prefixlb-node"], "n0");
+}
+
+#[test]
+fn check_reports_unknown_keys_with_their_position() {
+    let path = write_config("[routing]\nvnodes = 160\nmax_inflight = 4\n\n[[pools]]\nname = \"p\"\nnodes = [{ id = \"a\", url = \"http://127.0.0.1:1\" }]\n");
+    let out = std::process::Command::new(BIN)
+        .args(["check", "--config", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.starts_with(&format!(
+            "{}:3:1: unknown field `max_inflight`",
+            path.display()
+        )),
+        "{err}"
+    );
+
+    let good = write_config("[[pools]]\nname = \"p\"\nnodes = [{ id = \"a\", url = \"http://127.0.0.1:1\" }, { id = \"b\", url = \"http://127.0.0.1:2\", weight = 3 }]\n");
+    let out = std::process::Command::new(BIN)
+        .args(["check", "--config", good.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        report.contains("pool p (models: p): 2 nodes, 640 ring points"),
+        "{report}"
+    );
+}
+
+#[test]
+fn route_explains_offline_like_admin_explain() {
+    let path = write_config("[[pools]]\nname = \"p\"\nnodes = [{ id = \"a\", url = \"http://127.0.0.1:1\" }, { id = \"b\", url = \"http://127.0.0.1:2\" }]\n");
+    let body = write_config(
+        r#"{"model": "p", "messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "hello"}]}"#,
+    );
+    let out = std::process::Command::new(BIN)
+        .args([
+            "route",
+            "--config",
+            path.to_str().unwrap(),
+            body.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let x: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(x["pool"], "p");
+    assert_eq!(x["key"], "system\nsys\nuser\nhello\n");
+    assert_eq!(x["hash"].as_str().unwrap().len(), 16);
+    assert_eq!(x["successors"].as_array().unwrap().len(), 2);
+    assert_eq!(x["choice"], x["successors"][0]["node"]);
+
+    let with_header = std::process::Command::new(BIN)
+        .args([
+            "route",
+            "--config",
+            path.to_str().unwrap(),
+            "--header",
+            "X-Session-Id: s1",
+            body.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let y: Value = serde_json::from_slice(&with_header.stdout).unwrap();
+    assert_eq!(y["key_source"], "header");
+    assert_eq!(y["key"], "s1");
+}
