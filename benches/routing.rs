@@ -1,1 +1,191 @@
-fn main() {}
+//! Criterion benches of the routing hot path: the whole routing decision for a real
+//! chat body (key extraction + hash + ring walk + reservation + release), the ring
+//! lookup with reservation alone, and their parts.
+
+use std::sync::Arc;
+
+use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
+use prefixlb::balance::{Balancer, Member, NodeState, PoolLoad, Walk};
+use prefixlb::config::{Config, KeyMode};
+use prefixlb::key::{self, Api, KeySpec};
+use prefixlb::ring::{Ring, RingMember};
+use prefixlb::table::{Registry, Table};
+
+/// Chat prose: a newline or quote (a JSON escape) every ~70 characters.
+const PROSE: &str = "Prefix caching lets an engine skip prefill for tokens it has already seen. \
+When a conversation returns to the same instance, its cached blocks are reused and the time \
+to first token drops from seconds to milliseconds.\n\nA \"hot\" prefix, such as a shared \
+system prompt, must not pin every request to one GPU; bounded loads spill the overflow.\n";
+
+/// Escape-dense text (code, JSON, quoted dialogue): an escape every ~20 characters.
+const DENSE: &str = "The quick brown fox jumps over the lazy dog; \"quoted\" text.\n";
+
+/// A multi-turn chat body: a ~2 KB system prompt and `turns` turns of `turn_chars`
+/// characters each, `model` and `stream` last (as the openai client orders them).
+fn chat_body(turns: usize, turn_chars: usize) -> Vec<u8> {
+    chat_body_of(PROSE, turns, turn_chars)
+}
+
+fn chat_body_of(sentence: &str, turns: usize, turn_chars: usize) -> Vec<u8> {
+    let text = |n: usize| sentence.repeat(n / sentence.len() + 1)[..n].to_string();
+    let mut messages = vec![serde_json::json!({"role": "system", "content": text(2000)})];
+    for i in 0..turns {
+        let role = if i % 2 == 0 { "user" } else { "assistant" };
+        messages.push(
+            serde_json::json!({"role": role, "content": format!("turn {i}: {}", text(turn_chars))}),
+        );
+    }
+    serde_json::to_vec(&serde_json::json!({"messages": messages, "temperature": 0.7, "model": "llama", "stream": true}))
+        .unwrap()
+}
+
+fn table(nodes: usize) -> Table {
+    let mut text = String::from("[[pools]]\nname = \"llama\"\n");
+    for i in 0..nodes {
+        text.push_str(&format!(
+            "[[pools.nodes]]\nid = \"gpu-{i}\"\nurl = \"http://10.0.0.{i}:8000\"\n"
+        ));
+    }
+    Table::build(Config::parse(&text, "bench").unwrap(), &Registry::default())
+}
+
+fn balancer(nodes: usize, vnodes: u32) -> Balancer {
+    let ids: Vec<RingMember> = (0..nodes)
+        .map(|i| RingMember {
+            id: format!("gpu-{i}"),
+            weight: 1,
+        })
+        .collect();
+    let members = ids
+        .iter()
+        .map(|r| Member {
+            state: Arc::new(NodeState::new(&r.id)),
+            weight: 1,
+            cap: 4,
+        })
+        .collect();
+    Balancer::new(
+        Ring::build(&ids, vnodes),
+        members,
+        Arc::new(PoolLoad::default()),
+        None,
+    )
+}
+
+fn routing_decision(c: &mut Criterion) {
+    let body = chat_body(30, 520);
+    assert!(
+        (17_000..20_000).contains(&body.len()),
+        "body is {} bytes",
+        body.len()
+    );
+    let t = table(8);
+    let dense = chat_body_of(DENSE, 30, 520);
+    for (name, body) in [
+        ("18KB_31_messages", &body),
+        ("18KB_31_messages_escape_dense", &dense),
+    ] {
+        c.bench_function(&format!("routing_decision/{name}"), |b| {
+            b.iter(|| {
+                let plan = t
+                    .plan("/v1/chat/completions", None, black_box(body))
+                    .unwrap();
+                match t.pools[plan.pool].balancer.choose(plan.hash, &[]) {
+                    Walk::Chosen(choice) => drop(black_box(choice)),
+                    _ => unreachable!(),
+                }
+            })
+        });
+    }
+    // References for scale: a full parse, and hashing the whole body.
+    c.bench_function("reference/serde_json_value_18KB", |b| {
+        b.iter(|| serde_json::from_slice::<serde_json::Value>(black_box(&body)).unwrap())
+    });
+    c.bench_function("reference/xxh3_18KB", |b| {
+        b.iter(|| xxhash_rust::xxh3::xxh3_64(black_box(&body)))
+    });
+}
+
+fn key_extraction(c: &mut Criterion) {
+    let mut group = c.benchmark_group("key_extraction");
+    for (name, turns, chars) in [("1KB", 2, 100), ("18KB", 30, 520), ("128KB", 60, 2100)] {
+        let body = chat_body(turns, chars);
+        let spec = KeySpec {
+            mode: KeyMode::Conversation,
+            prefix_chars: 1024,
+        };
+        group.bench_with_input(BenchmarkId::from_parameter(name), &body, |b, body| {
+            b.iter(|| key::extract(Api::Chat, black_box(body), None, spec).unwrap())
+        });
+    }
+    group.finish();
+}
+
+fn ring(c: &mut Criterion) {
+    let mut group = c.benchmark_group("ring");
+    for nodes in [8, 64, 1024] {
+        let ids: Vec<RingMember> = (0..nodes)
+            .map(|i| RingMember {
+                id: format!("gpu-{i}"),
+                weight: 1,
+            })
+            .collect();
+        group.bench_with_input(BenchmarkId::new("build", nodes), &ids, |b, ids| {
+            b.iter(|| Ring::build(ids, 160))
+        });
+        let ring = Ring::build(&ids, 160);
+        let mut h = 0u64;
+        group.bench_with_input(BenchmarkId::new("primary", nodes), &ring, |b, ring| {
+            b.iter(|| {
+                h = h.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                ring.primary(black_box(h))
+            })
+        });
+    }
+    group.finish();
+
+    // Lookup + reservation + release, 64 nodes × 160 vnodes.
+    let b64 = balancer(64, 160);
+    let mut h = 0u64;
+    c.bench_function("lookup_and_reserve/64x160", |b| {
+        b.iter(|| {
+            h = h.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            match b64.choose(black_box(h), &[]) {
+                Walk::Chosen(choice) => drop(black_box(choice)),
+                _ => unreachable!(),
+            }
+        })
+    });
+}
+
+fn contention(c: &mut Criterion) {
+    // Reservation while another thread hammers the same pool.
+    let b = Arc::new(balancer(8, 160));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let other = {
+        let (b, stop) = (b.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut h = 1u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                h = h.wrapping_mul(6364136223846793005).wrapping_add(1);
+                if let Walk::Chosen(choice) = b.choose(h, &[]) {
+                    drop(choice);
+                }
+            }
+        })
+    };
+    let mut h = 0u64;
+    c.bench_function("lookup_and_reserve/8x160_contended", |bench| {
+        bench.iter(|| {
+            h = h.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            if let Walk::Chosen(choice) = b.choose(black_box(h), &[]) {
+                drop(black_box(choice));
+            }
+        })
+    });
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    other.join().unwrap();
+}
+
+criterion_group!(benches, routing_decision, key_extraction, ring, contention);
+criterion_main!(benches);

@@ -7,11 +7,10 @@
 
 use std::borrow::Cow;
 
-use serde::Deserialize;
-use serde_json::value::RawValue;
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::config::KeyMode;
+use crate::json_scan::{self, ScanError, Scanner};
 
 /// The OpenAI-style API a request path belongs to; it decides where the prompt is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,67 +97,106 @@ pub enum KeyError {
     Missing(&'static str),
 }
 
-/// The fields of any OpenAI-style body that routing reads; everything else is skipped
-/// without being decoded.
-#[derive(Deserialize)]
+/// The fields of any OpenAI-style body that routing reads, as raw JSON text; everything
+/// else is skipped without being decoded.
+#[derive(Default)]
 struct Envelope<'a> {
-    #[serde(borrow, default)]
     model: Option<Cow<'a, str>>,
-    #[serde(default)]
     stream: Option<bool>,
-    #[serde(borrow, default)]
     messages: Option<Vec<Message<'a>>>,
-    #[serde(borrow, default)]
-    tools: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    prompt: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    text: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    input_ids: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    instructions: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    input: Option<&'a RawValue>,
+    tools: Option<&'a str>,
+    prompt: Option<&'a str>,
+    text: Option<&'a str>,
+    input_ids: Option<&'a str>,
+    instructions: Option<&'a str>,
+    input: Option<&'a str>,
 }
 
 /// A chat message, or a `/v1/responses` input item.
-#[derive(Deserialize)]
 struct Message<'a> {
-    #[serde(borrow, default)]
     role: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    content: Option<&'a RawValue>,
+    content: Option<&'a str>,
 }
 
-/// One part of an array `content`.
-#[derive(Deserialize)]
-struct Part<'a> {
-    #[serde(borrow, rename = "type", default)]
-    kind: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    text: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    image_url: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    video_url: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    audio_url: Option<&'a RawValue>,
-}
-
-/// `{"url": ...}` inside a media part.
-#[derive(Deserialize)]
-struct UrlObject<'a> {
-    #[serde(borrow)]
-    url: &'a RawValue,
-}
-
-/// A media part's URL: `{"url": "..."}` or a bare string.
-fn part_url(raw: &RawValue) -> &RawValue {
-    match serde_json::from_str::<UrlObject<'_>>(raw.get()) {
-        Ok(obj) => obj.url,
-        Err(_) => raw,
+fn read_envelope(text: &str) -> Result<Envelope<'_>, ScanError> {
+    let mut sc = Scanner::new(text);
+    let mut env = Envelope::default();
+    if sc.peek() != Some(b'{') {
+        return Err(sc.error("the body must be a JSON object"));
     }
+    sc.object(|sc, key| {
+        let raw = match &*key {
+            "model" => {
+                env.model = sc.opt_string("'model' must be a string")?;
+                return Ok(());
+            }
+            "stream" => {
+                env.stream = sc.opt_bool("'stream' must be a boolean")?;
+                return Ok(());
+            }
+            "messages" => {
+                env.messages = read_messages(sc, "'messages' must be an array of message objects")?;
+                return Ok(());
+            }
+            "tools" => &mut env.tools,
+            "prompt" => &mut env.prompt,
+            "text" => &mut env.text,
+            "input_ids" => &mut env.input_ids,
+            "instructions" => &mut env.instructions,
+            "input" => &mut env.input,
+            _ => {
+                sc.value()?;
+                return Ok(());
+            }
+        };
+        *raw = Some(sc.value()?).filter(|v| *v != "null");
+        Ok(())
+    })?;
+    sc.end()?;
+    Ok(env)
+}
+
+/// An array of `{role, content}` objects (other members skipped), or `null`.
+fn read_messages<'a>(
+    sc: &mut Scanner<'a>,
+    msg: &'static str,
+) -> Result<Option<Vec<Message<'a>>>, ScanError> {
+    match sc.peek() {
+        Some(b'n') => return sc.opt_bool(msg).map(|_| None),
+        Some(b'[') => {}
+        _ => return Err(sc.error(msg)),
+    }
+    let mut messages = Vec::new();
+    sc.array(|sc| {
+        if sc.peek() != Some(b'{') {
+            return Err(sc.error(msg));
+        }
+        let mut m = Message {
+            role: None,
+            content: None,
+        };
+        sc.object(|sc, key| {
+            match &*key {
+                "role" => m.role = sc.opt_string("'role' must be a string")?,
+                "content" => m.content = Some(sc.value()?).filter(|v| *v != "null"),
+                _ => {
+                    sc.value()?;
+                }
+            }
+            Ok(())
+        })?;
+        messages.push(m);
+        Ok(())
+    })?;
+    Ok(Some(messages))
+}
+
+/// Runs `f` over a raw JSON text known to be valid (it was scanned already).
+fn rescan<'a, T>(
+    raw: &'a str,
+    f: impl FnOnce(&mut Scanner<'a>) -> Result<T, ScanError>,
+) -> Option<T> {
+    f(&mut Scanner::new(raw)).ok()
 }
 
 /// How to build keys: the `[routing]` settings that matter here.
@@ -176,16 +214,17 @@ pub fn extract(
     header_key: Option<&[u8]>,
     spec: KeySpec,
 ) -> Result<RequestFacts, KeyError> {
+    let text = std::str::from_utf8(body);
     let envelope = if api.requires_json() {
         if body.iter().all(u8::is_ascii_whitespace) {
             return Err(KeyError::Empty);
         }
-        let env: Envelope<'_> =
-            serde_json::from_slice(body).map_err(|e| KeyError::Json(e.to_string()))?;
-        Some(env)
+        let text =
+            text.map_err(|e| KeyError::Json(format!("invalid UTF-8 at byte {}", e.valid_up_to())))?;
+        Some(read_envelope(text).map_err(|e| KeyError::Json(e.to_string()))?)
     } else {
         // Anything else: use the JSON fields if it is a JSON object, else raw bytes.
-        serde_json::from_slice::<Envelope<'_>>(body).ok()
+        text.ok().and_then(|t| read_envelope(t).ok())
     };
 
     let (model, stream) = match &envelope {
@@ -240,8 +279,8 @@ fn prompt_key(api: Api, env: &Envelope<'_>, spec: KeySpec) -> Option<String> {
         )),
         Api::Responses => {
             let items = match env.input {
-                Some(raw) if raw.get().trim_start().starts_with('[') => {
-                    serde_json::from_str::<Vec<Message<'_>>>(raw.get()).ok()
+                Some(raw) if raw.starts_with('[') => {
+                    rescan(raw, |sc| read_messages(sc, "input items")).flatten()
                 }
                 _ => None,
             };
@@ -291,15 +330,15 @@ fn join_parts(mode: KeyMode, mut system: KeyText, user: KeyText, n: usize) -> St
 
 /// The key of a message list: `tools` (compact JSON), then `role \n text \n` per message.
 fn messages_key(
-    tools: Option<&RawValue>,
-    instructions: Option<&RawValue>,
+    tools: Option<&str>,
+    instructions: Option<&str>,
     messages: &[Message<'_>],
     spec: KeySpec,
 ) -> String {
     let n = spec.prefix_chars;
     let mut head = KeyText::new(n);
     if let Some(tools) = tools {
-        head.push_compact_json(tools.get());
+        head.push_compact_json(tools);
     }
     if let Some(i) = instructions {
         head.push_value(i);
@@ -344,24 +383,24 @@ fn push_message(text: &mut KeyText, m: &Message<'_>) {
 }
 
 /// `prompt`/`text`/`input_ids`: a string, the first of an array of strings, or token ids.
-fn first_of(raw: Option<&RawValue>, n: usize) -> Option<String> {
+fn first_of(raw: Option<&str>, n: usize) -> Option<String> {
     let raw = raw?;
-    let s = raw.get().trim_start();
     let mut text = KeyText::new(n);
-    if s.starts_with('[') {
-        if let Ok(items) = serde_json::from_str::<Vec<&RawValue>>(s) {
-            match items.first() {
-                Some(first)
-                    if !first
-                        .get()
-                        .trim_start()
-                        .starts_with(|c: char| c.is_ascii_digit() || c == '-') =>
-                {
-                    text.push_value(first);
-                    return Some(text.out);
-                }
-                _ => {}
-            }
+    if raw.starts_with('[') {
+        let first = rescan(raw, |sc| {
+            let mut first = None;
+            sc.array(|sc| {
+                let v = sc.value()?;
+                first.get_or_insert(v);
+                Ok(())
+            })?;
+            Ok(first)
+        })
+        .flatten();
+        // An array of strings (or of token-id arrays): the first one. Token ids: all.
+        if let Some(first) = first.filter(|f| f.starts_with(['"', '['])) {
+            text.push_value(first);
+            return Some(text.out);
         }
     }
     text.push_value(raw);
@@ -407,78 +446,62 @@ impl KeyText {
     }
 
     fn push_str(&mut self, s: &str) {
-        if self.left == 0 {
-            return;
-        }
         // Cut on a char boundary, never inside a code point.
-        match s.char_indices().nth(self.left) {
-            Some((cut, _)) => {
-                self.out.push_str(&s[..cut]);
-                self.left = 0;
-            }
-            None => {
-                self.out.push_str(s);
-                self.left -= s.chars().count();
-            }
-        }
+        let (taken, n) = json_scan::take_chars(s, self.left);
+        self.out.push_str(taken);
+        self.left -= n;
     }
 
     /// A JSON value as key text: strings decoded, anything else as compact JSON.
-    fn push_value(&mut self, raw: &RawValue) {
-        let s = raw.get().trim_start();
-        if s.starts_with('"') {
-            self.push_json_string(s);
+    fn push_value(&mut self, raw: &str) {
+        if raw.starts_with('"') {
+            self.left -= json_scan::decode_prefix(raw, self.left, &mut self.out);
         } else {
-            self.push_compact_json(s);
+            self.push_compact_json(raw);
         }
     }
 
     /// Message content: a string, or an array of parts (text parts contribute their
     /// text; other parts their type and URL).
-    fn push_content(&mut self, raw: &RawValue) {
-        let s = raw.get().trim_start();
-        if !s.starts_with('[') {
+    fn push_content(&mut self, raw: &str) {
+        if !raw.starts_with('[') {
             return self.push_value(raw);
         }
-        let Ok(parts) = serde_json::from_str::<Vec<Part<'_>>>(s) else {
-            return self.push_compact_json(s);
-        };
-        for part in parts {
-            if self.full() {
-                return;
-            }
-            match (&part.kind, part.text) {
-                (_, Some(text)) => self.push_value(text),
-                (kind, None) => {
-                    self.push_str(kind.as_deref().unwrap_or(""));
-                    let url = part.image_url.or(part.video_url).or(part.audio_url);
-                    if let Some(url) = url {
-                        self.push_str(" ");
-                        self.push_value(part_url(url));
+        // The text was scanned already, so this walk cannot fail.
+        let _ = rescan(raw, |sc| {
+            sc.array(|sc| {
+                if sc.peek() != Some(b'{') {
+                    let part = sc.value()?;
+                    self.push_value(part);
+                    return Ok(());
+                }
+                let (mut kind, mut text, mut url) = (None, None, None);
+                sc.object(|sc, key| {
+                    let v = match &*key {
+                        "image_url" | "video_url" | "audio_url" => media_url(sc)?,
+                        _ => sc.value()?,
+                    };
+                    match &*key {
+                        "type" => kind = Some(v),
+                        "text" => text = Some(v),
+                        "image_url" | "video_url" | "audio_url" => url = Some(v),
+                        _ => {}
+                    }
+                    Ok(())
+                })?;
+                match (text, kind) {
+                    (Some(text), _) => self.push_value(text),
+                    (None, kind) => {
+                        self.push_value(kind.unwrap_or("\"\""));
+                        if let Some(url) = url {
+                            self.push_str(" ");
+                            self.push_value(url);
+                        }
                     }
                 }
-            }
-        }
-    }
-
-    /// Decodes a JSON string literal (already validated by serde_json) up to the limit.
-    fn push_json_string(&mut self, lit: &str) {
-        let inner = &lit[1..lit.len().saturating_sub(1).max(1)];
-        let mut rest = inner;
-        while !rest.is_empty() && !self.full() {
-            match rest.find('\\') {
-                None => return self.push_str(rest),
-                Some(0) => {}
-                Some(i) => {
-                    self.push_str(&rest[..i]);
-                    rest = &rest[i..];
-                    continue;
-                }
-            }
-            let (c, used) = unescape(rest);
-            self.push_char(c);
-            rest = &rest[used..];
-        }
+                Ok(())
+            })
+        });
     }
 
     /// Copies JSON text without the whitespace outside strings, up to the limit.
@@ -506,36 +529,20 @@ impl KeyText {
     }
 }
 
-/// Decodes one escape at the start of `s` (which starts with `\`): the char and the
-/// bytes used. Lone surrogates become U+FFFD.
-fn unescape(s: &str) -> (char, usize) {
-    let b = s.as_bytes();
-    let simple = |c| (c, 2);
-    match b.get(1) {
-        Some(b'n') => simple('\n'),
-        Some(b't') => simple('\t'),
-        Some(b'r') => simple('\r'),
-        Some(b'b') => simple('\u{8}'),
-        Some(b'f') => simple('\u{c}'),
-        Some(b'u') => {
-            let hex = |at: usize| {
-                s.get(at..at + 4)
-                    .and_then(|h| u32::from_str_radix(h, 16).ok())
-            };
-            let Some(hi) = hex(2) else {
-                return ('\u{fffd}', s.len().min(2));
-            };
-            if (0xD800..0xDC00).contains(&hi) && s.get(6..8) == Some("\\u") {
-                if let Some(lo) = hex(8).filter(|lo| (0xDC00..0xE000).contains(lo)) {
-                    let c = 0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00);
-                    return (char::from_u32(c).unwrap_or('\u{fffd}'), 12);
-                }
-            }
-            (char::from_u32(hi).unwrap_or('\u{fffd}'), 6)
-        }
-        Some(&c) if c.is_ascii() => simple(c as char),
-        _ => ('\u{fffd}', 1),
+/// A media part's URL: the `url` of `{"url": ...}`, or a bare string.
+fn media_url<'a>(sc: &mut Scanner<'a>) -> Result<&'a str, ScanError> {
+    if sc.peek() != Some(b'{') {
+        return sc.value();
     }
+    let mut url = "";
+    sc.object(|sc, key| {
+        let v = sc.value()?;
+        if key == "url" {
+            url = v;
+        }
+        Ok(())
+    })?;
+    Ok(url)
 }
 
 #[cfg(test)]

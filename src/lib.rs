@@ -13,6 +13,7 @@ pub mod body;
 pub mod config;
 pub mod engine_model;
 pub mod explain;
+pub mod json_scan;
 pub mod key;
 pub mod mock_engine;
 pub mod proxy;

@@ -1,0 +1,555 @@
+//! A borrowing JSON scanner for the routing hot path. It walks a request body once,
+//! checking its structure, and hands out the raw text of the values routing reads;
+//! everything else is skipped without being decoded. Strings are skipped by jumping
+//! from quote to quote with `memchr`, which is what makes an 18 KB chat body cost a
+//! few microseconds instead of a full parse. Pure: no I/O, no allocation while
+//! skipping.
+//!
+//! Checked here: UTF-8, the syntax of objects, arrays, numbers and literals, string
+//! termination, nesting depth. Not checked in strings that routing does not decode:
+//! escape sequences and raw control characters; the engine that parses the body
+//! reports those.
+
+use std::borrow::Cow;
+use std::fmt;
+
+use wide::u8x16;
+
+/// Deepest nesting accepted (tool schemas nest a handful of levels).
+const MAX_DEPTH: usize = 128;
+
+/// A syntax error at a byte offset.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScanError {
+    pub msg: &'static str,
+    pub line: usize,
+    pub column: usize,
+}
+
+impl fmt::Display for ScanError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} at line {} column {}",
+            self.msg, self.line, self.column
+        )
+    }
+}
+
+impl std::error::Error for ScanError {}
+
+/// A cursor over one JSON text.
+pub struct Scanner<'a> {
+    text: &'a str,
+    pos: usize,
+    depth: usize,
+}
+
+impl<'a> Scanner<'a> {
+    pub fn new(text: &'a str) -> Self {
+        Scanner {
+            text,
+            pos: 0,
+            depth: 0,
+        }
+    }
+
+    fn bytes(&self) -> &'a [u8] {
+        self.text.as_bytes()
+    }
+
+    /// An error at the current position.
+    pub fn error(&self, msg: &'static str) -> ScanError {
+        let before = &self.text.as_bytes()[..self.pos.min(self.text.len())];
+        let line = before.iter().filter(|&&b| b == b'\n').count() + 1;
+        let line_start = before
+            .iter()
+            .rposition(|&b| b == b'\n')
+            .map_or(0, |i| i + 1);
+        ScanError {
+            msg,
+            line,
+            column: self.pos - line_start + 1,
+        }
+    }
+
+    fn skip_ws(&mut self) {
+        let b = self.bytes();
+        while self.pos < b.len() && matches!(b[self.pos], b' ' | b'\t' | b'\n' | b'\r') {
+            self.pos += 1;
+        }
+    }
+
+    /// The next non-whitespace byte, not consumed.
+    pub fn peek(&mut self) -> Option<u8> {
+        self.skip_ws();
+        self.bytes().get(self.pos).copied()
+    }
+
+    fn expect(&mut self, byte: u8, msg: &'static str) -> Result<(), ScanError> {
+        if self.peek() == Some(byte) {
+            self.pos += 1;
+            Ok(())
+        } else {
+            Err(self.error(msg))
+        }
+    }
+
+    /// Requires that only whitespace remains.
+    pub fn end(&mut self) -> Result<(), ScanError> {
+        match self.peek() {
+            None => Ok(()),
+            Some(_) => Err(self.error("trailing characters")),
+        }
+    }
+
+    /// Iterates an object's members; `member` gets each key (decoded) and must consume
+    /// the value.
+    pub fn object(
+        &mut self,
+        mut member: impl FnMut(&mut Self, Cow<'a, str>) -> Result<(), ScanError>,
+    ) -> Result<(), ScanError> {
+        self.expect(b'{', "expected an object")?;
+        self.enter()?;
+        if self.peek() == Some(b'}') {
+            self.pos += 1;
+            self.depth -= 1;
+            return Ok(());
+        }
+        loop {
+            if self.peek() != Some(b'"') {
+                return Err(self.error("expected a string key"));
+            }
+            let key = decode(self.raw_string()?);
+            self.expect(b':', "expected ':'")?;
+            member(self, key)?;
+            match self.peek() {
+                Some(b',') => self.pos += 1,
+                Some(b'}') => {
+                    self.pos += 1;
+                    self.depth -= 1;
+                    return Ok(());
+                }
+                _ => return Err(self.error("expected ',' or '}'")),
+            }
+        }
+    }
+
+    /// Iterates an array's elements; `element` must consume each one.
+    pub fn array(
+        &mut self,
+        mut element: impl FnMut(&mut Self) -> Result<(), ScanError>,
+    ) -> Result<(), ScanError> {
+        self.expect(b'[', "expected an array")?;
+        self.enter()?;
+        if self.peek() == Some(b']') {
+            self.pos += 1;
+            self.depth -= 1;
+            return Ok(());
+        }
+        loop {
+            element(self)?;
+            match self.peek() {
+                Some(b',') => self.pos += 1,
+                Some(b']') => {
+                    self.pos += 1;
+                    self.depth -= 1;
+                    return Ok(());
+                }
+                _ => return Err(self.error("expected ',' or ']'")),
+            }
+        }
+    }
+
+    fn enter(&mut self) -> Result<(), ScanError> {
+        self.depth += 1;
+        if self.depth > MAX_DEPTH {
+            return Err(self.error("nesting too deep"));
+        }
+        Ok(())
+    }
+
+    /// A string literal, quotes included, not decoded.
+    pub fn raw_string(&mut self) -> Result<&'a str, ScanError> {
+        self.expect(b'"', "expected a string")?;
+        let start = self.pos - 1;
+        match closing_quote(self.bytes(), self.pos) {
+            Some(at) => {
+                self.pos = at + 1;
+                Ok(&self.text[start..self.pos])
+            }
+            None => {
+                self.pos = self.text.len();
+                Err(self.error("unterminated string"))
+            }
+        }
+    }
+
+    /// A string (decoded) or `null`.
+    pub fn opt_string(&mut self, msg: &'static str) -> Result<Option<Cow<'a, str>>, ScanError> {
+        match self.peek() {
+            Some(b'"') => Ok(Some(decode(self.raw_string()?))),
+            Some(b'n') => self.literal("null").map(|_| None),
+            _ => Err(self.error(msg)),
+        }
+    }
+
+    /// `true`, `false` or `null`.
+    pub fn opt_bool(&mut self, msg: &'static str) -> Result<Option<bool>, ScanError> {
+        match self.peek() {
+            Some(b't') => self.literal("true").map(|_| Some(true)),
+            Some(b'f') => self.literal("false").map(|_| Some(false)),
+            Some(b'n') => self.literal("null").map(|_| None),
+            _ => Err(self.error(msg)),
+        }
+    }
+
+    fn literal(&mut self, word: &'static str) -> Result<(), ScanError> {
+        if self.text[self.pos..].starts_with(word) {
+            self.pos += word.len();
+            Ok(())
+        } else {
+            Err(self.error("invalid literal"))
+        }
+    }
+
+    fn number(&mut self) -> Result<(), ScanError> {
+        let b = self.bytes();
+        let start = self.pos;
+        if b.get(self.pos) == Some(&b'-') {
+            self.pos += 1;
+        }
+        let digits = |s: &mut Self| {
+            let from = s.pos;
+            while s.pos < b.len() && b[s.pos].is_ascii_digit() {
+                s.pos += 1;
+            }
+            s.pos > from
+        };
+        if !digits(self) {
+            return Err(self.error("invalid number"));
+        }
+        if b[start..self.pos].starts_with(b"0") && self.pos - start > 1
+            || b[start..self.pos].starts_with(b"-0") && self.pos - start > 2
+        {
+            return Err(self.error("invalid number (leading zero)"));
+        }
+        if b.get(self.pos) == Some(&b'.') {
+            self.pos += 1;
+            if !digits(self) {
+                return Err(self.error("invalid number"));
+            }
+        }
+        if matches!(b.get(self.pos), Some(b'e' | b'E')) {
+            self.pos += 1;
+            if matches!(b.get(self.pos), Some(b'+' | b'-')) {
+                self.pos += 1;
+            }
+            if !digits(self) {
+                return Err(self.error("invalid number"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Skips any value; returns its raw text.
+    pub fn value(&mut self) -> Result<&'a str, ScanError> {
+        let start = match self.peek() {
+            Some(_) => self.pos,
+            None => return Err(self.error("expected a value")),
+        };
+        match self.bytes()[start] {
+            b'"' => {
+                self.raw_string()?;
+            }
+            b'{' => self.object(|s, _| s.value().map(|_| ()))?,
+            b'[' => self.array(|s| s.value().map(|_| ()))?,
+            b't' => self.literal("true")?,
+            b'f' => self.literal("false")?,
+            b'n' => self.literal("null")?,
+            b'-' | b'0'..=b'9' => self.number()?,
+            _ => return Err(self.error("expected a value")),
+        }
+        Ok(&self.text[start..self.pos])
+    }
+}
+
+/// The index of the quote that closes a string whose contents start at `from`.
+///
+/// Prompts are dense with escaped quotes (code, JSON, dialogue), so instead of
+/// stopping at every quote this classifies 64 bytes at a time with SIMD compares
+/// (`wide`, safe code): a quote with no backslash before it closes the string; one
+/// with a single backslash before it is escaped; only a quote after two or more
+/// backslashes needs the run counted.
+fn closing_quote(b: &[u8], from: usize) -> Option<usize> {
+    // Keys and roles are short and plain: settle them before setting up blocks.
+    for (at, &c) in b.iter().enumerate().skip(from).take(16) {
+        match c {
+            b'"' => return Some(at),
+            b'\\' => break,
+            _ => {}
+        }
+    }
+    let mut tail = [0u8; 64];
+    let mut prev_backslashes = 0u64; // the previous block's backslash mask
+    let mut i = from;
+    while i < b.len() {
+        let block = match b.get(i..i + 64) {
+            Some(full) => full,
+            None => {
+                // The last partial block, padded with zeros (neither quote nor backslash).
+                tail[..b.len() - i].copy_from_slice(&b[i..]);
+                &tail[..]
+            }
+        };
+        let quotes = mask(block, b'"');
+        if quotes == 0 {
+            // Most blocks of prose hold no quote: only their last two bytes matter next.
+            prev_backslashes =
+                u64::from(block[62] == b'\\') << 62 | u64::from(block[63] == b'\\') << 63;
+            i += 64;
+            continue;
+        }
+        let backslashes = mask(block, b'\\');
+        let after_one = backslashes << 1 | prev_backslashes >> 63;
+        let after_two = backslashes << 2 | prev_backslashes >> 62;
+        let mut candidates = quotes & !(after_one & !after_two);
+        while candidates != 0 {
+            let at = i + candidates.trailing_zeros() as usize;
+            let run = b[from..at]
+                .iter()
+                .rev()
+                .take_while(|&&c| c == b'\\')
+                .count();
+            if run % 2 == 0 {
+                return Some(at);
+            }
+            candidates &= candidates - 1;
+        }
+        prev_backslashes = backslashes;
+        i += 64;
+    }
+    None
+}
+
+/// The bit mask of the bytes of a 64-byte block that equal `byte`.
+fn mask(block: &[u8], byte: u8) -> u64 {
+    let needle = u8x16::splat(byte);
+    let mut bits = 0u64;
+    for (k, lane) in block.chunks_exact(16).enumerate() {
+        let mut bytes = [0u8; 16];
+        bytes.copy_from_slice(lane);
+        bits |= (u8x16::new(bytes).simd_eq(needle).to_bitmask() as u64) << (16 * k);
+    }
+    bits
+}
+
+/// Decodes a whole string literal (quotes included).
+pub fn decode(lit: &str) -> Cow<'_, str> {
+    let inner = &lit[1..lit.len() - 1];
+    if !inner.contains('\\') {
+        return Cow::Borrowed(inner);
+    }
+    let mut out = String::with_capacity(inner.len());
+    decode_prefix(lit, usize::MAX, &mut out);
+    Cow::Owned(out)
+}
+
+/// Decodes a string literal (quotes included) into `out`, stopping after `max_chars`
+/// characters; returns how many were written. Bad escapes and lone surrogates become
+/// U+FFFD; text is never cut inside a code point.
+pub fn decode_prefix(lit: &str, max_chars: usize, out: &mut String) -> usize {
+    let mut rest = lit.get(1..lit.len().saturating_sub(1)).unwrap_or("");
+    let mut written = 0;
+    while !rest.is_empty() && written < max_chars {
+        let plain = memchr::memchr(b'\\', rest.as_bytes()).unwrap_or(rest.len());
+        if plain > 0 {
+            let (taken, n) = take_chars(&rest[..plain], max_chars - written);
+            out.push_str(taken);
+            written += n;
+            rest = &rest[taken.len()..];
+            continue;
+        }
+        let (c, used) = unescape(rest);
+        out.push(c);
+        written += 1;
+        rest = &rest[used.min(rest.len())..];
+    }
+    written
+}
+
+/// The first `n` chars of `s` (or all of it) and their count.
+pub fn take_chars(s: &str, n: usize) -> (&str, usize) {
+    if s.is_ascii() {
+        let k = s.len().min(n);
+        return (&s[..k], k);
+    }
+    if s.len() <= n {
+        // Fewer bytes than the budget: certainly fewer chars; count them.
+        return (s, s.chars().count());
+    }
+    match s.char_indices().nth(n) {
+        Some((cut, _)) => (&s[..cut], n),
+        None => (s, s.chars().count()),
+    }
+}
+
+/// Decodes one escape at the start of `s` (which starts with `\`): the char and the
+/// bytes used.
+fn unescape(s: &str) -> (char, usize) {
+    let b = s.as_bytes();
+    match b.get(1) {
+        Some(b'n') => ('\n', 2),
+        Some(b't') => ('\t', 2),
+        Some(b'r') => ('\r', 2),
+        Some(b'b') => ('\u{8}', 2),
+        Some(b'f') => ('\u{c}', 2),
+        Some(b'u') => {
+            let hex = |at: usize| {
+                s.get(at..at + 4)
+                    .and_then(|h| u32::from_str_radix(h, 16).ok())
+            };
+            let Some(hi) = hex(2) else {
+                return ('\u{fffd}', 2);
+            };
+            if (0xD800..0xDC00).contains(&hi) && s.get(6..8) == Some("\\u") {
+                if let Some(lo) = hex(8).filter(|lo| (0xDC00..0xE000).contains(lo)) {
+                    let c = 0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00);
+                    return (char::from_u32(c).unwrap_or('\u{fffd}'), 12);
+                }
+            }
+            (char::from_u32(hi).unwrap_or('\u{fffd}'), 6)
+        }
+        Some(&c) if c.is_ascii() => (c as char, 2),
+        _ => ('\u{fffd}', 1),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn skim(text: &str) -> Result<&str, ScanError> {
+        let mut s = Scanner::new(text);
+        let v = s.value()?;
+        s.end()?;
+        Ok(v)
+    }
+
+    #[test]
+    fn accepts_valid_json() {
+        for ok in [
+            r#"{"a": [1, -2.5e+3, true, false, null, {"b": "c\"d\\"}], "e": {}}"#,
+            "[]",
+            " 0 ",
+            r#""\u00e9\ud83c\udf89""#,
+            "[[[[[]]]]]",
+        ] {
+            assert!(skim(ok).is_ok(), "{ok}: {:?}", skim(ok));
+        }
+    }
+
+    #[test]
+    fn rejects_broken_structure() {
+        for bad in [
+            "{",
+            "[1,]",
+            "{\"a\" 1}",
+            "{\"a\":1,}",
+            "[1 2]",
+            "tru",
+            "01",
+            "-",
+            "1.",
+            "1e",
+            "\"abc",
+            "{} x",
+            "{1:2}",
+            "",
+            "[\"a\\\"]",
+        ] {
+            assert!(skim(bad).is_err(), "{bad:?} was accepted");
+        }
+        let deep = "[".repeat(200) + &"]".repeat(200);
+        assert_eq!(skim(&deep).unwrap_err().msg, "nesting too deep");
+    }
+
+    #[test]
+    fn errors_have_positions() {
+        let e = skim("{\n  \"a\": [1,\n  }").unwrap_err();
+        assert_eq!((e.line, e.column), (3, 3), "{e}");
+    }
+
+    #[test]
+    fn object_members_and_decoding() {
+        let mut s = Scanner::new(r#"{"k\u0031": "v\n", "skip": [1, {"x": "]"}], "b": true}"#);
+        let mut seen = Vec::new();
+        s.object(|s, k| {
+            match &*k {
+                "k1" => seen.push(format!("k1={}", s.opt_string("string")?.unwrap())),
+                "b" => seen.push(format!("b={:?}", s.opt_bool("bool")?)),
+                _ => seen.push(format!("{k} raw={}", s.value()?)),
+            }
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(
+            seen,
+            vec!["k1=v\n", r#"skip raw=[1, {"x": "]"}]"#, "b=Some(true)"]
+        );
+    }
+
+    #[test]
+    fn decode_prefix_cuts_on_chars() {
+        let mut out = String::new();
+        assert_eq!(decode_prefix(r#""héllo\nwörld""#, 7, &mut out), 7);
+        assert_eq!(out, "héllo\nw");
+        let mut out = String::new();
+        decode_prefix(r#""\ud800x""#, 10, &mut out);
+        assert_eq!(out, "\u{fffd}x");
+    }
+
+    proptest! {
+        #[test]
+        fn agrees_with_serde_on_valid_json(v in arb_json()) {
+            let text = serde_json::to_string_pretty(&v).unwrap();
+            prop_assert_eq!(skim(&text), Ok(text.as_str()));
+            if let serde_json::Value::String(s) = &v {
+                let lit = serde_json::to_string(&v).unwrap();
+                prop_assert_eq!(decode(&lit), s.as_str());
+            }
+        }
+
+        #[test]
+        fn never_panics(text in "\\PC{0,60}") {
+            let _ = skim(&text);
+        }
+
+        #[test]
+        fn rejects_what_serde_rejects_structurally(text in "[\\[\\]{}:,\"a0-9 tfn.e-]{0,24}") {
+            // Any text we accept, serde parses too (string contents here need no escapes).
+            if skim(&text).is_ok() {
+                prop_assert!(serde_json::from_str::<serde_json::Value>(&text).is_ok(), "{text}");
+            }
+        }
+    }
+
+    fn arb_json() -> impl Strategy<Value = serde_json::Value> {
+        let leaf = prop_oneof![
+            Just(serde_json::Value::Null),
+            any::<bool>().prop_map(serde_json::Value::Bool),
+            any::<i64>().prop_map(|n| serde_json::json!(n)),
+            (-1e9f64..1e9).prop_map(|n| serde_json::json!(n)),
+            "\\PC{0,20}".prop_map(serde_json::Value::String),
+            "[\"\\\\\\n\\t\\u{1}]{0,8}".prop_map(serde_json::Value::String),
+        ];
+        leaf.prop_recursive(4, 32, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..6).prop_map(serde_json::Value::Array),
+                prop::collection::btree_map("\\PC{0,6}", inner, 0..6)
+                    .prop_map(|m| serde_json::Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+}
