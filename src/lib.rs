@@ -11,6 +11,7 @@ pub mod admin;
 pub mod balance;
 pub mod body;
 pub mod config;
+pub mod demo;
 pub mod engine_model;
 pub mod explain;
 pub mod json_scan;

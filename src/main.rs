@@ -60,6 +60,9 @@ enum Command {
         #[arg(default_value = "-")]
         body: String,
     },
+    /// Start emulated engines and the balancer in this process, drive a multi-turn
+    /// workload through real HTTP with round-robin and with prefixlb, print the comparison.
+    Demo,
     /// Run an OpenAI-compatible engine emulator with a prefix-cache latency model.
     MockEngine {
         #[arg(long)]
@@ -85,7 +88,13 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.log_format);
+    // The demo prints a report; its in-process servers only speak up on trouble.
+    let default_level = if matches!(cli.command, Command::Demo) {
+        "warn"
+    } else {
+        "info"
+    };
+    init_logging(cli.log_format, default_level);
     match run(cli.command) {
         Ok(code) => code,
         Err(e) => {
@@ -145,6 +154,11 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                     Ok(ExitCode::from(2))
                 }
             }
+        }
+        Command::Demo => {
+            let report = runtime()?.block_on(prefixlb::demo::run())?;
+            print!("{report}");
+            Ok(ExitCode::SUCCESS)
         }
         Command::MockEngine {
             listen,
@@ -261,9 +275,9 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .context("starting the tokio runtime")
 }
 
-fn init_logging(format: LogFormat) {
+fn init_logging(format: LogFormat, default_level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

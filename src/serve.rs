@@ -17,14 +17,28 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> std::io:
     let listener = bind(config.server.listen, "listen").await?;
     let admin_listener = bind(config.server.admin_listen, "admin_listen").await?;
     let (addr, admin_addr) = (listener.local_addr()?, admin_listener.local_addr()?);
-    let grace = config.server.shutdown_grace;
-    let pools = config.pools.len();
-    let nodes: usize = config.pools.iter().map(|p| p.nodes.len()).sum();
-    let proxy = Proxy::new(config);
-
     // Tests and scripts read this line to find ports chosen by the OS.
     println!("prefixlb listening on http://{addr} (admin http://{admin_addr})");
-    tracing::info!(%addr, %admin_addr, pools, nodes, "prefixlb serving");
+    tracing::info!(
+        %addr,
+        %admin_addr,
+        pools = config.pools.len(),
+        nodes = config.pools.iter().map(|p| p.nodes.len()).sum::<usize>(),
+        "prefixlb serving"
+    );
+    run_on(listener, admin_listener, config, shutdown).await;
+    Ok(())
+}
+
+/// Serves on listeners already bound until `shutdown`, then drains.
+pub async fn run_on(
+    listener: TcpListener,
+    admin_listener: TcpListener,
+    config: Config,
+    shutdown: impl Future<Output = ()>,
+) {
+    let grace = config.server.shutdown_grace;
+    let proxy = Proxy::new(config);
 
     let (admin_stop_tx, mut admin_stop) = watch::channel(false);
     let admin_task = {
@@ -58,7 +72,6 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> std::io:
     let _ = admin_stop_tx.send(true);
     let _ = admin_task.await;
     tracing::info!("stopped");
-    Ok(())
 }
 
 async fn bind(addr: SocketAddr, key: &str) -> std::io::Result<TcpListener> {
