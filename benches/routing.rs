@@ -3,6 +3,7 @@
 //! lookup with reservation alone, and their parts.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
 use prefixlb::balance::{Balancer, Member, NodeState, PoolLoad, Walk};
@@ -69,6 +70,7 @@ fn balancer(nodes: usize, vnodes: u32) -> Balancer {
         members,
         Arc::new(PoolLoad::default()),
         None,
+        Arc::default(),
     )
 }
 
@@ -90,7 +92,10 @@ fn routing_decision(c: &mut Criterion) {
                 let plan = t
                     .plan("/v1/chat/completions", None, black_box(body))
                     .unwrap();
-                match t.pools[plan.pool].balancer.choose(plan.hash, &[]) {
+                match t.pools[plan.pool]
+                    .balancer
+                    .choose(plan.hash, &[], Instant::now())
+                {
                     Walk::Chosen(choice) => drop(black_box(choice)),
                     _ => unreachable!(),
                 }
@@ -150,7 +155,7 @@ fn ring(c: &mut Criterion) {
     c.bench_function("lookup_and_reserve/64x160", |b| {
         b.iter(|| {
             h = h.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            match b64.choose(black_box(h), &[]) {
+            match b64.choose(black_box(h), &[], Instant::now()) {
                 Walk::Chosen(choice) => drop(black_box(choice)),
                 _ => unreachable!(),
             }
@@ -168,7 +173,7 @@ fn contention(c: &mut Criterion) {
             let mut h = 1u64;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 h = h.wrapping_mul(6364136223846793005).wrapping_add(1);
-                if let Walk::Chosen(choice) = b.choose(h, &[]) {
+                if let Walk::Chosen(choice) = b.choose(h, &[], Instant::now()) {
                     drop(choice);
                 }
             }
@@ -178,7 +183,7 @@ fn contention(c: &mut Criterion) {
     c.bench_function("lookup_and_reserve/8x160_contended", |bench| {
         bench.iter(|| {
             h = h.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            if let Walk::Chosen(choice) = b.choose(black_box(h), &[]) {
+            if let Walk::Chosen(choice) = b.choose(black_box(h), &[], Instant::now()) {
                 drop(black_box(choice));
             }
         })

@@ -79,15 +79,24 @@ fn nodes(proxy: &Proxy) -> Value {
                 .iter()
                 .zip(&pool.balancer.members)
                 .map(move |(n, m)| {
+                    let ttft = m
+                        .state
+                        .breaker
+                        .ttft_quantiles(&pool.balancer.breaker, std::time::Instant::now());
+                    let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
                     json!({
                         "id": n.id,
                         "pool": pool.config.name,
                         "url": n.url.to_string(),
                         "weight": n.weight,
-                        "in_flight": m.state.in_flight(),
+                        "state": m.state.breaker.state().as_str(),
+                    "in_flight": m.state.in_flight(),
                         "cap": pool.balancer.cap_of(m),
                         "healthy": m.state.is_healthy(),
                         "draining": m.state.is_draining(),
+                    "ttft_p50_ms": ttft.map(|t| ms(t.0)),
+                    "ttft_p90_ms": ttft.map(|t| ms(t.1)),
+                    "shunt_ratio": m.state.breaker.shunt_ratio(),
                         "source": "static",
                     })
                 })

@@ -5,9 +5,11 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
+use crate::breaker::{Admission, Breaker, BreakerSettings, BreakerState, Outcome};
 use crate::ring::Ring;
 
 /// Runtime state of one node, keyed by node id and carried across config reloads and
@@ -18,6 +20,10 @@ pub struct NodeState {
     in_flight: AtomicU32,
     draining: AtomicBool,
     healthy: AtomicBool,
+    /// Consecutive failed / passed active health checks.
+    check_failures: AtomicU32,
+    check_passes: AtomicU32,
+    pub breaker: Breaker,
 }
 
 impl NodeState {
@@ -27,6 +33,52 @@ impl NodeState {
             in_flight: AtomicU32::new(0),
             draining: AtomicBool::new(false),
             healthy: AtomicBool::new(true),
+            check_failures: AtomicU32::new(0),
+            check_passes: AtomicU32::new(0),
+            breaker: Breaker::new(Instant::now()),
+        }
+    }
+
+    /// Records how an exchange with this node ended (see [`Breaker::record`]).
+    pub fn record(
+        &self,
+        outcome: Outcome,
+        ttft: Option<Duration>,
+        probe: bool,
+        s: &BreakerSettings,
+    ) {
+        let flip = self.breaker.record(outcome, ttft, probe, s, Instant::now());
+        self.log_flip(flip);
+    }
+
+    /// Records an active health check: `unhealthy_after` consecutive failures mark the
+    /// node down, `healthy_after` passes mark it up. Returns whether `healthy` flipped.
+    pub fn record_check(
+        &self,
+        passed: bool,
+        unhealthy_after: u32,
+        healthy_after: u32,
+        s: &BreakerSettings,
+    ) -> bool {
+        let flipped = if passed {
+            self.check_failures.store(0, Ordering::Relaxed);
+            let passes = self.check_passes.fetch_add(1, Ordering::Relaxed) + 1;
+            passes >= healthy_after && self.set_healthy(true)
+        } else {
+            self.check_passes.store(0, Ordering::Relaxed);
+            let failures = self.check_failures.fetch_add(1, Ordering::Relaxed) + 1;
+            failures >= unhealthy_after && self.set_healthy(false)
+        };
+        if flipped {
+            tracing::warn!(node = %self.id, healthy = passed, "health check state changed");
+        }
+        self.log_flip(self.breaker.on_health_check(passed, s, Instant::now()));
+        flipped
+    }
+
+    fn log_flip(&self, flip: Option<BreakerState>) {
+        if let Some(to) = flip {
+            tracing::warn!(node = %self.id, to = to.as_str(), "breaker state changed");
         }
     }
 
@@ -157,6 +209,10 @@ pub struct Choice {
     /// Position in the key's successor walk: 0 = primary.
     pub distance: usize,
     pub reservation: Reservation,
+    /// This request is the node's half-open probe: its outcome must be recorded.
+    pub probe: bool,
+    /// An earlier node of the walk shunted this key here.
+    pub shunted: bool,
 }
 
 /// Outcome of a walk.
@@ -177,6 +233,7 @@ pub struct Balancer {
     pub load: Arc<PoolLoad>,
     /// CHWBL relative bound `c`, if configured.
     pub load_factor: Option<f64>,
+    pub breaker: Arc<BreakerSettings>,
     total_weight: u32,
 }
 
@@ -186,6 +243,7 @@ impl Balancer {
         members: Vec<Member>,
         load: Arc<PoolLoad>,
         load_factor: Option<f64>,
+        breaker: Arc<BreakerSettings>,
     ) -> Self {
         let total_weight = members.iter().map(|m| m.weight).sum();
         Balancer {
@@ -193,6 +251,7 @@ impl Balancer {
             members,
             load,
             load_factor,
+            breaker,
             total_weight,
         }
     }
@@ -211,20 +270,58 @@ impl Balancer {
     }
 
     /// Walks clockwise from `hash` and reserves the first node that accepts new
-    /// requests, was not tried yet and is under its cap.
-    pub fn choose(&self, hash: u64, tried: &[usize]) -> Walk {
+    /// requests (healthy, not draining, its breaker admitting this key), was not tried
+    /// yet, is under its cap, and does not shunt this key. Shunting is a preference: a
+    /// shunted node still serves the key when no later node can.
+    pub fn choose(&self, hash: u64, tried: &[usize], now: Instant) -> Walk {
         let mut any_open = false;
+        let mut shunted: Option<(usize, usize)> = None;
         for (distance, index) in self.ring.successors(hash).enumerate() {
             let m = &self.members[index];
             if tried.contains(&index) || !m.state.accepts_new() {
                 continue;
             }
+            let cap = self.cap_of(m);
+            if m.state.in_flight() >= cap {
+                any_open |= m.state.breaker.state() != BreakerState::Open;
+                continue;
+            }
+            if m.state.breaker.shunts(hash) {
+                any_open = true;
+                shunted.get_or_insert((distance, index));
+                continue;
+            }
+            let (admission, flip) = m.state.breaker.admit(hash, &self.breaker, now);
+            m.state.log_flip(flip);
+            if admission == Admission::Refuse {
+                continue;
+            }
             any_open = true;
+            let probe = admission == Admission::Probe;
+            match self.reserve(m, cap) {
+                Some(reservation) => {
+                    return Walk::Chosen(Choice {
+                        index,
+                        distance,
+                        reservation,
+                        probe,
+                        shunted: shunted.is_some(),
+                    })
+                }
+                // Lost a race for the last slot: give the probe back.
+                None if probe => m.state.record(Outcome::Neutral, None, true, &self.breaker),
+                None => {}
+            }
+        }
+        if let Some((distance, index)) = shunted {
+            let m = &self.members[index];
             if let Some(reservation) = self.reserve(m, self.cap_of(m)) {
                 return Walk::Chosen(Choice {
                     index,
                     distance,
                     reservation,
+                    probe: false,
+                    shunted: false,
                 });
             }
         }
@@ -235,14 +332,23 @@ impl Balancer {
         }
     }
 
-    /// Overcommits the least loaded (relative to weight) node that accepts new requests:
-    /// `when_saturated = "least_loaded"`. Ties go to the earlier node in the key's walk.
+    /// Overcommits the least loaded (relative to weight) node that accepts new requests
+    /// and whose breaker is closed or recovering: `when_saturated = "least_loaded"`.
+    /// Ties go to the earlier node in the key's walk.
     pub fn choose_least_loaded(&self, hash: u64, tried: &[usize]) -> Option<Choice> {
         let (distance, index) = self
             .ring
             .successors(hash)
             .enumerate()
-            .filter(|(_, i)| !tried.contains(i) && self.members[*i].state.accepts_new())
+            .filter(|(_, i)| {
+                let state = &self.members[*i].state;
+                !tried.contains(i)
+                    && state.accepts_new()
+                    && matches!(
+                        state.breaker.state(),
+                        BreakerState::Closed | BreakerState::Recovering
+                    )
+            })
             .min_by(|(_, a), (_, b)| {
                 let load = |i: usize| {
                     self.members[i].state.in_flight() as f64 / self.members[i].weight as f64
@@ -254,6 +360,8 @@ impl Balancer {
             index,
             distance,
             reservation,
+            probe: false,
+            shunted: false,
         })
     }
 
@@ -290,7 +398,13 @@ mod tests {
                 cap,
             })
             .collect();
-        Balancer::new(Ring::build(&ids, 160), members, Arc::default(), load_factor)
+        Balancer::new(
+            Ring::build(&ids, 160),
+            members,
+            Arc::default(),
+            load_factor,
+            Arc::default(),
+        )
     }
 
     fn chosen(w: Walk) -> Choice {
@@ -307,16 +421,16 @@ mod tests {
         let order: Vec<usize> = b.ring.successors(h).collect();
         let mut held = Vec::new();
         for i in 0..16 {
-            let c = chosen(b.choose(h, &[]));
+            let c = chosen(b.choose(h, &[], Instant::now()));
             assert_eq!(c.index, order[i / 4], "request {i}");
             assert_eq!(c.distance, i / 4);
             held.push(c);
         }
-        assert!(matches!(b.choose(h, &[]), Walk::Saturated));
+        assert!(matches!(b.choose(h, &[], Instant::now()), Walk::Saturated));
         assert_eq!(b.load.in_flight(), 16);
         // Freeing a slot on the third node lets the next request land there.
         held.remove(9);
-        assert_eq!(chosen(b.choose(h, &[])).index, order[2]);
+        assert_eq!(chosen(b.choose(h, &[], Instant::now())).index, order[2]);
         drop(held);
         assert!(b.members.iter().all(|m| m.state.in_flight() == 0));
     }
@@ -325,12 +439,18 @@ mod tests {
     fn walk_skips_tried_draining_and_unhealthy_nodes() {
         let b = balancer(4, 4, None);
         let order: Vec<usize> = b.ring.successors(99).collect();
-        assert_eq!(chosen(b.choose(99, &[order[0]])).index, order[1]);
+        assert_eq!(
+            chosen(b.choose(99, &[order[0]], Instant::now())).index,
+            order[1]
+        );
         b.members[order[0]].state.set_draining(true);
         b.members[order[1]].state.set_healthy(false);
-        let c = chosen(b.choose(99, &[]));
+        let c = chosen(b.choose(99, &[], Instant::now()));
         assert_eq!((c.index, c.distance), (order[2], 2));
-        assert!(matches!(b.choose(99, &order), Walk::Unavailable));
+        assert!(matches!(
+            b.choose(99, &order, Instant::now()),
+            Walk::Unavailable
+        ));
     }
 
     #[test]
@@ -338,18 +458,20 @@ mod tests {
         // c = 1.25 over 4 nodes: with nothing in flight each node may take ceil(1.25/4)=1.
         let b = balancer(4, 100, Some(1.25));
         let order: Vec<usize> = b.ring.successors(7).collect();
-        let first = chosen(b.choose(7, &[]));
+        let first = chosen(b.choose(7, &[], Instant::now()));
         assert_eq!(first.index, order[0]);
         // total 1 → ceil(1.25 × 2 / 4) = 1: the primary is full, spill.
-        let second = chosen(b.choose(7, &[]));
+        let second = chosen(b.choose(7, &[], Instant::now()));
         assert_eq!(second.index, order[1]);
     }
 
     #[test]
     fn least_loaded_overcommits_the_emptiest_node() {
         let b = balancer(3, 1, None);
-        let _held: Vec<Choice> = (0..3).map(|_| chosen(b.choose(5, &[]))).collect();
-        assert!(matches!(b.choose(5, &[]), Walk::Saturated));
+        let _held: Vec<Choice> = (0..3)
+            .map(|_| chosen(b.choose(5, &[], Instant::now())))
+            .collect();
+        assert!(matches!(b.choose(5, &[], Instant::now()), Walk::Saturated));
         let extra = b.choose_least_loaded(5, &[]).unwrap();
         assert_eq!(b.members[extra.index].state.in_flight(), 2);
     }
@@ -386,7 +508,7 @@ mod tests {
                         x ^= x << 13; x ^= x >> 7; x ^= x << 17;
                         if x % 3 == 0 && !held.is_empty() {
                             held.swap_remove((x as usize / 3) % held.len());
-                        } else if let Walk::Chosen(c) = b.choose(x, &[]) {
+                        } else if let Walk::Chosen(c) = b.choose(x, &[], Instant::now()) {
                             held.push(c);
                         }
                         for m in &b.members {

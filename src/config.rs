@@ -12,6 +12,8 @@ use std::time::Duration;
 use serde::{Deserialize, Deserializer};
 use toml::Spanned;
 
+use crate::breaker::{BreakerSettings, ShuntStep};
+
 // ---------------------------------------------------------------------------------
 // File layer: mirrors the TOML.
 // ---------------------------------------------------------------------------------
@@ -24,6 +26,10 @@ pub struct FileConfig {
     pub server: ServerSection,
     #[serde(default)]
     pub routing: RoutingSection,
+    #[serde(default)]
+    pub breaker: BreakerSection,
+    #[serde(default)]
+    pub health: HealthSection,
     /// Required: at least one pool.
     #[serde(default)]
     pub pools: Vec<PoolSection>,
@@ -111,6 +117,92 @@ impl Default for RoutingSection {
             max_queue: 1024,
             queue_timeout: Dur::secs(30),
             max_attempts: unspanned(3),
+        }
+    }
+}
+
+/// `[breaker]`: the TTFT-measuring circuit breaker of every node.
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BreakerSection {
+    /// Consecutive failures that open a node's breaker. Default 2.
+    pub failure_threshold: Spanned<u32>,
+    /// How long an open breaker refuses traffic. Default `"30s"`.
+    pub open_for: Dur,
+    /// A stream slower than this to its first token counts as slow. Default `"3s"`.
+    pub slow_ttft: Dur,
+    /// Share of slow streams in the window that opens the breaker. Default 0.5.
+    pub slow_ratio: Spanned<f64>,
+    /// Streams the window needs before it may open the breaker or shunt. Default 10.
+    pub min_samples: usize,
+    /// How far back TTFT samples count. Default `"60s"`.
+    pub window: Dur,
+    /// Shares of a recovering node's keys admitted, one step per `canary_step`.
+    /// Default `[0.1, 0.3, 0.7, 1.0]`.
+    pub canary_steps: Spanned<Vec<f64>>,
+    /// Duration of each canary step. Default `"10s"`.
+    pub canary_step: Dur,
+    /// Latency-staged shunting. Default `[{ p90 = "2s", divert = 0.2 }, { p90 = "2.5s", divert = 0.5 }]`.
+    pub shunt_steps: Spanned<Vec<ShuntStepSection>>,
+}
+
+/// One `[[breaker.shunt_steps]]` entry.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShuntStepSection {
+    pub p90: Dur,
+    pub divert: f64,
+}
+
+impl Default for BreakerSection {
+    fn default() -> Self {
+        let d = BreakerSettings::default();
+        BreakerSection {
+            failure_threshold: unspanned(d.failure_threshold),
+            open_for: Dur(d.open_for),
+            slow_ttft: Dur(d.slow_ttft),
+            slow_ratio: unspanned(d.slow_ratio),
+            min_samples: d.min_samples,
+            window: Dur(d.window),
+            canary_steps: unspanned(d.canary_steps),
+            canary_step: Dur(d.canary_step),
+            shunt_steps: unspanned(
+                d.shunt_steps
+                    .iter()
+                    .map(|s| ShuntStepSection {
+                        p90: Dur(s.p90),
+                        divert: s.divert,
+                    })
+                    .collect(),
+            ),
+        }
+    }
+}
+
+/// `[health]`: active health checks of every node.
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HealthSection {
+    /// Path probed with GET on each node. Default `"/health"`.
+    pub path: String,
+    /// Time between checks. Default `"5s"`.
+    pub interval: Dur,
+    /// Time a check may take. Default `"2s"`.
+    pub timeout: Dur,
+    /// Consecutive failed checks that mark a node down. Default 2.
+    pub unhealthy_after: u32,
+    /// Consecutive passed checks that mark it up again. Default 1.
+    pub healthy_after: u32,
+}
+
+impl Default for HealthSection {
+    fn default() -> Self {
+        HealthSection {
+            path: "/health".into(),
+            interval: Dur::secs(5),
+            timeout: Dur::secs(2),
+            unhealthy_after: 2,
+            healthy_after: 1,
         }
     }
 }
@@ -246,7 +338,18 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 pub struct Config {
     pub server: ServerConfig,
     pub routing: RoutingConfig,
+    pub breaker: BreakerSettings,
+    pub health: HealthConfig,
     pub pools: Vec<PoolConfig>,
+}
+
+#[derive(Debug, Clone)]
+pub struct HealthConfig {
+    pub path: String,
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub unhealthy_after: u32,
+    pub healthy_after: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -380,6 +483,8 @@ fn invalid<T>(span: Range<usize>, msg: impl Into<String>) -> Result<T, Invalid> 
 fn validate(raw: FileConfig) -> Result<Config, Invalid> {
     let server = validate_server(raw.server)?;
     let routing = validate_routing(raw.routing)?;
+    let breaker = validate_breaker(raw.breaker)?;
+    let health = validate_health(raw.health)?;
     if raw.pools.is_empty() {
         return invalid(
             0..0,
@@ -484,7 +589,93 @@ fn validate(raw: FileConfig) -> Result<Config, Invalid> {
     Ok(Config {
         server,
         routing,
+        breaker,
+        health,
         pools,
+    })
+}
+
+fn validate_breaker(b: BreakerSection) -> Result<BreakerSettings, Invalid> {
+    if *b.failure_threshold.get_ref() == 0 {
+        return invalid(
+            b.failure_threshold.span(),
+            "failure_threshold must be at least 1",
+        );
+    }
+    let ratio = *b.slow_ratio.get_ref();
+    if !(ratio > 0.0 && ratio <= 1.0) {
+        return invalid(
+            b.slow_ratio.span(),
+            format!("slow_ratio {ratio} must be in (0, 1]"),
+        );
+    }
+    let steps = b.canary_steps.get_ref();
+    let ascending = steps.windows(2).all(|w| w[0] < w[1]);
+    if steps.is_empty()
+        || !ascending
+        || steps.iter().any(|s| !(*s > 0.0 && *s <= 1.0))
+        || steps.last() != Some(&1.0)
+    {
+        return invalid(
+            b.canary_steps.span(),
+            "canary_steps must be ascending shares in (0, 1] ending with 1.0, e.g. [0.1, 0.3, 0.7, 1.0]",
+        );
+    }
+    let shunts = b.shunt_steps.get_ref();
+    if shunts
+        .windows(2)
+        .any(|w| w[0].p90.0 >= w[1].p90.0 || w[0].divert > w[1].divert)
+        || shunts.iter().any(|s| !(s.divert > 0.0 && s.divert < 1.0))
+    {
+        return invalid(
+            b.shunt_steps.span(),
+            "shunt_steps must ascend in p90 and divert, with divert in (0, 1)",
+        );
+    }
+    if b.canary_step.0.is_zero() || b.open_for.0.is_zero() || b.window.0.is_zero() {
+        return invalid(
+            0..0,
+            "open_for, window and canary_step must be longer than 0",
+        );
+    }
+    Ok(BreakerSettings {
+        failure_threshold: *b.failure_threshold.get_ref(),
+        open_for: b.open_for.0,
+        slow_ttft: b.slow_ttft.0,
+        slow_ratio: ratio,
+        min_samples: b.min_samples.max(1),
+        window: b.window.0,
+        canary_steps: steps.clone(),
+        canary_step: b.canary_step.0,
+        shunt_steps: shunts
+            .iter()
+            .map(|s| ShuntStep {
+                p90: s.p90.0,
+                divert: s.divert,
+            })
+            .collect(),
+    })
+}
+
+fn validate_health(h: HealthSection) -> Result<HealthConfig, Invalid> {
+    if !h.path.starts_with('/') {
+        return invalid(
+            0..0,
+            format!("health.path {:?} must start with '/'", h.path),
+        );
+    }
+    if h.interval.0.is_zero() || h.timeout.0.is_zero() {
+        return invalid(
+            0..0,
+            "health.interval and health.timeout must be longer than 0",
+        );
+    }
+    Ok(HealthConfig {
+        path: h.path,
+        interval: h.interval.0,
+        timeout: h.timeout.0,
+        unhealthy_after: h.unhealthy_after.max(1),
+        healthy_after: h.healthy_after.max(1),
     })
 }
 

@@ -54,6 +54,11 @@ impl<'a> Scanner<'a> {
         }
     }
 
+    /// The byte offset reached (after any value just read).
+    pub fn offset(&self) -> usize {
+        self.pos
+    }
+
     fn bytes(&self) -> &'a [u8] {
         self.text.as_bytes()
     }

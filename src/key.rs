@@ -81,6 +81,11 @@ pub struct RequestFacts {
     pub model: Option<String>,
     /// `stream: true`.
     pub stream: bool,
+    /// The request asks for reasoning (`reasoning_effort`, `reasoning`, or
+    /// `chat_template_kwargs.enable_thinking = true`).
+    pub wants_reasoning: bool,
+    /// Byte range of the `model` value in the body (to rewrite it for a fallback pool).
+    pub model_span: Option<(usize, usize)>,
     /// The key bytes (before the pool name and seed are mixed in).
     pub key: Vec<u8>,
     pub source: KeySource,
@@ -102,6 +107,8 @@ pub enum KeyError {
 #[derive(Default)]
 struct Envelope<'a> {
     model: Option<Cow<'a, str>>,
+    model_span: Option<(usize, usize)>,
+    wants_reasoning: bool,
     stream: Option<bool>,
     messages: Option<Vec<Message<'a>>>,
     tools: Option<&'a str>,
@@ -127,7 +134,23 @@ fn read_envelope(text: &str) -> Result<Envelope<'_>, ScanError> {
     sc.object(|sc, key| {
         let raw = match &*key {
             "model" => {
+                sc.peek();
+                let start = sc.offset();
                 env.model = sc.opt_string("'model' must be a string")?;
+                env.model_span = Some((start, sc.offset()));
+                return Ok(());
+            }
+            "reasoning_effort" | "reasoning" => {
+                env.wants_reasoning |= sc.value()? != "null";
+                return Ok(());
+            }
+            "chat_template_kwargs" if sc.peek() == Some(b'{') => {
+                sc.object(|sc, k| {
+                    let v = sc.value()?;
+                    env.wants_reasoning |=
+                        matches!(&*k, "enable_thinking" | "thinking") && v == "true";
+                    Ok(())
+                })?;
                 return Ok(());
             }
             "stream" => {
@@ -227,12 +250,14 @@ pub fn extract(
         text.ok().and_then(|t| read_envelope(t).ok())
     };
 
-    let (model, stream) = match &envelope {
+    let (model, stream, wants_reasoning, model_span) = match &envelope {
         Some(env) => (
             env.model.as_deref().map(str::to_owned),
             env.stream == Some(true),
+            env.wants_reasoning,
+            env.model_span,
         ),
-        None => (None, false),
+        None => (None, false, false, None),
     };
     if let Some(env) = &envelope {
         match api {
@@ -253,6 +278,8 @@ pub fn extract(
     Ok(RequestFacts {
         model,
         stream,
+        wants_reasoning,
+        model_span,
         key,
         source,
     })
@@ -713,6 +740,25 @@ q
         let f = extract(Api::Chat, body, None, CONV).unwrap();
         assert_eq!(f.model.as_deref(), Some("llama-3"));
         assert!(f.stream);
+    }
+
+    #[test]
+    fn reasoning_requests_and_the_model_span_are_found() {
+        let body = br#"{"model": "qwen", "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"enable_thinking": true}}"#;
+        let f = extract(Api::Chat, body, None, CONV).unwrap();
+        assert!(f.wants_reasoning);
+        let (a, b) = f.model_span.unwrap();
+        assert_eq!(&body[a..b], br#""qwen""#);
+        let f = extract(
+            Api::Chat,
+            br#"{"messages": [], "reasoning_effort": "high"}"#,
+            None,
+            CONV,
+        )
+        .unwrap();
+        assert!(f.wants_reasoning);
+        let f = extract(Api::Chat, br#"{"messages": [], "reasoning_effort": null, "chat_template_kwargs": {"enable_thinking": false}}"#, None, CONV).unwrap();
+        assert!(!f.wants_reasoning);
     }
 
     #[test]

@@ -10,10 +10,12 @@
 pub mod admin;
 pub mod balance;
 pub mod body;
+pub mod breaker;
 pub mod config;
 pub mod demo;
 pub mod engine_model;
 pub mod explain;
+pub mod health;
 pub mod json_scan;
 pub mod key;
 pub mod mock_engine;

@@ -83,6 +83,10 @@ enum Command {
         /// Sequences running at once; more wait.
         #[arg(long, default_value_t = 64)]
         max_num_seqs: usize,
+        /// Context window in tokens (prompt + output); longer requests get a 400 like
+        /// vLLM's. 0 = unlimited.
+        #[arg(long, default_value_t = 0)]
+        max_model_len: usize,
     },
 }
 
@@ -168,6 +172,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             decode_ms_per_token,
             cache_tokens,
             max_num_seqs,
+            max_model_len,
         } => {
             let config = MockConfig {
                 id: id.clone(),
@@ -178,6 +183,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 },
                 cache_tokens,
                 max_num_seqs,
+                max_model_len,
             };
             runtime()?.block_on(async move {
                 let listener = tokio::net::TcpListener::bind(listen)

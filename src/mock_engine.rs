@@ -30,6 +30,9 @@ pub struct MockConfig {
     pub costs: Costs,
     pub cache_tokens: usize,
     pub max_num_seqs: usize,
+    /// Context window (prompt + output tokens); longer requests get vLLM's 400.
+    /// 0 = unlimited (the default).
+    pub max_model_len: usize,
 }
 
 impl Default for MockConfig {
@@ -40,6 +43,7 @@ impl Default for MockConfig {
             costs: Costs::default(),
             cache_tokens: 200_000,
             max_num_seqs: 64,
+            max_model_len: 0,
         }
     }
 }
@@ -200,6 +204,19 @@ impl MockEngine {
             Err(msg) => return error(StatusCode::BAD_REQUEST, &msg),
         };
         self.requests.fetch_add(1, Ordering::Relaxed);
+        let limit = self.config.max_model_len;
+        if limit > 0 && job.prompt.tokens + job.max_tokens > limit {
+            // What vLLM answers when a request does not fit the context window.
+            return error(
+                StatusCode::BAD_REQUEST,
+                &format!(
+                    "This model's maximum context length is {limit} tokens. However, you requested {} tokens ({} in the messages, {} in the completion).",
+                    job.prompt.tokens + job.max_tokens,
+                    job.prompt.tokens,
+                    job.max_tokens
+                ),
+            );
+        }
         let fault = *self.fault.lock();
         if fault.mode == FaultMode::Error {
             return error(StatusCode::INTERNAL_SERVER_ERROR, "injected fault: error");

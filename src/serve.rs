@@ -10,7 +10,7 @@ use tokio::sync::watch;
 
 use crate::config::Config;
 use crate::proxy::Proxy;
-use crate::{admin, server};
+use crate::{admin, health, server};
 
 /// Binds both listeners, announces them on stdout, and serves until `shutdown`.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> std::io::Result<()> {
@@ -40,7 +40,10 @@ pub async fn run_on(
     let grace = config.server.shutdown_grace;
     let proxy = Proxy::new(config);
 
+    // Admin and health checks outlive the client listener: /readyz says 503 while
+    // in-flight requests drain.
     let (admin_stop_tx, mut admin_stop) = watch::channel(false);
+    let health_task = tokio::spawn(health::run(proxy.clone(), admin_stop.clone()));
     let admin_task = {
         let proxy = proxy.clone();
         tokio::spawn(server::serve(
@@ -71,6 +74,7 @@ pub async fn run_on(
     .await;
     let _ = admin_stop_tx.send(true);
     let _ = admin_task.await;
+    let _ = health_task.await;
     tracing::info!("stopped");
 }
 

@@ -87,6 +87,7 @@ impl Table {
     /// Builds a snapshot; state for ids already known to `registry` is reused.
     pub fn build(config: Config, registry: &Registry) -> Table {
         let mut by_model = HashMap::new();
+        let breaker = Arc::new(config.breaker.clone());
         let mut default_pool = None;
         let pools = config
             .pools
@@ -124,6 +125,7 @@ impl Table {
                         members,
                         registry.pool(&p.name),
                         config.routing.load_factor,
+                        breaker.clone(),
                     ),
                 }
             })
@@ -254,7 +256,10 @@ nodes = [{ id = "b", url = "http://h:2" }]
     fn state_survives_a_rebuild() {
         let registry = Registry::default();
         let t1 = Table::build(Config::parse(TWO, "t").unwrap(), &registry);
-        let held = match t1.pools[0].balancer.choose(1, &[]) {
+        let held = match t1.pools[0]
+            .balancer
+            .choose(1, &[], std::time::Instant::now())
+        {
             crate::balance::Walk::Chosen(c) => c,
             w => panic!("{w:?}"),
         };

@@ -34,8 +34,8 @@ pub enum ProxyError {
     Busy { attempts: String },
     #[error("all {count} attempts failed: {attempts}")]
     Upstream { count: u32, attempts: String },
-    #[error("no response from an engine within {timeout_ms} ms: {attempts}")]
-    UpstreamTimeout { timeout_ms: u128, attempts: String },
+    #[error("no engine answered in time: {attempts}")]
+    UpstreamTimeout { attempts: String },
 }
 
 impl ProxyError {

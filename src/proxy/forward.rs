@@ -1,31 +1,34 @@
 //! One request's trip to the engines: admission on the key's successor walk (spill,
-//! queue, reject or overcommit when saturated), the upstream exchange, and failover to
-//! the next untried successor on connect errors, transport errors, 5xx and 429 before
-//! any byte has gone to the client.
+//! shunt, queue, reject or overcommit), the upstream exchange, the first-packet probe
+//! for streams, and failover to the next untried successor (then to the pool's
+//! fallbacks) on anything that fails before a byte has gone to the client.
 
 use std::error::Error as _;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
-use bytes::Bytes;
-use http::{request, HeaderValue, Request, Response, StatusCode, Version};
+use bytes::{Bytes, BytesMut};
+use http::{header, request, HeaderMap, HeaderValue, Request, Response, StatusCode, Version};
 use http_body_util::Full;
-use hyper::body::Incoming;
 use tokio::time::Instant;
 
 use super::headers;
+use super::probe::{self, ProbeFailure};
 use super::relay::RelayBody;
 use super::{ProxyError, UpstreamClient};
-use crate::balance::{Balancer, Choice, Walk};
+use crate::balance::{Balancer, Choice, NodeState, Walk};
 use crate::body::BoxBody;
+use crate::breaker::{BreakerSettings, Outcome};
 use crate::config::{RoutingConfig, WhenSaturated};
+use crate::key;
 use crate::table::{Plan, Pool, Table};
 
 /// Why one attempt did not produce a response for the client.
 enum Failure {
-    /// Connect or transport error, or a 5xx.
+    /// Connect or transport error, 5xx, SSE error event, empty stream.
     Broken(String),
-    /// No response head within `request_timeout`.
+    /// No response head, or no first token, in time.
     Timeout(String),
     /// The engine answered 429: busy, not broken.
     Busy(String),
@@ -39,6 +42,41 @@ impl Failure {
     }
 }
 
+/// The health outcome of one attempt, recorded exactly once: by [`Attempt::finish`],
+/// or as neutral when the attempt is dropped unfinished (the client left), so a
+/// half-open probe slot is never leaked.
+struct Attempt {
+    node: Arc<NodeState>,
+    probe: bool,
+    settings: Arc<BreakerSettings>,
+    done: bool,
+}
+
+impl Attempt {
+    fn finish(mut self, outcome: Outcome, ttft: Option<Duration>) {
+        self.done = true;
+        self.node.record(outcome, ttft, self.probe, &self.settings);
+    }
+}
+
+impl Drop for Attempt {
+    fn drop(&mut self) {
+        if !self.done {
+            self.node
+                .record(Outcome::Neutral, None, self.probe, &self.settings);
+        }
+    }
+}
+
+/// Where the request is going now: a pool, the body for it, and the key's hash there.
+struct Target<'t> {
+    pool: &'t Pool,
+    body: Bytes,
+    hash: u64,
+    /// `fallback:POOL` once the request left its own pool.
+    fallback: Option<String>,
+}
+
 pub(super) async fn forward(
     client: &UpstreamClient,
     table: &Arc<Table>,
@@ -47,7 +85,6 @@ pub(super) async fn forward(
     body: Bytes,
     peer: SocketAddr,
 ) -> Result<Response<BoxBody>, ProxyError> {
-    let pool = &table.pools[plan.pool];
     let routing = &table.config.routing;
     let path = parts
         .uri
@@ -55,51 +92,198 @@ pub(super) async fn forward(
         .map(|p| p.as_str())
         .unwrap_or("/");
     let upstream_headers = headers::upstream_headers(&parts.headers, peer);
-    let request_timeout = table.config.server.request_timeout;
+    let stream = plan.facts.stream;
+
+    // The pools to try, in order: the request's own, then its fallbacks; a request
+    // asking for reasoning skips pools that do not support it.
+    let own = &table.pools[plan.pool];
+    let mut pools: std::collections::VecDeque<&Pool> = std::iter::once(own)
+        .chain(
+            own.config
+                .fallbacks
+                .iter()
+                .filter_map(|name| table.pools.iter().find(|p| p.config.name == *name)),
+        )
+        .filter(|p| !plan.facts.wants_reasoning || p.config.supports_thinking)
+        .collect();
+    let Some(first) = pools.pop_front() else {
+        return Err(ProxyError::NoNode {
+            pool: format!("{} (no pool for a reasoning request)", own.config.name),
+        });
+    };
+    let mut target = retarget(
+        table,
+        &plan,
+        &body,
+        first,
+        first.config.name != own.config.name,
+    );
 
     let mut tried = Vec::with_capacity(routing.max_attempts as usize);
     let mut failures: Vec<Failure> = Vec::new();
-    for attempt in 1..=routing.max_attempts {
-        let (choice, queued) = match admit(pool, routing, plan.hash, &tried).await {
+    let mut attempt = 0;
+    while attempt < routing.max_attempts {
+        let (choice, queued) = match admit(target.pool, routing, target.hash, &tried).await {
             Ok(admitted) => admitted,
+            Err(ProxyError::NoNode { .. }) if !pools.is_empty() => {
+                let next = pools.pop_front().expect("not empty");
+                tracing::debug!(from = %target.pool.config.name, to = %next.config.name, "no node available; trying the fallback pool");
+                target = retarget(table, &plan, &body, next, true);
+                tried.clear();
+                continue;
+            }
             Err(e) if failures.is_empty() => return Err(e),
             Err(_) => break, // nothing left to fail over to
         };
+        attempt += 1;
         tried.push(choice.index);
+        let pool = target.pool;
         let node = &pool.config.nodes[choice.index];
         let uri = node.upstream_uri(path).map_err(|e| ProxyError::Upstream {
             count: attempt,
             attempts: format!("{}: bad upstream URI: {e}", node.id),
         })?;
-        let mut req = Request::new(Full::new(body.clone()));
+        let mut req = Request::new(Full::new(target.body.clone()));
         *req.method_mut() = parts.method.clone();
         *req.uri_mut() = uri;
         *req.version_mut() = Version::HTTP_11;
         *req.headers_mut() = upstream_headers.clone();
 
-        let failure = match tokio::time::timeout(request_timeout, client.request(req)).await {
+        let health = Attempt {
+            node: choice.reservation.node().clone(),
+            probe: choice.probe,
+            settings: pool.balancer.breaker.clone(),
+            done: false,
+        };
+        let sent = Instant::now();
+        // A stream has `first_token_timeout` for its head and first token together.
+        let head_budget = if stream {
+            pool.config.first_token_timeout
+        } else {
+            table.config.server.request_timeout
+        };
+        let failure = match tokio::time::timeout(head_budget, client.request(req)).await {
             Err(_) => Failure::Timeout(format!(
                 "{}: no response within {} ms",
                 node.id,
-                request_timeout.as_millis()
+                head_budget.as_millis()
             )),
             Ok(Err(e)) => Failure::Broken(format!("{}: {}", node.id, error_chain(&e))),
             Ok(Ok(resp)) if resp.status() == StatusCode::TOO_MANY_REQUESTS => {
-                Failure::Busy(format!("{}: HTTP 429", node.id))
+                health.finish(Outcome::Neutral, None);
+                failures.push(Failure::Busy(format!("{}: HTTP 429", node.id)));
+                continue;
             }
             Ok(Ok(resp)) if resp.status().is_server_error() => {
                 Failure::Broken(format!("{}: HTTP {}", node.id, resp.status().as_u16()))
             }
+            Ok(Ok(resp))
+                if stream && resp.status().is_success() && is_event_stream(resp.headers()) =>
+            {
+                let (head, body) = resp.into_parts();
+                let deadline = sent + pool.config.first_token_timeout;
+                match probe::first_packet(body, sent, deadline).await {
+                    Ok(committed) => {
+                        health.finish(Outcome::Success, Some(committed.ttft));
+                        let route = route_label(&target, queued, &choice);
+                        tracing::debug!(pool = %pool.config.name, node = %node.id, %route, attempt, ttft_ms = committed.ttft.as_millis() as u64, "stream committed");
+                        let body = RelayBody::stream(
+                            committed.held,
+                            committed.rest,
+                            choice.reservation,
+                            table.config.server.idle_stream_timeout,
+                            pool.balancer.breaker.clone(),
+                        );
+                        return Ok(respond(head, body, &node.id, &route, attempt));
+                    }
+                    Err(ProbeFailure::Timeout) => Failure::Timeout(format!(
+                        "{}: no first token within {} ms",
+                        node.id,
+                        pool.config.first_token_timeout.as_millis()
+                    )),
+                    Err(f) => Failure::Broken(match f {
+                        ProbeFailure::Error(msg) => {
+                            format!("{}: stream error before the first token: {msg}", node.id)
+                        }
+                        _ => format!("{}: stream ended with no content", node.id),
+                    }),
+                }
+            }
             Ok(Ok(resp)) => {
-                let route = route_label(queued, choice.distance);
-                tracing::debug!(pool = %pool.config.name, node = %node.id, %route, attempt, "routed");
-                return Ok(relay(resp, choice, &node.id, &route, attempt));
+                // A 2xx, or a 4xx that is the client's to read: the node is fine.
+                health.finish(Outcome::Success, None);
+                let route = route_label(&target, queued, &choice);
+                tracing::debug!(pool = %pool.config.name, node = %node.id, %route, attempt, status = resp.status().as_u16(), "routed");
+                let (head, body) = resp.into_parts();
+                return Ok(respond(
+                    head,
+                    RelayBody::plain(body, choice.reservation),
+                    &node.id,
+                    &route,
+                    attempt,
+                ));
             }
         };
-        tracing::debug!(pool = %pool.config.name, reason = failure.text(), attempt, "attempt failed; failing over");
+        tracing::info!(pool = %pool.config.name, reason = failure.text(), attempt, "attempt failed; failing over");
+        health.finish(Outcome::Failure, None);
         failures.push(failure);
     }
-    Err(final_error(&failures, request_timeout.as_millis()))
+    Err(final_error(&failures))
+}
+
+/// Points the request at `pool`: the key's hash there, and for a fallback pool the
+/// body with `model` rewritten to the pool's first model.
+fn retarget<'t>(
+    table: &Table,
+    plan: &Plan,
+    body: &Bytes,
+    pool: &'t Pool,
+    fallback: bool,
+) -> Target<'t> {
+    let name = &pool.config.name;
+    let hash = key::key_hash(name, &plan.facts.key, table.config.routing.hash_seed);
+    if !fallback {
+        return Target {
+            pool,
+            body: body.clone(),
+            hash,
+            fallback: None,
+        };
+    }
+    let model = pool.config.models.first().unwrap_or(name);
+    Target {
+        pool,
+        body: rewrite_model(body, plan.facts.model_span, model),
+        hash,
+        fallback: Some(format!("fallback:{name}")),
+    }
+}
+
+/// The body with its `model` value replaced (or added, if it had none).
+fn rewrite_model(body: &Bytes, span: Option<(usize, usize)>, model: &str) -> Bytes {
+    let quoted = serde_json::Value::from(model).to_string();
+    let mut out = BytesMut::with_capacity(body.len() + quoted.len() + 12);
+    match span {
+        Some((start, end)) => {
+            out.extend_from_slice(&body[..start]);
+            out.extend_from_slice(quoted.as_bytes());
+            out.extend_from_slice(&body[end..]);
+        }
+        None => match body.iter().position(|&b| b == b'{') {
+            Some(brace) => {
+                out.extend_from_slice(&body[..=brace]);
+                out.extend_from_slice(format!("\"model\":{quoted},").as_bytes());
+                let rest = &body[brace + 1..];
+                // `{}` must not become `{"model":"m",}`.
+                if rest.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'}') {
+                    out.truncate(out.len() - 1);
+                }
+                out.extend_from_slice(rest);
+            }
+            None => return body.clone(),
+        },
+    }
+    out.freeze()
 }
 
 /// Takes a slot on the first willing node of the key's walk; when every willing node
@@ -118,7 +302,7 @@ async fn admit(
     let walk = if queue_first {
         Walk::Saturated
     } else {
-        b.choose(hash, tried)
+        b.choose(hash, tried, std::time::Instant::now())
     };
     match walk {
         Walk::Chosen(c) => Ok((c, false)),
@@ -158,7 +342,7 @@ async fn wait_for_slot(
         // Register for the wake-up before looking, so a slot freed in between is not missed.
         let mut freed = std::pin::pin!(b.load.freed().notified());
         freed.as_mut().enable();
-        match b.choose(hash, tried) {
+        match b.choose(hash, tried, std::time::Instant::now()) {
             Walk::Chosen(c) => return Ok(c),
             Walk::Unavailable => {
                 return Err(ProxyError::NoNode {
@@ -176,26 +360,35 @@ async fn wait_for_slot(
     }
 }
 
-fn route_label(queued: bool, distance: usize) -> String {
-    match (queued, distance) {
-        (true, _) => "queued".to_string(),
-        (false, 0) => "primary".to_string(),
-        (false, d) => format!("spill:{d}"),
+fn route_label(target: &Target<'_>, queued: bool, choice: &Choice) -> String {
+    if let Some(f) = &target.fallback {
+        return f.clone();
+    }
+    match (queued, choice.shunted, choice.distance) {
+        (true, _, _) => "queued".to_string(),
+        (false, true, _) => "shunt".to_string(),
+        (false, false, 0) => "primary".to_string(),
+        (false, false, d) => format!("spill:{d}"),
     }
 }
 
-/// The engine's response, headers cleaned and labelled, body relayed with the
-/// reservation attached.
-fn relay(
-    resp: Response<Incoming>,
-    choice: Choice,
+fn is_event_stream(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("text/event-stream"))
+}
+
+/// The engine's response head, cleaned and labelled, with the relayed body.
+fn respond(
+    mut head: http::response::Parts,
+    body: RelayBody,
     node: &str,
     route: &str,
     attempts: u32,
 ) -> Response<BoxBody> {
-    let (mut parts, body) = resp.into_parts();
-    headers::strip_hop_by_hop(&mut parts.headers);
-    let h = &mut parts.headers;
+    headers::strip_hop_by_hop(&mut head.headers);
+    let h = &mut head.headers;
     if let Ok(v) = HeaderValue::from_str(node) {
         h.insert(headers::NODE.clone(), v);
     }
@@ -203,13 +396,10 @@ fn relay(
         h.insert(headers::ROUTE.clone(), v);
     }
     h.insert(headers::ATTEMPTS.clone(), HeaderValue::from(attempts));
-    Response::from_parts(
-        parts,
-        BoxBody::new(RelayBody::new(body, choice.reservation)),
-    )
+    Response::from_parts(head, BoxBody::new(body))
 }
 
-fn final_error(failures: &[Failure], timeout_ms: u128) -> ProxyError {
+fn final_error(failures: &[Failure]) -> ProxyError {
     let attempts = failures
         .iter()
         .map(Failure::text)
@@ -219,10 +409,7 @@ fn final_error(failures: &[Failure], timeout_ms: u128) -> ProxyError {
         return ProxyError::Busy { attempts };
     }
     match failures.last() {
-        Some(Failure::Timeout(_)) => ProxyError::UpstreamTimeout {
-            timeout_ms,
-            attempts,
-        },
+        Some(Failure::Timeout(_)) => ProxyError::UpstreamTimeout { attempts },
         _ => ProxyError::Upstream {
             count: failures.len() as u32,
             attempts,
@@ -240,4 +427,28 @@ fn error_chain(e: &hyper_util::client::legacy::Error) -> String {
         source = s.source();
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_is_rewritten_or_added() {
+        let body = Bytes::from_static(br#"{"model": "a", "messages": []}"#);
+        let span = Some((10, 13));
+        assert_eq!(
+            &rewrite_model(&body, span, "big/model")[..],
+            br#"{"model": "big/model", "messages": []}"#
+        );
+        let body = Bytes::from_static(br#"{"messages": []}"#);
+        assert_eq!(
+            &rewrite_model(&body, None, "m")[..],
+            br#"{"model":"m","messages": []}"#
+        );
+        assert_eq!(
+            &rewrite_model(&Bytes::from_static(b"{ }"), None, "m")[..],
+            br#"{"model":"m" }"#
+        );
+    }
 }

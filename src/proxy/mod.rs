@@ -6,6 +6,7 @@
 mod error;
 mod forward;
 pub mod headers;
+mod probe;
 mod relay;
 
 use std::net::SocketAddr;
@@ -64,6 +65,11 @@ impl Proxy {
     pub fn install(&self, config: Config) {
         self.table
             .store(Arc::new(Table::build(config, &self.registry)));
+    }
+
+    /// The pooled client to the engines (shared with the health checker).
+    pub fn client(&self) -> &UpstreamClient {
+        &self.client
     }
 
     /// Marks the balancer as shutting down (`/readyz` answers 503).

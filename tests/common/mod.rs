@@ -268,3 +268,74 @@ pub async fn next_chunk(body: &mut Incoming) -> Option<Bytes> {
     }
     None
 }
+
+/// A config over the engines (node ids n0, n1, …) with extra top-level sections
+/// (e.g. `[breaker]`) and extra lines for the pool.
+pub fn config_ext(engines: &[&Proc], sections: &str, pool_lines: &str) -> String {
+    let nodes: Vec<String> = engines
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            format!(
+                "[[pools.nodes]]\nid = \"n{i}\"\nurl = \"http://{}\"\n",
+                e.addr
+            )
+        })
+        .collect();
+    format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{sections}\n[[pools]]\nname = \"mock\"\nmodels = [\"mock\"]\n{pool_lines}\n{}",
+        nodes.join("")
+    )
+}
+
+/// Puts an engine into a fault mode.
+pub async fn set_fault(engine: &Proc, mode: &str, ttft_ms: u64) {
+    let reply = post_json(
+        &engine.url("/mock/fault"),
+        &serde_json::json!({"mode": mode, "ttft_ms": ttft_ms}),
+        &[],
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+}
+
+/// The successor order of a session key, from `/admin/explain`.
+pub async fn walk_of(lb: &Proc, session: &str) -> Vec<String> {
+    let body = serde_json::to_vec(&chat(&[("user", "x")], true, 1)).unwrap();
+    let x = call(
+        "POST",
+        &lb.admin_url("/admin/explain"),
+        &[("x-session-id", session)],
+        body,
+    )
+    .await
+    .json();
+    x["successors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["node"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// One node's entry of `/admin/nodes`.
+pub async fn node_info(lb: &Proc, id: &str) -> Value {
+    let nodes = get_json(&lb.admin_url("/admin/nodes")).await;
+    nodes["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["id"] == id)
+        .cloned()
+        .unwrap()
+}
+
+/// A streaming chat request with a session key; returns the reply (body read fully).
+pub async fn stream_chat(lb: &Proc, session: &str, max_tokens: u32) -> Reply {
+    post_json(
+        &lb.url("/v1/chat/completions"),
+        &chat(&[("user", "hello")], true, max_tokens),
+        &[("x-session-id", session)],
+    )
+    .await
+}

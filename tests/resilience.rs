@@ -1,0 +1,439 @@
+//! Never a stalled stream: the first-packet probe, the TTFT breaker, shunting, canary
+//! recovery, fallbacks, drain and graceful shutdown, over loopback against
+//! `mock-engine` processes put into fault modes.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::json;
+
+fn engines(n: usize, flags: &[&str]) -> Vec<Proc> {
+    (0..n).map(|i| engine(&format!("e{i}"), flags)).collect()
+}
+
+fn refs(e: &[Proc]) -> Vec<&Proc> {
+    e.iter().collect()
+}
+
+/// The engine behind node id `nK`.
+fn engine_of<'a>(engines: &'a [Proc], node: &str) -> &'a Proc {
+    &engines[node[1..].parse::<usize>().unwrap()]
+}
+
+const FAST: &[&str] = &["--decode-ms-per-token", "5", "--prefill-us-per-token", "0"];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_empty_or_failing_primary_is_invisible_to_the_client() {
+    let e = engines(4, FAST);
+    let lb = balancer(&config_ext(
+        &refs(&e),
+        "[breaker]\nfailure_threshold = 100\n",
+        "first_token_timeout = \"600ms\"",
+    ));
+    for (i, mode) in ["stall", "empty", "error"].iter().enumerate() {
+        let session = format!("conversation-{i}");
+        let walk = walk_of(&lb, &session).await;
+        set_fault(engine_of(&e, &walk[0]), mode, 0).await;
+        let started = Instant::now();
+        let reply = stream_chat(&lb, &session, 5).await;
+        let took = started.elapsed();
+        assert_eq!(reply.status, 200, "{mode}: {}", reply.text());
+        assert_eq!(reply.header("x-prefixlb-attempts"), "2", "{mode}");
+        assert_eq!(reply.header("x-prefixlb-node"), walk[1], "{mode}");
+        // Headers and bytes come from the committed engine only.
+        assert_eq!(
+            reply.header("x-engine-id"),
+            format!("e{}", &walk[1][1..]),
+            "{mode}"
+        );
+        let text = reply.text();
+        assert_eq!(
+            text.matches("\"role\":\"assistant\"").count(),
+            1,
+            "{mode}: one role chunk only: {text}"
+        );
+        assert_eq!(text.matches("\"content\":\" ").count(), 5, "{mode}");
+        assert!(text.ends_with("data: [DONE]\n\n"), "{mode}");
+        if *mode == "stall" {
+            assert!(
+                took >= Duration::from_millis(600),
+                "waited for first_token_timeout: {took:?}"
+            );
+        } else {
+            assert!(
+                took < Duration::from_millis(600),
+                "{mode} failed over at once: {took:?}"
+            );
+        }
+        set_fault(engine_of(&e, &walk[0]), "ok", 0).await;
+    }
+    assert!(
+        eventually(Duration::from_secs(2), || async {
+            in_flight(&lb).await.iter().all(|(_, n)| *n == 0)
+        })
+        .await
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_failures_open_the_breaker_then_a_probe_and_the_canary_bring_it_back() {
+    let e = engines(3, FAST);
+    let sections =
+        "[breaker]\nopen_for = \"1s\"\ncanary_step = \"300ms\"\n[health]\ninterval = \"60s\"\n";
+    let lb = balancer(&config_ext(&refs(&e), sections, ""));
+    let walk = walk_of(&lb, "k").await;
+    let (primary, second) = (&walk[0], &walk[1]);
+    set_fault(engine_of(&e, primary), "error", 0).await;
+    for _ in 0..2 {
+        let r = stream_chat(&lb, "k", 2).await;
+        assert_eq!(
+            (r.header("x-prefixlb-attempts"), r.header("x-prefixlb-node")),
+            ("2", second.as_str())
+        );
+    }
+    assert_eq!(node_info(&lb, primary).await["state"], "open");
+    // Open: straight to the successor, no attempt on the primary.
+    let r = stream_chat(&lb, "k", 2).await;
+    assert_eq!(
+        (r.header("x-prefixlb-attempts"), r.header("x-prefixlb-node")),
+        ("1", second.as_str())
+    );
+    assert_eq!(r.header("x-prefixlb-route"), "spill:1");
+
+    // Healthy again; after open_for one probe goes, and it succeeds.
+    set_fault(engine_of(&e, primary), "ok", 0).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let mut on_primary = 0;
+    for i in 0..40 {
+        // Keys whose primary is this node, spread over the canary shares.
+        let session = format!("k{i}");
+        if walk_of(&lb, &session).await[0] != *primary {
+            continue;
+        }
+        let r = stream_chat(&lb, &session, 1).await;
+        assert_eq!(r.status, 200);
+        if r.header("x-prefixlb-node") == primary {
+            on_primary += 1;
+        }
+        if on_primary == 1 {
+            break;
+        }
+    }
+    assert_eq!(on_primary, 1, "the probe went to the recovered node");
+    assert_eq!(node_info(&lb, primary).await["state"], "recovering");
+    // After the ramp (4 × 300 ms) the next request closes it.
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    let r = stream_chat(&lb, "k", 1).await;
+    assert_eq!(r.header("x-prefixlb-node"), primary.as_str());
+    assert_eq!(node_info(&lb, primary).await["state"], "closed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_node_is_shunted_then_opened_then_recovered() {
+    let e = engines(3, FAST);
+    let sections = "[breaker]\nslow_ttft = \"300ms\"\nmin_samples = 4\nopen_for = \"1s\"\ncanary_step = \"200ms\"\n\
+                    shunt_steps = [{ p90 = \"150ms\", divert = 0.2 }, { p90 = \"200ms\", divert = 0.5 }]\n[health]\ninterval = \"60s\"\n";
+    let lb = balancer(&config_ext(&refs(&e), sections, ""));
+    // Sessions whose primary is n0.
+    let mut keys = Vec::new();
+    for i in 0..200 {
+        let s = format!("s{i}");
+        if walk_of(&lb, &s).await[0] == "n0" {
+            keys.push(s);
+        }
+        if keys.len() == 24 {
+            break;
+        }
+    }
+    // Stage 1: slower than the shunt steps, faster than slow_ttft.
+    set_fault(&e[0], "slow", 230).await;
+    for k in &keys[..4] {
+        stream_chat(&lb, k, 1).await;
+    }
+    let info = node_info(&lb, "n0").await;
+    assert_eq!(info["state"], "closed");
+    assert_eq!(info["shunt_ratio"], 0.5, "{info}");
+    let mut shunted = 0;
+    for k in &keys[4..] {
+        let r = stream_chat(&lb, k, 1).await;
+        if r.header("x-prefixlb-route") == "shunt" {
+            assert_ne!(r.header("x-prefixlb-node"), "n0");
+            shunted += 1;
+        }
+    }
+    assert!(
+        (3..=17).contains(&shunted),
+        "about half of 20 keys shunted, got {shunted}"
+    );
+    // Stage 2: slower than slow_ttft: once half the window is slow, the breaker
+    // opens. (Half the keys are shunted away meanwhile, so send them four at a time.)
+    set_fault(&e[0], "slow", 400).await;
+    for batch in keys.chunks(4).cycle().take(20) {
+        let sends: Vec<_> = batch
+            .iter()
+            .map(|k| {
+                let (url, k) = (lb.url("/v1/chat/completions"), k.clone());
+                tokio::spawn(async move {
+                    post_json(
+                        &url,
+                        &chat(&[("user", "hello")], true, 1),
+                        &[("x-session-id", &k)],
+                    )
+                    .await
+                })
+            })
+            .collect();
+        for s in sends {
+            s.await.unwrap();
+        }
+        if node_info(&lb, "n0").await["state"] == "open" {
+            break;
+        }
+    }
+    assert_eq!(node_info(&lb, "n0").await["state"], "open");
+    let r = stream_chat(&lb, &keys[0], 1).await;
+    assert_ne!(r.header("x-prefixlb-node"), "n0");
+    assert_eq!(r.header("x-prefixlb-attempts"), "1");
+    // Stage 3: fast again; after open_for the canary path brings it back.
+    set_fault(&e[0], "ok", 0).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while node_info(&lb, "n0").await["state"] != "closed" && Instant::now() < deadline {
+        for k in &keys {
+            stream_chat(&lb, k, 1).await;
+        }
+    }
+    assert_eq!(node_info(&lb, "n0").await["state"], "closed");
+    let r = stream_chat(&lb, &keys[0], 1).await;
+    assert_eq!(r.header("x-prefixlb-node"), "n0");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_400_is_passed_through_and_does_not_count() {
+    let e = engines(2, &["--max-model-len", "4096"]);
+    let lb = balancer(&config_ext(
+        &refs(&e),
+        "[breaker]\nfailure_threshold = 1\n",
+        "",
+    ));
+    for _ in 0..3 {
+        let r = post_json(
+            &lb.url("/v1/chat/completions"),
+            &chat(&[("user", "x")], true, 5000),
+            &[("x-session-id", "big")],
+        )
+        .await;
+        assert_eq!(r.status, 400);
+        assert!(r.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("maximum context length"));
+        assert_eq!(r.header("x-prefixlb-attempts"), "1");
+    }
+    for n in ["n0", "n1"] {
+        assert_eq!(node_info(&lb, n).await["state"], "closed");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_killed_mid_stream_ends_the_stream_with_an_error_event() {
+    let mut e = engines(1, &["--decode-ms-per-token", "50"]);
+    let lb = balancer(&config(&refs(&e), "", ""));
+    let resp = send(
+        "POST",
+        &lb.url("/v1/chat/completions"),
+        &[("content-type", "application/json")],
+        serde_json::to_vec(&chat(&[("user", "tell me a long story")], true, 200)).unwrap(),
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let mut text = String::new();
+    while text.matches("\"content\":\" ").count() < 3 {
+        text.push_str(&String::from_utf8_lossy(
+            &next_chunk(&mut body).await.unwrap(),
+        ));
+    }
+    drop(e.remove(0)); // kill -9 the engine
+    while let Some(chunk) = next_chunk(&mut body).await {
+        text.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    let last = text.trim_end().rsplit("\n\n").next().unwrap();
+    assert!(last.starts_with("data: {\"error\":"), "{text}");
+    assert!(last.contains("stream_interrupted"), "{last}");
+    assert!(!text.contains("[DONE]"));
+    assert!(
+        eventually(Duration::from_secs(1), || async {
+            in_flight(&lb).await[0].1 == 0
+        })
+        .await
+    );
+}
+
+fn dead_node(id: &str) -> String {
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    format!("[[pools.nodes]]\nid = \"{id}\"\nurl = \"http://{addr}\"\n")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_with_no_live_node_falls_back_or_answers_503_at_once() {
+    let b = engine("b0", FAST);
+    let text = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n[health]\ninterval = \"100ms\"\nunhealthy_after = 1\n\
+         [[pools]]\nname = \"fast\"\nmodels = [\"small\"]\nfallbacks = [\"deep\"]\nsupports_thinking = false\n{}{}\
+         [[pools]]\nname = \"deep\"\nmodels = [\"big\"]\n[[pools.nodes]]\nid = \"b0\"\nurl = \"http://{}\"\n\
+         [[pools]]\nname = \"lonely\"\nmodels = [\"alone\"]\n{}",
+        dead_node("a0"),
+        dead_node("a1"),
+        b.addr,
+        dead_node("c0"),
+    );
+    let lb = balancer(&text);
+    assert!(
+        eventually(Duration::from_secs(3), || async {
+            let nodes = get_json(&lb.admin_url("/admin/nodes")).await;
+            nodes["nodes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|n| n["healthy"] == false)
+                .count()
+                == 3
+        })
+        .await
+    );
+
+    let body =
+        json!({"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let r = post_json(&lb.url("/v1/chat/completions"), &body, &[]).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-prefixlb-route"), "fallback:deep");
+    assert_eq!(r.header("x-prefixlb-node"), "b0");
+    assert_eq!(
+        r.json()["model"],
+        "big",
+        "the body's model was rewritten for the fallback pool"
+    );
+
+    let started = Instant::now();
+    let body = json!({"model": "alone", "messages": [{"role": "user", "content": "hi"}]});
+    let r = post_json(&lb.url("/v1/chat/completions"), &body, &[]).await;
+    assert_eq!(r.status, 503);
+    assert_eq!(r.json()["error"]["code"], "no_available_node");
+    assert!(r.headers.contains_key("retry-after"));
+    assert!(started.elapsed() < Duration::from_millis(500));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reasoning_requests_skip_pools_without_thinking() {
+    let a = engine("a0", FAST);
+    let b = engine("b0", FAST);
+    let text = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+         [[pools]]\nname = \"fast\"\nmodels = [\"small\"]\nfallbacks = [\"deep\"]\nsupports_thinking = false\n[[pools.nodes]]\nid = \"a0\"\nurl = \"http://{}\"\n\
+         [[pools]]\nname = \"deep\"\nmodels = [\"big\"]\n[[pools.nodes]]\nid = \"b0\"\nurl = \"http://{}\"\n",
+        a.addr, b.addr
+    );
+    let lb = balancer(&text);
+    let plain =
+        json!({"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let r = post_json(&lb.url("/v1/chat/completions"), &plain, &[]).await;
+    assert_eq!(
+        (r.header("x-prefixlb-node"), r.header("x-prefixlb-route")),
+        ("a0", "primary")
+    );
+    let thinking = json!({"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "reasoning_effort": "high"});
+    let r = post_json(&lb.url("/v1/chat/completions"), &thinking, &[]).await;
+    assert_eq!(
+        (r.header("x-prefixlb-node"), r.header("x-prefixlb-route")),
+        ("b0", "fallback:deep")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_node_finishes_its_streams_and_takes_no_new_ones() {
+    let e = engines(2, &["--decode-ms-per-token", "20"]);
+    let lb = balancer(&config(&refs(&e), "", ""));
+    let walk = walk_of(&lb, "d").await;
+    let url = lb.url("/v1/chat/completions");
+    let running = tokio::spawn(async move {
+        post_json(
+            &url,
+            &chat(&[("user", "hello")], true, 40),
+            &[("x-session-id", "d")],
+        )
+        .await
+    });
+    assert!(
+        eventually(Duration::from_secs(2), || async {
+            node_info(&lb, &walk[0]).await["in_flight"] == 1
+        })
+        .await
+    );
+    let r = call(
+        "POST",
+        &lb.admin_url(&format!("/admin/nodes/{}/drain", walk[0])),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(r.json()["draining"], true);
+    let next = stream_chat(&lb, "d", 2).await;
+    assert_eq!(
+        next.header("x-prefixlb-node"),
+        walk[1],
+        "a drained node takes no new requests"
+    );
+    let first = running.await.unwrap();
+    assert_eq!(first.header("x-prefixlb-node"), walk[0]);
+    assert!(
+        first.text().ends_with("data: [DONE]\n\n"),
+        "the in-flight stream finished"
+    );
+    call(
+        "POST",
+        &lb.admin_url(&format!("/admin/nodes/{}/undrain", walk[0])),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(
+        stream_chat(&lb, "d", 2).await.header("x-prefixlb-node"),
+        walk[0]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_the_stream_in_flight_finish_then_exits_0() {
+    let e = engines(1, &["--decode-ms-per-token", "30"]);
+    let mut lb = balancer(&config(&refs(&e), "shutdown_grace = \"10s\"", ""));
+    let url = lb.url("/v1/chat/completions");
+    let running =
+        tokio::spawn(
+            async move { post_json(&url, &chat(&[("user", "hello")], true, 40), &[]).await },
+        );
+    assert!(
+        eventually(Duration::from_secs(2), || async {
+            in_flight(&lb).await[0].1 == 1
+        })
+        .await
+    );
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &lb.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let reply = running.await.unwrap();
+    assert_eq!(reply.status, 200);
+    assert!(
+        reply.text().ends_with("data: [DONE]\n\n"),
+        "{}",
+        reply.text()
+    );
+    assert_eq!(lb.wait_exit(Duration::from_secs(5)), Some(0));
+}
