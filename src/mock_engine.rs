@@ -120,6 +120,9 @@ struct Job {
     max_tokens: usize,
     stream: bool,
     include_usage: bool,
+    /// `"mock_timestamps": true`: each chunk carries `emitted_us` (µs since the Unix
+    /// epoch), so a client can measure per-chunk delivery latency.
+    timestamps: bool,
 }
 
 impl MockEngine {
@@ -282,7 +285,9 @@ impl MockEngine {
         let _running = Running::start(&self);
         let plan = self.model.lock().prefill(&job.prompt);
         self.count_prompt(plan.prompt_tokens, plan.cached_tokens);
-        let chunk = |delta: Value, finish: Value| sse_chunk(job.kind, &job.model, delta, finish);
+        let chunk = |delta: Value, finish: Value| {
+            sse_chunk(job.kind, &job.model, delta, finish, job.timestamps)
+        };
 
         if job.kind == Kind::Chat
             && tx
@@ -458,6 +463,7 @@ fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<Job, String
         prompt: Prompt::from_text(&text),
         max_tokens,
         stream: v["stream"].as_bool().unwrap_or(false),
+        timestamps: v["mock_timestamps"].as_bool().unwrap_or(false),
         include_usage: v["stream_options"]["include_usage"]
             .as_bool()
             .unwrap_or(false),
@@ -472,8 +478,8 @@ fn token_text(i: usize) -> &'static str {
     WORDS[i % WORDS.len()]
 }
 
-fn sse_chunk(kind: Kind, model: &str, delta: Value, finish: Value) -> Bytes {
-    let data = match kind {
+fn sse_chunk(kind: Kind, model: &str, delta: Value, finish: Value, timestamps: bool) -> Bytes {
+    let mut data = match kind {
         Kind::Chat => json!({
             "id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": now(), "model": model,
             "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
@@ -483,6 +489,13 @@ fn sse_chunk(kind: Kind, model: &str, delta: Value, finish: Value) -> Bytes {
             "choices": [{"index": 0, "text": delta.get("content").and_then(Value::as_str).unwrap_or(""), "logprobs": null, "finish_reason": finish}],
         }),
     };
+    if timestamps {
+        let us = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_micros() as u64)
+            .unwrap_or(0);
+        data["emitted_us"] = json!(us);
+    }
     Bytes::from(format!("data: {data}\n\n"))
 }
 

@@ -428,6 +428,13 @@ async fn sigterm_lets_the_stream_in_flight_finish_then_exits_0() {
         .status()
         .unwrap();
     assert!(status.success());
+    assert!(
+        eventually(Duration::from_secs(2), || async {
+            call("GET", &lb.admin_url("/readyz"), &[], "").await.status == 503
+        })
+        .await,
+        "/readyz turns 503 while draining"
+    );
     let reply = running.await.unwrap();
     assert_eq!(reply.status, 200);
     assert!(
@@ -436,4 +443,41 @@ async fn sigterm_lets_the_stream_in_flight_finish_then_exits_0() {
         reply.text()
     );
     assert_eq!(lb.wait_exit(Duration::from_secs(5)), Some(0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_stream_after_commit_ends_with_an_error_event() {
+    // Tokens every 300 ms, but the balancer tolerates 100 ms of silence.
+    let e = engines(
+        1,
+        &[
+            "--decode-ms-per-token",
+            "300",
+            "--prefill-us-per-token",
+            "0",
+        ],
+    );
+    let lb = balancer(&config(&refs(&e), "idle_stream_timeout = \"100ms\"", ""));
+    let reply = stream_chat(&lb, "quiet", 5).await;
+    assert_eq!(reply.status, 200);
+    let text = reply.text();
+    assert_eq!(text.matches("\"content\":\" ").count(), 1, "{text}");
+    assert!(
+        text.trim_end().ends_with('}') && text.contains("no data for 100 ms"),
+        "{text}"
+    );
+    assert!(
+        eventually(Duration::from_secs(1), || async {
+            in_flight(&lb).await[0].1 == 0
+        })
+        .await
+    );
+    let engine_metrics = e[0].url("/metrics");
+    assert!(
+        eventually(Duration::from_secs(1), || async {
+            metric(&engine_metrics, "mock_engine_cancelled_total").await == 1.0
+        })
+        .await,
+        "the engine's sequence was aborted"
+    );
 }
