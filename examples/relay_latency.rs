@@ -96,6 +96,7 @@ async fn main() {
         lb_listener,
         admin,
         config,
+        None,
         std::future::pending(),
     ));
 

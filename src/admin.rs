@@ -38,6 +38,18 @@ pub async fn handle(
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
     match (req.method(), segments.as_slice()) {
         (&Method::GET, ["healthz"]) => json_ok(json!({"status": "ok"})),
+        (&Method::GET, ["metrics"]) => {
+            let mut resp = Response::new(full(proxy.metrics().render(&table)));
+            resp.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+            );
+            resp
+        }
+        (&Method::POST, ["admin", "reload"]) => match proxy.reload() {
+            Ok(()) => json_ok(json!({"result": "ok"})),
+            Err(e) => error(StatusCode::BAD_REQUEST, &e.to_string()),
+        },
         (&Method::GET, ["readyz"]) => readyz(&proxy),
         (&Method::GET, ["admin", "nodes"]) => json_ok(nodes(&proxy)),
         (&Method::POST, ["admin", "explain"]) => explain_request(&proxy, req).await,

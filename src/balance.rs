@@ -3,7 +3,7 @@
 //! [`Reservation`] that gives the slot back when dropped, and the clockwise walk that
 //! takes the first node willing to serve a key. Synchronous: no I/O, no clocks.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -24,6 +24,8 @@ pub struct NodeState {
     check_failures: AtomicU32,
     check_passes: AtomicU32,
     pub breaker: Breaker,
+    /// Breaker transitions so far, by the state entered.
+    transitions: [AtomicU64; 4],
 }
 
 impl NodeState {
@@ -36,7 +38,13 @@ impl NodeState {
             check_failures: AtomicU32::new(0),
             check_passes: AtomicU32::new(0),
             breaker: Breaker::new(Instant::now()),
+            transitions: Default::default(),
         }
+    }
+
+    /// How many times the breaker entered `state`.
+    pub fn transitions(&self, state: BreakerState) -> u64 {
+        self.transitions[state as usize].load(Ordering::Relaxed)
     }
 
     /// Records how an exchange with this node ended (see [`Breaker::record`]).
@@ -78,6 +86,7 @@ impl NodeState {
 
     fn log_flip(&self, flip: Option<BreakerState>) {
         if let Some(to) = flip {
+            self.transitions[to as usize].fetch_add(1, Ordering::Relaxed);
             tracing::warn!(node = %self.id, to = to.as_str(), "breaker state changed");
         }
     }

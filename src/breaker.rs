@@ -77,7 +77,7 @@ impl Default for BreakerSettings {
 }
 
 /// The breaker's state.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BreakerState {
     Closed = 0,
     Open = 1,

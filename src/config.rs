@@ -101,6 +101,9 @@ pub struct RoutingSection {
     pub queue_timeout: Dur,
     /// Nodes tried per request (first try included). Default 3.
     pub max_attempts: Spanned<u32>,
+    /// Ask streams for their usage chunk (and hide it from clients that did not ask),
+    /// to count the fleet's real prefix-cache hits. Default true.
+    pub track_usage: bool,
 }
 
 impl Default for RoutingSection {
@@ -117,6 +120,7 @@ impl Default for RoutingSection {
             max_queue: 1024,
             queue_timeout: Dur::secs(30),
             max_attempts: unspanned(3),
+            track_usage: true,
         }
     }
 }
@@ -379,6 +383,7 @@ pub struct RoutingConfig {
     pub max_queue: usize,
     pub queue_timeout: Duration,
     pub max_attempts: u32,
+    pub track_usage: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -750,6 +755,7 @@ fn validate_routing(r: RoutingSection) -> Result<RoutingConfig, Invalid> {
         max_queue: r.max_queue,
         queue_timeout: r.queue_timeout.0,
         max_attempts: *r.max_attempts.get_ref(),
+        track_usage: r.track_usage,
     })
 }
 

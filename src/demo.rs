@@ -123,9 +123,15 @@ pub async fn compare(opts: &DemoOptions) -> std::io::Result<(RunStats, RunStats)
     let addr = listener.local_addr()?;
     let config = balancer_config(&engines);
     let (lb_stop_tx, mut lb_stop) = watch::channel(false);
-    let lb = tokio::spawn(crate::serve::run_on(listener, admin, config, async move {
-        let _ = lb_stop.wait_for(|s| *s).await;
-    }));
+    let lb = tokio::spawn(crate::serve::run_on(
+        listener,
+        admin,
+        config,
+        None,
+        async move {
+            let _ = lb_stop.wait_for(|s| *s).await;
+        },
+    ));
     let prefixlb = drive(Target::Balancer(addr), opts).await;
     let _ = lb_stop_tx.send(true);
     let _ = lb.await;

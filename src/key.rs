@@ -86,6 +86,8 @@ pub struct RequestFacts {
     pub wants_reasoning: bool,
     /// Byte range of the `model` value in the body (to rewrite it for a fallback pool).
     pub model_span: Option<(usize, usize)>,
+    /// `stream_options.include_usage`, if the body has `stream_options`.
+    pub include_usage: Option<bool>,
     /// The key bytes (before the pool name and seed are mixed in).
     pub key: Vec<u8>,
     pub source: KeySource,
@@ -109,6 +111,7 @@ struct Envelope<'a> {
     model: Option<Cow<'a, str>>,
     model_span: Option<(usize, usize)>,
     wants_reasoning: bool,
+    include_usage: Option<bool>,
     stream: Option<bool>,
     messages: Option<Vec<Message<'a>>>,
     tools: Option<&'a str>,
@@ -142,6 +145,16 @@ fn read_envelope(text: &str) -> Result<Envelope<'_>, ScanError> {
             }
             "reasoning_effort" | "reasoning" => {
                 env.wants_reasoning |= sc.value()? != "null";
+                return Ok(());
+            }
+            "stream_options" if sc.peek() == Some(b'{') => {
+                let mut include = false;
+                sc.object(|sc, k| {
+                    let v = sc.value()?;
+                    include |= k == "include_usage" && v == "true";
+                    Ok(())
+                })?;
+                env.include_usage = Some(include);
                 return Ok(());
             }
             "chat_template_kwargs" if sc.peek() == Some(b'{') => {
@@ -250,14 +263,15 @@ pub fn extract(
         text.ok().and_then(|t| read_envelope(t).ok())
     };
 
-    let (model, stream, wants_reasoning, model_span) = match &envelope {
+    let (model, stream, wants_reasoning, model_span, include_usage) = match &envelope {
         Some(env) => (
             env.model.as_deref().map(str::to_owned),
             env.stream == Some(true),
             env.wants_reasoning,
             env.model_span,
+            env.include_usage,
         ),
-        None => (None, false, false, None),
+        None => (None, false, false, None, None),
     };
     if let Some(env) = &envelope {
         match api {
@@ -280,6 +294,7 @@ pub fn extract(
         stream,
         wants_reasoning,
         model_span,
+        include_usage,
         key,
         source,
     })

@@ -18,6 +18,7 @@ pub mod explain;
 pub mod health;
 pub mod json_scan;
 pub mod key;
+pub mod metrics;
 pub mod mock_engine;
 pub mod proxy;
 pub mod ring;

@@ -110,12 +110,13 @@ fn main() -> ExitCode {
 
 fn run(command: Command) -> anyhow::Result<ExitCode> {
     match command {
-        Command::Serve { config } => {
-            let Some(config) = load(&config) else {
+        Command::Serve { config: path } => {
+            let Some(config) = load(&path) else {
                 return Ok(ExitCode::from(2));
             };
             runtime()?.block_on(prefixlb::serve::run(
                 config,
+                path,
                 prefixlb::server::termination(),
             ))?;
             Ok(ExitCode::SUCCESS)

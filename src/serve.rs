@@ -4,6 +4,9 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -13,7 +16,11 @@ use crate::proxy::Proxy;
 use crate::{admin, health, server};
 
 /// Binds both listeners, announces them on stdout, and serves until `shutdown`.
-pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> std::io::Result<()> {
+pub async fn run(
+    config: Config,
+    source: PathBuf,
+    shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()> {
     let listener = bind(config.server.listen, "listen").await?;
     let admin_listener = bind(config.server.admin_listen, "admin_listen").await?;
     let (addr, admin_addr) = (listener.local_addr()?, admin_listener.local_addr()?);
@@ -26,7 +33,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> std::io:
         nodes = config.pools.iter().map(|p| p.nodes.len()).sum::<usize>(),
         "prefixlb serving"
     );
-    run_on(listener, admin_listener, config, shutdown).await;
+    run_on(listener, admin_listener, config, Some(source), shutdown).await;
     Ok(())
 }
 
@@ -35,15 +42,17 @@ pub async fn run_on(
     listener: TcpListener,
     admin_listener: TcpListener,
     config: Config,
+    source: Option<PathBuf>,
     shutdown: impl Future<Output = ()>,
 ) {
     let grace = config.server.shutdown_grace;
-    let proxy = Proxy::new(config);
+    let proxy = Proxy::new(config, source);
 
     // Admin and health checks outlive the client listener: /readyz says 503 while
     // in-flight requests drain.
     let (admin_stop_tx, mut admin_stop) = watch::channel(false);
     let health_task = tokio::spawn(health::run(proxy.clone(), admin_stop.clone()));
+    let reload_task = tokio::spawn(reload_triggers(proxy.clone(), admin_stop.clone()));
     let admin_task = {
         let proxy = proxy.clone();
         tokio::spawn(server::serve(
@@ -75,7 +84,51 @@ pub async fn run_on(
     let _ = admin_stop_tx.send(true);
     let _ = admin_task.await;
     let _ = health_task.await;
+    let _ = reload_task.await;
     tracing::info!("stopped");
+}
+
+/// Reloads the config on SIGHUP, and on a change of the file's mtime when
+/// `server.watch_config` is on (polled every second: no watcher dependency needed).
+async fn reload_triggers(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
+    let Some(path) = proxy.source().map(PathBuf::from) else {
+        return;
+    };
+    let mtime = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let mut seen = mtime(&path);
+    #[cfg(unix)]
+    let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+    loop {
+        #[cfg(unix)]
+        let sighup = async {
+            match hangup.as_mut() {
+                Some(s) => {
+                    s.recv().await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        #[cfg(not(unix))]
+        let sighup = std::future::pending::<()>();
+        tokio::select! {
+            _ = sighup => {
+                tracing::info!("SIGHUP: reloading the config");
+                let _ = proxy.reload();
+                seen = mtime(&path);
+            }
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {
+                if proxy.table().config.server.watch_config {
+                    let now = mtime(&path);
+                    if now != seen {
+                        seen = now;
+                        tracing::info!("config file changed: reloading");
+                        let _ = proxy.reload();
+                    }
+                }
+            }
+            _ = stop.wait_for(|s| *s) => return,
+        }
+    }
 }
 
 async fn bind(addr: SocketAddr, key: &str) -> std::io::Result<TcpListener> {

@@ -15,30 +15,26 @@ use tokio::time::Instant;
 
 use super::headers;
 use super::probe::{self, ProbeFailure};
-use super::relay::RelayBody;
+use super::relay::{Finish, RelayBody};
 use super::{ProxyError, UpstreamClient};
 use crate::balance::{Balancer, Choice, NodeState, Walk};
 use crate::body::BoxBody;
 use crate::breaker::{BreakerSettings, Outcome};
 use crate::config::{RoutingConfig, WhenSaturated};
 use crate::key;
+use crate::metrics::Metrics;
 use crate::table::{Plan, Pool, Table};
 
 /// Why one attempt did not produce a response for the client.
-enum Failure {
-    /// Connect or transport error, 5xx, SSE error event, empty stream.
-    Broken(String),
-    /// No response head, or no first token, in time.
-    Timeout(String),
-    /// The engine answered 429: busy, not broken.
-    Busy(String),
+struct Failure {
+    /// The `reason` label of `failovers_total`.
+    reason: &'static str,
+    text: String,
 }
 
 impl Failure {
-    fn text(&self) -> &str {
-        match self {
-            Failure::Broken(s) | Failure::Timeout(s) | Failure::Busy(s) => s,
-        }
+    fn new(reason: &'static str, text: String) -> Self {
+        Failure { reason, text }
     }
 }
 
@@ -77,13 +73,16 @@ struct Target<'t> {
     fallback: Option<String>,
 }
 
+#[allow(clippy::too_many_arguments)]
 pub(super) async fn forward(
     client: &UpstreamClient,
+    metrics: &Arc<Metrics>,
     table: &Arc<Table>,
     plan: Plan,
     parts: request::Parts,
     body: Bytes,
     peer: SocketAddr,
+    started: Instant,
 ) -> Result<Response<BoxBody>, ProxyError> {
     let routing = &table.config.routing;
     let path = parts
@@ -93,6 +92,14 @@ pub(super) async fn forward(
         .unwrap_or("/");
     let upstream_headers = headers::upstream_headers(&parts.headers, peer);
     let stream = plan.facts.stream;
+    // Ask a stream for its usage chunk (to count cache hits) when the client did not,
+    // and hide that chunk from the client.
+    let strip_usage = stream && routing.track_usage && plan.facts.include_usage.is_none();
+    let body = if strip_usage {
+        add_include_usage(&body)
+    } else {
+        body
+    };
 
     // The pools to try, in order: the request's own, then its fallbacks; a request
     // asking for reasoning skips pools that do not support it.
@@ -123,7 +130,8 @@ pub(super) async fn forward(
     let mut failures: Vec<Failure> = Vec::new();
     let mut attempt = 0;
     while attempt < routing.max_attempts {
-        let (choice, queued) = match admit(target.pool, routing, target.hash, &tried).await {
+        let (choice, queued) = match admit(target.pool, routing, target.hash, &tried, metrics).await
+        {
             Ok(admitted) => admitted,
             Err(ProxyError::NoNode { .. }) if !pools.is_empty() => {
                 let next = pools.pop_front().expect("not empty");
@@ -162,69 +170,99 @@ pub(super) async fn forward(
         } else {
             table.config.server.request_timeout
         };
+        let finish = |route: &str, status: StatusCode, ttft: Option<Duration>| Finish {
+            metrics: metrics.clone(),
+            pool: pool.config.name.clone(),
+            node: node.id.clone(),
+            route: route.to_string(),
+            attempts: attempt,
+            status: status.as_u16(),
+            started,
+            ttft,
+        };
         let failure = match tokio::time::timeout(head_budget, client.request(req)).await {
-            Err(_) => Failure::Timeout(format!(
-                "{}: no response within {} ms",
-                node.id,
-                head_budget.as_millis()
-            )),
-            Ok(Err(e)) => Failure::Broken(format!("{}: {}", node.id, error_chain(&e))),
+            Err(_) => Failure::new(
+                "timeout",
+                format!(
+                    "{}: no response within {} ms",
+                    node.id,
+                    head_budget.as_millis()
+                ),
+            ),
+            Ok(Err(e)) => Failure::new("error", format!("{}: {}", node.id, error_chain(&e))),
             Ok(Ok(resp)) if resp.status() == StatusCode::TOO_MANY_REQUESTS => {
                 health.finish(Outcome::Neutral, None);
-                failures.push(Failure::Busy(format!("{}: HTTP 429", node.id)));
+                metrics
+                    .failovers
+                    .with_label_values(&[&pool.config.name, "busy"])
+                    .inc();
+                failures.push(Failure::new("busy", format!("{}: HTTP 429", node.id)));
                 continue;
             }
-            Ok(Ok(resp)) if resp.status().is_server_error() => {
-                Failure::Broken(format!("{}: HTTP {}", node.id, resp.status().as_u16()))
-            }
+            Ok(Ok(resp)) if resp.status().is_server_error() => Failure::new(
+                "http_5xx",
+                format!("{}: HTTP {}", node.id, resp.status().as_u16()),
+            ),
             Ok(Ok(resp))
                 if stream && resp.status().is_success() && is_event_stream(resp.headers()) =>
             {
-                let (head, body) = resp.into_parts();
+                let (mut head, body) = resp.into_parts();
                 let deadline = sent + pool.config.first_token_timeout;
                 match probe::first_packet(body, sent, deadline).await {
                     Ok(committed) => {
                         health.finish(Outcome::Success, Some(committed.ttft));
                         let route = route_label(&target, queued, &choice);
-                        tracing::debug!(pool = %pool.config.name, node = %node.id, %route, attempt, ttft_ms = committed.ttft.as_millis() as u64, "stream committed");
+                        count_decision(metrics, pool, &route, choice.distance);
+                        metrics
+                            .ttft
+                            .with_label_values(&[&pool.config.name, &node.id])
+                            .observe(committed.ttft.as_secs_f64());
                         let body = RelayBody::stream(
                             committed.held,
                             committed.rest,
                             choice.reservation,
+                            finish(&route, head.status, Some(committed.ttft)),
                             table.config.server.idle_stream_timeout,
                             pool.balancer.breaker.clone(),
+                            strip_usage,
                         );
+                        head.headers.remove(header::CONTENT_LENGTH);
                         return Ok(respond(head, body, &node.id, &route, attempt));
                     }
-                    Err(ProbeFailure::Timeout) => Failure::Timeout(format!(
-                        "{}: no first token within {} ms",
-                        node.id,
-                        pool.config.first_token_timeout.as_millis()
-                    )),
-                    Err(f) => Failure::Broken(match f {
-                        ProbeFailure::Error(msg) => {
-                            format!("{}: stream error before the first token: {msg}", node.id)
-                        }
-                        _ => format!("{}: stream ended with no content", node.id),
-                    }),
+                    Err(ProbeFailure::Timeout) => Failure::new(
+                        "timeout",
+                        format!(
+                            "{}: no first token within {} ms",
+                            node.id,
+                            pool.config.first_token_timeout.as_millis()
+                        ),
+                    ),
+                    Err(ProbeFailure::Error(msg)) => Failure::new(
+                        "error",
+                        format!("{}: stream error before the first token: {msg}", node.id),
+                    ),
+                    Err(ProbeFailure::NoContent) => Failure::new(
+                        "no_content",
+                        format!("{}: stream ended with no content", node.id),
+                    ),
                 }
             }
             Ok(Ok(resp)) => {
                 // A 2xx, or a 4xx that is the client's to read: the node is fine.
                 health.finish(Outcome::Success, None);
                 let route = route_label(&target, queued, &choice);
-                tracing::debug!(pool = %pool.config.name, node = %node.id, %route, attempt, status = resp.status().as_u16(), "routed");
+                count_decision(metrics, pool, &route, choice.distance);
                 let (head, body) = resp.into_parts();
-                return Ok(respond(
-                    head,
-                    RelayBody::plain(body, choice.reservation),
-                    &node.id,
-                    &route,
-                    attempt,
-                ));
+                let body =
+                    RelayBody::plain(body, choice.reservation, finish(&route, head.status, None));
+                return Ok(respond(head, body, &node.id, &route, attempt));
             }
         };
-        tracing::info!(pool = %pool.config.name, reason = failure.text(), attempt, "attempt failed; failing over");
+        tracing::info!(pool = %pool.config.name, reason = %failure.text, attempt, "attempt failed; failing over");
+        metrics
+            .failovers
+            .with_label_values(&[&pool.config.name, failure.reason])
+            .inc();
         health.finish(Outcome::Failure, None);
         failures.push(failure);
     }
@@ -259,30 +297,47 @@ fn retarget<'t>(
     }
 }
 
+fn count_decision(metrics: &Metrics, pool: &Pool, route: &str, distance: usize) {
+    let kind = route.split(':').next().unwrap_or(route);
+    metrics
+        .routing_decisions
+        .with_label_values(&[&pool.config.name, kind])
+        .inc();
+    metrics.spill_distance.observe(distance as f64);
+}
+
+/// The body with `"stream_options": {"include_usage": true}` added (it had none).
+fn add_include_usage(body: &Bytes) -> Bytes {
+    insert_member(body, r#""stream_options":{"include_usage":true}"#)
+}
+
+/// The body with `member` (`"key":value`) added as the object's first member.
+fn insert_member(body: &Bytes, member: &str) -> Bytes {
+    let Some(brace) = body.iter().position(|&b| b == b'{') else {
+        return body.clone();
+    };
+    let mut out = BytesMut::with_capacity(body.len() + member.len() + 1);
+    out.extend_from_slice(&body[..=brace]);
+    out.extend_from_slice(member.as_bytes());
+    let rest = &body[brace + 1..];
+    // `{}` must not become `{"k":v,}`.
+    if rest.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'}') {
+        out.extend_from_slice(b",");
+    }
+    out.extend_from_slice(rest);
+    out.freeze()
+}
+
 /// The body with its `model` value replaced (or added, if it had none).
 fn rewrite_model(body: &Bytes, span: Option<(usize, usize)>, model: &str) -> Bytes {
     let quoted = serde_json::Value::from(model).to_string();
-    let mut out = BytesMut::with_capacity(body.len() + quoted.len() + 12);
-    match span {
-        Some((start, end)) => {
-            out.extend_from_slice(&body[..start]);
-            out.extend_from_slice(quoted.as_bytes());
-            out.extend_from_slice(&body[end..]);
-        }
-        None => match body.iter().position(|&b| b == b'{') {
-            Some(brace) => {
-                out.extend_from_slice(&body[..=brace]);
-                out.extend_from_slice(format!("\"model\":{quoted},").as_bytes());
-                let rest = &body[brace + 1..];
-                // `{}` must not become `{"model":"m",}`.
-                if rest.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'}') {
-                    out.truncate(out.len() - 1);
-                }
-                out.extend_from_slice(rest);
-            }
-            None => return body.clone(),
-        },
-    }
+    let Some((start, end)) = span else {
+        return insert_member(body, &format!("\"model\":{quoted}"));
+    };
+    let mut out = BytesMut::with_capacity(body.len() + quoted.len());
+    out.extend_from_slice(&body[..start]);
+    out.extend_from_slice(quoted.as_bytes());
+    out.extend_from_slice(&body[end..]);
     out.freeze()
 }
 
@@ -293,6 +348,7 @@ async fn admit(
     routing: &RoutingConfig,
     hash: u64,
     tried: &[usize],
+    metrics: &Metrics,
 ) -> Result<(Choice, bool), ProxyError> {
     let b = &pool.balancer;
     let name = || pool.config.name.clone();
@@ -313,9 +369,15 @@ async fn admit(
                 .choose_least_loaded(hash, tried)
                 .map(|c| (c, false))
                 .ok_or_else(|| ProxyError::NoNode { pool: name() }),
-            WhenSaturated::Queue => wait_for_slot(b, routing, hash, tried, &pool.config.name)
-                .await
-                .map(|c| (c, true)),
+            WhenSaturated::Queue => {
+                let waited = Instant::now();
+                let admitted = wait_for_slot(b, routing, hash, tried, &pool.config.name).await;
+                metrics
+                    .queue_wait
+                    .with_label_values(&[&pool.config.name])
+                    .observe(waited.elapsed().as_secs_f64());
+                admitted.map(|c| (c, true))
+            }
         },
     }
 }
@@ -402,14 +464,14 @@ fn respond(
 fn final_error(failures: &[Failure]) -> ProxyError {
     let attempts = failures
         .iter()
-        .map(Failure::text)
+        .map(|f| f.text.as_str())
         .collect::<Vec<_>>()
         .join("; ");
-    if failures.iter().all(|f| matches!(f, Failure::Busy(_))) {
+    if failures.iter().all(|f| f.reason == "busy") {
         return ProxyError::Busy { attempts };
     }
     match failures.last() {
-        Some(Failure::Timeout(_)) => ProxyError::UpstreamTimeout { attempts },
+        Some(f) if f.reason == "timeout" => ProxyError::UpstreamTimeout { attempts },
         _ => ProxyError::Upstream {
             count: failures.len() as u32,
             attempts,

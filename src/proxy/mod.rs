@@ -10,6 +10,7 @@ mod probe;
 mod relay;
 
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,12 +24,14 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use serde_json::json;
+use tokio::time::Instant;
 
 pub use error::ProxyError;
 
 use crate::body::{full, BoxBody};
-use crate::config::Config;
+use crate::config::{Config, ConfigError};
 use crate::key::Api;
+use crate::metrics::Metrics;
 use crate::table::{Registry, Table};
 
 /// The upstream HTTP client: pooled keep-alive connections to the engines.
@@ -40,11 +43,14 @@ pub struct Proxy {
     table: ArcSwap<Table>,
     registry: Registry,
     client: UpstreamClient,
+    metrics: Arc<Metrics>,
+    /// The config file, for reloads (none for in-process configs).
+    source: Option<PathBuf>,
     stopping: AtomicBool,
 }
 
 impl Proxy {
-    pub fn new(config: Config) -> Arc<Proxy> {
+    pub fn new(config: Config, source: Option<PathBuf>) -> Arc<Proxy> {
         let registry = Registry::default();
         let client = upstream_client(config.server.connect_timeout);
         let table = Table::build(config, &registry);
@@ -52,8 +58,54 @@ impl Proxy {
             table: ArcSwap::from_pointee(table),
             registry,
             client,
+            metrics: Arc::new(Metrics::new()),
+            source,
             stopping: AtomicBool::new(false),
         })
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// The config file this balancer reloads from, if any.
+    pub fn source(&self) -> Option<&Path> {
+        self.source.as_deref()
+    }
+
+    /// Re-reads the config file: parse, validate, build a new snapshot (node state
+    /// carried over by id), swap it in. An invalid file keeps the running config.
+    pub fn reload(&self) -> Result<(), ConfigError> {
+        let result = self.try_reload();
+        let label = if result.is_ok() { "ok" } else { "error" };
+        self.metrics
+            .config_reloads
+            .with_label_values(&[label])
+            .inc();
+        match &result {
+            Ok(()) => tracing::info!("config reloaded"),
+            Err(e) => tracing::error!(error = %e, "config reload failed; the running config stays"),
+        }
+        result
+    }
+
+    fn try_reload(&self) -> Result<(), ConfigError> {
+        let Some(path) = &self.source else {
+            return Err(ConfigError {
+                file: "(none)".into(),
+                line: 1,
+                col: 1,
+                message: "this balancer was not started from a config file".into(),
+            });
+        };
+        let config = Config::load(path)?;
+        let old = self.table();
+        let (was, now) = (&old.config.server, &config.server);
+        if was.listen != now.listen || was.admin_listen != now.admin_listen {
+            tracing::warn!("server.listen / server.admin_listen changed: that needs a restart; the rest is applied");
+        }
+        self.install(config);
+        Ok(())
     }
 
     /// The current routing snapshot.
@@ -88,20 +140,39 @@ impl Proxy {
         peer: SocketAddr,
     ) -> Response<BoxBody> {
         let table = self.table();
-        match self.route(&table, req, peer).await {
+        let started = Instant::now();
+        let mut pool = None;
+        match self.route(&table, req, peer, started, &mut pool).await {
             Ok(resp) => resp,
             Err(e) => {
-                tracing::debug!(error = %e, code = e.code(), "request refused");
+                let pool = pool.unwrap_or("none");
+                let outcome = match e.status().as_u16() {
+                    503 => "rejected",
+                    400..=499 => "client_error",
+                    _ => "error",
+                };
+                self.metrics
+                    .observe_request(pool, "none", outcome, started.elapsed());
+                tracing::info!(
+                    pool,
+                    status = e.status().as_u16(),
+                    code = e.code(),
+                    error = %e,
+                    duration_ms = started.elapsed().as_millis() as u64,
+                    "request refused"
+                );
                 e.into()
             }
         }
     }
 
-    async fn route(
+    async fn route<'t>(
         &self,
-        table: &Arc<Table>,
+        table: &'t Arc<Table>,
         req: Request<Incoming>,
         peer: SocketAddr,
+        started: Instant,
+        pool: &mut Option<&'t str>,
     ) -> Result<Response<BoxBody>, ProxyError> {
         let path = req.uri().path();
         if req.method() == Method::GET {
@@ -137,7 +208,18 @@ impl Proxy {
             .get(&table.config.routing.key_header)
             .map(HeaderValue::as_bytes);
         let plan = table.plan(parts.uri.path(), header_key, &body)?;
-        forward::forward(&self.client, table, plan, parts, body, peer).await
+        *pool = Some(&table.pools[plan.pool].config.name);
+        forward::forward(
+            &self.client,
+            &self.metrics,
+            table,
+            plan,
+            parts,
+            body,
+            peer,
+            started,
+        )
+        .await
     }
 }
 

@@ -1,0 +1,242 @@
+//! Prometheus metrics, created once and handed to the proxy. Label sets are bounded:
+//! node ids, pool names and fixed enums, never a model string from a client or a path.
+//! Per-node state (in-flight, caps, breaker, health, shunting, queues, ring sizes) is
+//! read from the current routing snapshot at scrape time, so it is always exact and a
+//! node removed by a reload disappears from the page.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use prometheus::{
+    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts,
+    Registry, TextEncoder,
+};
+
+use crate::breaker::BreakerState;
+use crate::table::Table;
+
+/// TTFT buckets: a prefix-cache hit answers in tens of milliseconds, a cold prefill of
+/// a long prompt in seconds, a queued or swapping engine in tens of seconds, and a
+/// stall ends at `first_token_timeout` (60 s by default; deep pools allow more).
+const TTFT_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0,
+];
+/// Whole-request buckets: from a cached short answer to a long generation, up to the
+/// 600 s `request_timeout`.
+const DURATION_BUCKETS: &[f64] = &[
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+];
+/// Queue waits: a slot usually frees within one generation; `queue_timeout` is 30 s.
+const QUEUE_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+/// The `route` label values of `routing_decisions_total` (spill distance and fallback
+/// pool are left out of the label to keep it bounded).
+pub const ROUTES: [&str; 5] = ["primary", "spill", "shunt", "queued", "fallback"];
+/// The `reason` label values of `failovers_total`.
+pub const FAILOVER_REASONS: [&str; 5] = ["error", "http_5xx", "timeout", "no_content", "busy"];
+
+/// Every metric of the balancer.
+pub struct Metrics {
+    registry: Registry,
+    pub requests: IntCounterVec,
+    pub request_duration: HistogramVec,
+    pub ttft: HistogramVec,
+    in_flight: IntGaugeVec,
+    node_cap: IntGaugeVec,
+    pub routing_decisions: IntCounterVec,
+    pub spill_distance: Histogram,
+    pub failovers: IntCounterVec,
+    breaker_state: IntGaugeVec,
+    breaker_transitions: IntCounterVec,
+    shunt_ratio: GaugeVec,
+    node_healthy: IntGaugeVec,
+    queue_depth: IntGaugeVec,
+    pub queue_wait: HistogramVec,
+    pub prompt_tokens: IntCounterVec,
+    pub cached_prompt_tokens: IntCounterVec,
+    ring_nodes: IntGaugeVec,
+    pub config_reloads: IntCounterVec,
+    /// Breaker transitions already exported, per (node, state).
+    transitions_seen: Mutex<HashMap<(String, BreakerState), u64>>,
+}
+
+fn opts(name: &str, help: &str) -> Opts {
+    Opts::new(name, help).namespace("prefixlb")
+}
+
+fn hist(name: &str, help: &str, buckets: &[f64]) -> HistogramOpts {
+    HistogramOpts::new(name, help)
+        .namespace("prefixlb")
+        .buckets(buckets.to_vec())
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let registry = Registry::new();
+        macro_rules! reg {
+            ($m:expr) => {{
+                let m = $m.expect("metric definitions are valid");
+                registry
+                    .register(Box::new(m.clone()))
+                    .expect("metric names are unique");
+                m
+            }};
+        }
+        Metrics {
+            requests: reg!(IntCounterVec::new(
+                opts("requests_total", "Requests finished, by pool, final node and outcome."),
+                &["pool", "node", "outcome"]
+            )),
+            request_duration: reg!(HistogramVec::new(
+                hist("request_duration_seconds", "Request duration to the end of the response body.", DURATION_BUCKETS),
+                &["pool", "node"]
+            )),
+            ttft: reg!(HistogramVec::new(
+                hist("ttft_seconds", "Time to first token of committed streams (upstream send to first output).", TTFT_BUCKETS),
+                &["pool", "node"]
+            )),
+            in_flight: reg!(IntGaugeVec::new(opts("in_flight", "Requests reserved on a node."), &["node"])),
+            node_cap: reg!(IntGaugeVec::new(opts("node_cap", "A node's in-flight cap now."), &["node"])),
+            routing_decisions: reg!(IntCounterVec::new(
+                opts("routing_decisions_total", "Where requests were sent: primary, spill, shunt, queued or fallback."),
+                &["pool", "route"]
+            )),
+            spill_distance: reg!(Histogram::with_opts(hist(
+                "spill_distance",
+                "Position of the serving node in the key's walk (0 = primary).",
+                &[0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0]
+            ))),
+            failovers: reg!(IntCounterVec::new(
+                opts("failovers_total", "Attempts abandoned before commit, by reason."),
+                &["pool", "reason"]
+            )),
+            breaker_state: reg!(IntGaugeVec::new(
+                opts("breaker_state", "Breaker state: 0 closed, 1 open, 2 half_open, 3 recovering."),
+                &["node"]
+            )),
+            breaker_transitions: reg!(IntCounterVec::new(
+                opts("breaker_transitions_total", "Breaker transitions, by the state entered."),
+                &["node", "to"]
+            )),
+            shunt_ratio: reg!(GaugeVec::new(opts("shunt_ratio", "Share of a node's keys shunted to their next node."), &["node"])),
+            node_healthy: reg!(IntGaugeVec::new(opts("node_healthy", "1 if the node passes its health checks."), &["node"])),
+            queue_depth: reg!(IntGaugeVec::new(opts("queue_depth", "Requests waiting for a slot."), &["pool"])),
+            queue_wait: reg!(HistogramVec::new(
+                hist("queue_wait_seconds", "Time queued requests waited for a slot.", QUEUE_BUCKETS),
+                &["pool"]
+            )),
+            prompt_tokens: reg!(IntCounterVec::new(
+                opts("prompt_tokens_total", "Prompt tokens, from the engines' usage reports."),
+                &["node"]
+            )),
+            cached_prompt_tokens: reg!(IntCounterVec::new(
+                opts("cached_prompt_tokens_total", "Prompt tokens served from the engines' prefix caches (usage.prompt_tokens_details.cached_tokens)."),
+                &["node"]
+            )),
+            ring_nodes: reg!(IntGaugeVec::new(opts("ring_nodes", "Nodes on a pool's ring."), &["pool"])),
+            config_reloads: reg!(IntCounterVec::new(opts("config_reloads_total", "Config reloads, by result."), &["result"])),
+            transitions_seen: Mutex::new(HashMap::new()),
+            registry,
+        }
+    }
+
+    /// Counts a finished request and logs its one line.
+    pub fn observe_request(&self, pool: &str, node: &str, outcome: &str, duration: Duration) {
+        self.requests
+            .with_label_values(&[pool, node, outcome])
+            .inc();
+        if node != "none" {
+            self.request_duration
+                .with_label_values(&[pool, node])
+                .observe(duration.as_secs_f64());
+        }
+    }
+
+    /// The Prometheus text page, with snapshot-derived series refreshed first.
+    pub fn render(&self, table: &Table) -> String {
+        self.refresh(table);
+        let mut out = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        String::from_utf8(out).unwrap_or_default()
+    }
+
+    fn refresh(&self, table: &Table) {
+        for g in [
+            &self.in_flight,
+            &self.node_cap,
+            &self.breaker_state,
+            &self.node_healthy,
+            &self.queue_depth,
+            &self.ring_nodes,
+        ] {
+            g.reset();
+        }
+        self.shunt_ratio.reset();
+        for result in ["ok", "error"] {
+            self.config_reloads.with_label_values(&[result]);
+        }
+        let mut seen = self.transitions_seen.lock();
+        for pool in &table.pools {
+            let p = pool.config.name.as_str();
+            let b = &pool.balancer;
+            self.ring_nodes
+                .with_label_values(&[p])
+                .set(b.ring.len() as i64);
+            self.queue_depth
+                .with_label_values(&[p])
+                .set(b.load.queued() as i64);
+            self.queue_wait.with_label_values(&[p]);
+            for route in ROUTES {
+                self.routing_decisions.with_label_values(&[p, route]);
+            }
+            for reason in FAILOVER_REASONS {
+                self.failovers.with_label_values(&[p, reason]);
+            }
+            for (node, m) in pool.config.nodes.iter().zip(&b.members) {
+                let n = node.id.as_str();
+                let state = &m.state;
+                self.in_flight
+                    .with_label_values(&[n])
+                    .set(state.in_flight() as i64);
+                self.node_cap
+                    .with_label_values(&[n])
+                    .set(b.cap_of(m) as i64);
+                self.breaker_state
+                    .with_label_values(&[n])
+                    .set(state.breaker.state() as i64);
+                self.shunt_ratio
+                    .with_label_values(&[n])
+                    .set(state.breaker.shunt_ratio());
+                self.node_healthy
+                    .with_label_values(&[n])
+                    .set(state.is_healthy() as i64);
+                self.prompt_tokens.with_label_values(&[n]);
+                self.cached_prompt_tokens.with_label_values(&[n]);
+                self.ttft.with_label_values(&[p, n]);
+                for to in [
+                    BreakerState::Closed,
+                    BreakerState::Open,
+                    BreakerState::HalfOpen,
+                    BreakerState::Recovering,
+                ] {
+                    let now = state.transitions(to);
+                    let last = seen.entry((n.to_string(), to)).or_insert(0);
+                    let counter = self
+                        .breaker_transitions
+                        .with_label_values(&[n, to.as_str()]);
+                    counter.inc_by(now.saturating_sub(*last));
+                    *last = now;
+                }
+            }
+        }
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
