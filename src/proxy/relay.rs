@@ -204,6 +204,12 @@ impl Body for RelayBody {
                     let next = Instant::now() + w.idle;
                     w.timer.as_mut().reset(next);
                 }
+                // A body of known length may be dropped right after its last byte,
+                // without ever being polled to its end: finish now.
+                if self.inner.is_end_stream() {
+                    let outcome = self.outcome();
+                    self.end(outcome);
+                }
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) if self.watch.is_some() => {

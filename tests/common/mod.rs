@@ -131,7 +131,11 @@ pub fn config(engines: &[&Proc], server: &str, routing: &str) -> String {
 
 /// Starts `prefixlb serve` on a config text.
 pub fn balancer(config_text: &str) -> Proc {
-    let path = write_config(config_text);
+    balancer_from_file(&write_config(config_text))
+}
+
+/// Starts `prefixlb serve` on a config file (which a test may edit and reload).
+pub fn balancer_from_file(path: &std::path::Path) -> Proc {
     spawn(&["serve", "--config", path.to_str().unwrap()])
 }
 

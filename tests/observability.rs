@@ -1,0 +1,365 @@
+//! Seeing and tuning the fleet: `/metrics` after a scripted run, the Grafana
+//! dashboard against what a running balancer exports, hot reload under load, and
+//! `/admin/explain` against `prefixlb route`.
+
+mod common;
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use common::*;
+use prometheus_parse::{Scrape, Value as Sample};
+use serde_json::{json, Value};
+
+fn engines(n: usize, flags: &[&str]) -> Vec<Proc> {
+    (0..n).map(|i| engine(&format!("e{i}"), flags)).collect()
+}
+
+fn refs(e: &[Proc]) -> Vec<&Proc> {
+    e.iter().collect()
+}
+
+async fn scrape(lb: &Proc) -> (String, Scrape) {
+    let page = call("GET", &lb.admin_url("/metrics"), &[], "").await.text();
+    let parsed = Scrape::parse(page.lines().map(|l| Ok(l.to_string())))
+        .expect("the page parses as Prometheus text");
+    (page, parsed)
+}
+
+/// Sum of a counter or gauge's samples whose labels include `labels`.
+fn total(s: &Scrape, name: &str, labels: &[(&str, &str)]) -> f64 {
+    s.samples
+        .iter()
+        .filter(|x| x.metric == name && labels.iter().all(|(k, v)| x.labels.get(k) == Some(*v)))
+        .map(|x| match &x.value {
+            Sample::Counter(v) | Sample::Gauge(v) | Sample::Untyped(v) => *v,
+            Sample::Histogram(h) => h.last().map(|b| b.count).unwrap_or(0.0),
+            Sample::Summary(_) => 0.0,
+        })
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scripted_run_shows_in_the_metrics_and_the_dashboard_queries_exist() {
+    let e = engines(
+        4,
+        &["--decode-ms-per-token", "5", "--prefill-us-per-token", "10"],
+    );
+    let lb = balancer(&config(&refs(&e), "", ""));
+    set_fault(&e[0], "error", 0).await;
+
+    // A hot key: six streams at once over a cap of four spill two.
+    let hot: Vec<_> = (0..6)
+        .map(|_| {
+            let url = lb.url("/v1/chat/completions");
+            tokio::spawn(async move {
+                post_json(
+                    &url,
+                    &chat(&[("user", "hot")], true, 20),
+                    &[("x-session-id", "hot")],
+                )
+                .await
+            })
+        })
+        .collect();
+    for h in hot {
+        assert_eq!(h.await.unwrap().status, 200);
+    }
+    // 20 conversations × 10 turns, alternating streaming and not.
+    let system = "You are a terse assistant for GPU operators. ".repeat(30);
+    let mut conversations: Vec<Vec<(String, String)>> = (0..20)
+        .map(|c| {
+            vec![
+                ("system".into(), system.clone()),
+                ("user".into(), format!("conversation {c} starts")),
+            ]
+        })
+        .collect();
+    for turn in 0..10 {
+        for (c, m) in conversations.iter_mut().enumerate() {
+            let msgs: Vec<(&str, &str)> = m.iter().map(|(r, t)| (r.as_str(), t.as_str())).collect();
+            let stream = (turn + c) % 2 == 0;
+            let reply = post_json(
+                &lb.url("/v1/chat/completions"),
+                &chat(&msgs, stream, 3),
+                &[],
+            )
+            .await;
+            assert_eq!(reply.status, 200, "{}", reply.text());
+            let text = reply.text();
+            if stream {
+                assert!(
+                    !text.contains("\"usage\""),
+                    "a client that did not ask for usage does not get it"
+                );
+            }
+            m.push(("assistant".into(), "ok".into()));
+            m.push(("user".into(), format!("turn {turn}")));
+        }
+    }
+    // A client that asks for usage still gets it.
+    let mut asks = chat(&[("user", "with usage")], true, 2);
+    asks["stream_options"] = json!({"include_usage": true});
+    assert!(post_json(&lb.url("/v1/chat/completions"), &asks, &[])
+        .await
+        .text()
+        .contains("\"usage\""));
+
+    let (page, s) = scrape(&lb).await;
+    assert!(
+        total(&s, "prefixlb_requests_total", &[("outcome", "success")]) >= 200.0,
+        "{page}"
+    );
+    assert!(total(&s, "prefixlb_ttft_seconds", &[]) >= 100.0);
+    assert!(total(&s, "prefixlb_request_duration_seconds", &[]) >= 200.0);
+    assert!(
+        total(
+            &s,
+            "prefixlb_routing_decisions_total",
+            &[("route", "spill")]
+        ) >= 2.0
+    );
+    assert!(
+        total(
+            &s,
+            "prefixlb_routing_decisions_total",
+            &[("route", "primary")]
+        ) >= 100.0
+    );
+    assert!(total(&s, "prefixlb_failovers_total", &[("reason", "http_5xx")]) >= 1.0);
+    assert!(
+        total(
+            &s,
+            "prefixlb_breaker_transitions_total",
+            &[("node", "n0"), ("to", "open")]
+        ) >= 1.0
+    );
+    assert_eq!(total(&s, "prefixlb_breaker_state", &[("node", "n0")]), 1.0);
+    assert_eq!(total(&s, "prefixlb_in_flight", &[]), 0.0);
+    assert_eq!(total(&s, "prefixlb_node_cap", &[("node", "n1")]), 4.0);
+    assert_eq!(total(&s, "prefixlb_ring_nodes", &[("pool", "mock")]), 4.0);
+
+    // The realized hit rate is the engines' own: compare with their vLLM counters.
+    let prompt = total(&s, "prefixlb_prompt_tokens_total", &[]);
+    let cached = total(&s, "prefixlb_cached_prompt_tokens_total", &[]);
+    let (mut queries, mut hits) = (0.0, 0.0);
+    for engine in &e {
+        queries += metric(&engine.url("/metrics"), "vllm:prefix_cache_queries_total").await;
+        hits += metric(&engine.url("/metrics"), "vllm:prefix_cache_hits_total").await;
+    }
+    assert_eq!(
+        prompt, queries,
+        "every prompt token the engines saw was counted"
+    );
+    assert_eq!(cached, hits);
+    assert!(
+        cached / prompt > 0.5,
+        "affinity makes later turns hit: {}",
+        cached / prompt
+    );
+
+    // Every metric the dashboard queries is exported.
+    let dashboard: Value = serde_json::from_str(include_str!("../grafana/prefixlb.json")).unwrap();
+    let mut queried = HashSet::new();
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            let expr = target["expr"].as_str().unwrap();
+            for (i, _) in expr.match_indices("prefixlb_") {
+                let name: String = expr[i..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                let base = ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .fold(name.clone(), |n, sfx| {
+                        n.strip_suffix(sfx).map(str::to_string).unwrap_or(n)
+                    });
+                queried.insert(base);
+            }
+        }
+    }
+    assert!(queried.len() >= 15, "{queried:?}");
+    for name in &queried {
+        assert!(
+            page.contains(&format!("# TYPE {name} ")),
+            "the dashboard queries {name}, which is not exported"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hot_reload_under_load_loses_nothing_and_rejects_bad_files() {
+    let e = engines(2, &["--decode-ms-per-token", "10"]);
+    let good = config(&refs(&e), "", "");
+    let path = write_config(&good);
+    let lb = balancer_from_file(&path);
+    let load: Vec<_> = (0..6)
+        .map(|w| {
+            let url = lb.url("/v1/chat/completions");
+            tokio::spawn(async move {
+                let mut statuses = Vec::new();
+                for i in 0..15 {
+                    let session = format!("w{w}-{i}");
+                    let r = post_json(
+                        &url,
+                        &chat(&[("user", "load")], true, 8),
+                        &[("x-session-id", &session)],
+                    )
+                    .await;
+                    statuses.push((r.status.as_u16(), r.text().ends_with("data: [DONE]\n\n")));
+                }
+                statuses
+            })
+        })
+        .collect();
+
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    std::fs::write(
+        &path,
+        good.replace("[routing]\n", "[routing]\nmax_in_flight = 2\nvnodes = 40\n"),
+    )
+    .unwrap();
+    let r = call("POST", &lb.admin_url("/admin/reload"), &[], "").await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(
+        eventually(Duration::from_secs(1), || async {
+            node_info(&lb, "n0").await["cap"] == 2
+        })
+        .await
+    );
+
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    std::fs::write(
+        &path,
+        good.replace("[routing]\n", "[routing]\nmax_inflight = 9\n"),
+    )
+    .unwrap();
+    let r = call("POST", &lb.admin_url("/admin/reload"), &[], "").await;
+    assert_eq!(r.status, 400);
+    let msg = r.json()["error"]["message"].as_str().unwrap().to_string();
+    assert!(msg.contains(":6:1: unknown field `max_inflight`"), "{msg}");
+    assert_eq!(
+        node_info(&lb, "n0").await["cap"],
+        2,
+        "the running config stays"
+    );
+
+    for w in load {
+        for (status, complete) in w.await.unwrap() {
+            assert_eq!(status, 200);
+            assert!(complete, "a stream was cut by a reload");
+        }
+    }
+    assert!(
+        eventually(Duration::from_secs(1), || async {
+            in_flight(&lb).await.iter().all(|(_, n)| *n == 0)
+        })
+        .await
+    );
+    let (_, s) = scrape(&lb).await;
+    assert_eq!(
+        total(&s, "prefixlb_config_reloads_total", &[("result", "ok")]),
+        1.0
+    );
+    assert_eq!(
+        total(&s, "prefixlb_config_reloads_total", &[("result", "error")]),
+        1.0
+    );
+
+    // SIGHUP reloads too.
+    std::fs::write(
+        &path,
+        good.replace("[routing]\n", "[routing]\nmax_in_flight = 3\n"),
+    )
+    .unwrap();
+    let hup = std::process::Command::new("kill")
+        .args(["-HUP", &lb.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(hup.success());
+    assert!(
+        eventually(Duration::from_secs(2), || async {
+            node_info(&lb, "n0").await["cap"] == 3
+        })
+        .await
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_config_applies_edits_by_itself() {
+    let e = engines(1, &[]);
+    let text = config(&refs(&e), "watch_config = true", "");
+    let path = write_config(&text);
+    let lb = balancer_from_file(&path);
+    assert_eq!(node_info(&lb, "n0").await["cap"], 4);
+    // mtime granularity: make sure the edit gets a new timestamp.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    std::fs::write(
+        &path,
+        text.replace("[routing]\n", "[routing]\nmax_in_flight = 7\n"),
+    )
+    .unwrap();
+    assert!(
+        eventually(Duration::from_secs(4), || async {
+            node_info(&lb, "n0").await["cap"] == 7
+        })
+        .await
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_explain_answers_like_prefixlb_route() {
+    let e = engines(3, &[]);
+    let text = config(&refs(&e), "", "");
+    let path = write_config(&text);
+    let lb = balancer_from_file(&path);
+    let body = serde_json::to_vec(&json!({"model": "mock", "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo wörld"}]}))
+    .unwrap();
+    let body_path = write_config(std::str::from_utf8(&body).unwrap());
+    let out = std::process::Command::new(BIN)
+        .args([
+            "route",
+            "--config",
+            path.to_str().unwrap(),
+            body_path.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let offline: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let online = call("POST", &lb.admin_url("/admin/explain"), &[], body)
+        .await
+        .json();
+    assert_eq!(offline, online);
+    assert_eq!(online["key"], "system\nBe brief.\nuser\nhéllo wörld\n");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_token_guards_the_admin_listener() {
+    let e = engines(1, &[]);
+    let lb = balancer(&config(&refs(&e), "admin_token = \"s3cret\"", ""));
+    assert_eq!(
+        call("GET", &lb.admin_url("/metrics"), &[], "").await.status,
+        401
+    );
+    assert_eq!(
+        call(
+            "GET",
+            &lb.admin_url("/admin/nodes"),
+            &[("authorization", "Bearer nope")],
+            ""
+        )
+        .await
+        .status,
+        401
+    );
+    let ok = call(
+        "GET",
+        &lb.admin_url("/admin/nodes"),
+        &[("authorization", "Bearer s3cret")],
+        "",
+    )
+    .await;
+    assert_eq!(ok.status, 200);
+}
