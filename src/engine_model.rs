@@ -21,6 +21,8 @@ pub struct Prompt {
     /// One hash per full block; hash `i` covers the whole prefix up to block `i`, so
     /// two prompts share cached blocks exactly as far as their text agrees.
     pub blocks: Vec<u64>,
+    /// Tokens per block (16 for text; a trace's own block size for traces).
+    pub block_tokens: usize,
 }
 
 impl Prompt {
@@ -38,12 +40,20 @@ impl Prompt {
             prev = xxh3_64_with_seed(chunk, prev);
             blocks.push(prev);
         }
-        Prompt { tokens, blocks }
+        Prompt {
+            tokens,
+            blocks,
+            block_tokens: BLOCK_TOKENS,
+        }
     }
 
-    /// A prompt given directly as chained block ids (trace replay).
-    pub fn from_blocks(tokens: usize, blocks: Vec<u64>) -> Prompt {
-        Prompt { tokens, blocks }
+    /// A prompt given directly as chained block ids of `block_tokens` each (trace replay).
+    pub fn from_blocks(tokens: usize, blocks: Vec<u64>, block_tokens: usize) -> Prompt {
+        Prompt {
+            tokens,
+            blocks,
+            block_tokens: block_tokens.max(1),
+        }
     }
 }
 
@@ -57,10 +67,10 @@ pub struct PrefixCache {
 }
 
 impl PrefixCache {
-    /// A cache holding up to `capacity_tokens` tokens (rounded down to whole blocks).
-    pub fn new(capacity_tokens: usize) -> Self {
+    /// A cache holding up to `capacity_tokens` tokens in blocks of `block_tokens`.
+    pub fn new(capacity_tokens: usize, block_tokens: usize) -> Self {
         PrefixCache {
-            capacity: capacity_tokens / BLOCK_TOKENS,
+            capacity: capacity_tokens / block_tokens.max(1),
             tick: 0,
             last_use: HashMap::new(),
             by_age: BTreeMap::new(),
@@ -144,9 +154,10 @@ pub struct EngineModel {
 }
 
 impl EngineModel {
-    pub fn new(cache_tokens: usize, costs: Costs) -> Self {
+    /// An engine whose cache holds `cache_tokens` tokens in blocks of `block_tokens`.
+    pub fn new(cache_tokens: usize, block_tokens: usize, costs: Costs) -> Self {
         EngineModel {
-            cache: PrefixCache::new(cache_tokens),
+            cache: PrefixCache::new(cache_tokens, block_tokens),
             costs,
         }
     }
@@ -155,7 +166,7 @@ impl EngineModel {
     /// blocks are cached from now on.
     pub fn prefill(&mut self, prompt: &Prompt) -> PrefillPlan {
         let hit_blocks = self.cache.serve(&prompt.blocks);
-        let cached_tokens = (hit_blocks * BLOCK_TOKENS).min(prompt.tokens);
+        let cached_tokens = (hit_blocks * prompt.block_tokens).min(prompt.tokens);
         let uncached = prompt.tokens - cached_tokens;
         PrefillPlan {
             prompt_tokens: prompt.tokens,
@@ -187,7 +198,7 @@ mod tests {
 
     #[test]
     fn second_turn_hits_the_first_turns_blocks() {
-        let mut e = EngineModel::new(200_000, Costs::default());
+        let mut e = EngineModel::new(200_000, BLOCK_TOKENS, Costs::default());
         let turn1 = "s".repeat(4000);
         let p1 = e.prefill(&Prompt::from_text(&turn1));
         assert_eq!(p1.cached_tokens, 0);
@@ -199,7 +210,7 @@ mod tests {
 
     #[test]
     fn lru_evicts_the_oldest_blocks() {
-        let mut c = PrefixCache::new(4 * BLOCK_TOKENS);
+        let mut c = PrefixCache::new(4 * BLOCK_TOKENS, BLOCK_TOKENS);
         c.serve(&[1, 2, 3]);
         c.serve(&[10, 11]);
         assert_eq!(c.len(), 4);
@@ -211,7 +222,7 @@ mod tests {
 
     #[test]
     fn decode_is_linear() {
-        let e = EngineModel::new(0, Costs::default());
+        let e = EngineModel::new(0, BLOCK_TOKENS, Costs::default());
         assert_eq!(e.decode(16), Duration::from_millis(160));
     }
 }

@@ -24,4 +24,5 @@ pub mod proxy;
 pub mod ring;
 pub mod serve;
 pub mod server;
+pub mod sim;
 pub mod table;

@@ -60,6 +60,41 @@ enum Command {
         #[arg(default_value = "-")]
         body: String,
     },
+    /// Simulate a fleet in virtual time and compare routing policies.
+    Simulate {
+        /// Routing settings for the `prefixlb` policy (and the pool's model name).
+        #[arg(long)]
+        config: PathBuf,
+        /// A Mooncake JSON-lines trace.
+        #[arg(long, conflicts_with = "workload")]
+        trace: Option<PathBuf>,
+        /// A synthetic workload: multi-turn, shared-prefix, rag, agentic.
+        #[arg(long)]
+        workload: Option<String>,
+        /// Policies to compare (comma-separated); default all.
+        #[arg(long, value_delimiter = ',')]
+        policies: Vec<String>,
+        /// Engines (default: the config's first pool's node count).
+        #[arg(long)]
+        nodes: Option<usize>,
+        /// KV-cache capacity per engine, in tokens.
+        #[arg(long, default_value_t = 200_000)]
+        cache_tokens: usize,
+        /// Tokens per trace block.
+        #[arg(long, default_value_t = 512)]
+        block_tokens: usize,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Multiplies the synthetic workload's number of conversations.
+        #[arg(long, default_value_t = 1.0)]
+        scale: f64,
+        /// Also write the workload as a Mooncake trace to this file.
+        #[arg(long)]
+        write_trace: Option<PathBuf>,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Start emulated engines and the balancer in this process, drive a multi-turn
     /// workload through real HTTP with round-robin and with prefixlb, print the comparison.
     Demo,
@@ -159,6 +194,78 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                     Ok(ExitCode::from(2))
                 }
             }
+        }
+        Command::Simulate {
+            config,
+            trace,
+            workload,
+            policies,
+            nodes,
+            cache_tokens,
+            block_tokens,
+            seed,
+            scale,
+            write_trace,
+            json,
+        } => {
+            let Some(config) = load(&config) else {
+                return Ok(ExitCode::from(2));
+            };
+            let w = match (&trace, &workload) {
+                (Some(path), _) => {
+                    let text = std::fs::read_to_string(path)
+                        .with_context(|| format!("reading trace {}", path.display()))?;
+                    prefixlb::sim::workload::trace(&text, block_tokens)
+                        .map_err(anyhow::Error::msg)?
+                }
+                (None, Some(name)) => prefixlb::sim::workload::synthetic(name, seed, scale)
+                    .with_context(|| {
+                        format!(
+                            "unknown workload {name:?} (one of {})",
+                            prefixlb::sim::workload::NAMES.join(", ")
+                        )
+                    })?,
+                (None, None) => anyhow::bail!("give --trace FILE or --workload NAME"),
+            };
+            if let Some(path) = write_trace {
+                std::fs::write(&path, prefixlb::sim::workload::to_trace(&w))?;
+            }
+            let fleet = prefixlb::sim::Fleet {
+                nodes: nodes.unwrap_or(config.pools[0].nodes.len()).max(1),
+                cache_tokens,
+                costs: Costs::default(),
+                max_num_seqs: 64,
+            };
+            let policies: Vec<String> = if policies.is_empty() {
+                prefixlb::sim::POLICIES
+                    .iter()
+                    .map(|p| p.to_string())
+                    .collect()
+            } else {
+                policies
+            };
+            let mut reports = Vec::new();
+            for p in &policies {
+                reports.push(
+                    prefixlb::sim::simulate(&w, &config, &fleet, p).map_err(anyhow::Error::msg)?,
+                );
+            }
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&serde_json::json!({ "policies": reports }))?
+                );
+            } else {
+                println!(
+                    "workload {} ({} requests) on {} engines, {} cached tokens each\n",
+                    w.name,
+                    w.requests(),
+                    fleet.nodes,
+                    fleet.cache_tokens
+                );
+                print!("{}", prefixlb::sim::table(&reports));
+            }
+            Ok(ExitCode::SUCCESS)
         }
         Command::Demo => {
             let report = runtime()?.block_on(prefixlb::demo::run())?;

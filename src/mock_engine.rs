@@ -20,7 +20,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, Semaphore};
 
 use crate::body::{full, BoxBody, ChannelBody};
-use crate::engine_model::{Costs, EngineModel, Prompt};
+use crate::engine_model::{Costs, EngineModel, Prompt, BLOCK_TOKENS};
 
 /// `mock-engine` settings (the subcommand's flags).
 #[derive(Debug, Clone)]
@@ -128,7 +128,11 @@ struct Job {
 impl MockEngine {
     pub fn new(config: MockConfig) -> Arc<MockEngine> {
         Arc::new(MockEngine {
-            model: Mutex::new(EngineModel::new(config.cache_tokens, config.costs)),
+            model: Mutex::new(EngineModel::new(
+                config.cache_tokens,
+                BLOCK_TOKENS,
+                config.costs,
+            )),
             seqs: Semaphore::new(config.max_num_seqs.max(1)),
             config,
             fault: Mutex::new(Fault::default()),

@@ -1,0 +1,601 @@
+//! `prefixlb simulate`: a discrete-event fleet simulator in virtual time. Engines use
+//! the same [`EngineModel`] as `mock-engine` (block LRU prefix cache, prefill cost per
+//! uncached token, decode cost per token, `max_num_seqs` slots with a FIFO queue).
+//! Conversations are replayed faithfully: turn k + 1 arrives its think time after turn
+//! k's answer. The `prefixlb` policy is the proxy's own code: [`Table::plan`] (routing
+//! key and hash) and [`Balancer::choose`] (ring walk, bounded loads, reservations).
+
+pub mod workload;
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::balance::{Reservation, Walk};
+use crate::config::Config;
+use crate::engine_model::{Costs, EngineModel, PrefixCache, Prompt};
+use crate::table::{Registry, Table};
+use workload::Workload;
+
+/// The routing policies compared.
+pub const POLICIES: [&str; 7] = [
+    "round_robin",
+    "least_loaded",
+    "consistent_hash",
+    "prefixlb",
+    "chwbl",
+    "cache_aware",
+    "oracle",
+];
+
+/// Fleet shape.
+#[derive(Debug, Clone)]
+pub struct Fleet {
+    pub nodes: usize,
+    pub cache_tokens: usize,
+    pub costs: Costs,
+    pub max_num_seqs: usize,
+}
+
+/// One policy's results.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Report {
+    pub policy: String,
+    pub requests: usize,
+    /// Cached prompt tokens / prompt tokens, in [0, 1].
+    pub hit_rate: f64,
+    pub ttft_mean_ms: f64,
+    pub ttft_p50_ms: f64,
+    pub ttft_p99_ms: f64,
+    pub throughput_rps: f64,
+    /// Requests served by the busiest engine over the mean.
+    pub max_mean_load: f64,
+    /// Share of requests not served by their key's primary node.
+    pub spill_share: f64,
+}
+
+enum Route {
+    To {
+        engine: usize,
+        reservation: Option<Reservation>,
+        spilled: bool,
+    },
+    Wait,
+}
+
+/// A policy's routing state.
+enum Policy {
+    RoundRobin(usize),
+    LeastLoaded,
+    ConsistentHash(Table),
+    /// The proxy's table: `prefixlb` (the config's bounds) or `chwbl` (relative only).
+    Bounded(Table),
+    /// SGLang-router style: an approximate per-engine tree of what was sent there.
+    CacheAware(Vec<PrefixCache>),
+    /// Sees every engine's true cache: the longest cached prefix among engines with a
+    /// free sequence slot (the engine's own bound), ties to the least loaded.
+    Oracle {
+        cap: usize,
+    },
+}
+
+struct Job {
+    conv: usize,
+    turn: usize,
+    arrival: u64,
+    prompt: Prompt,
+    output: usize,
+    reservation: Option<Reservation>,
+}
+
+struct Engine {
+    model: EngineModel,
+    running: usize,
+    waiting: VecDeque<Job>,
+    served: u64,
+}
+
+#[derive(PartialEq, Eq, PartialOrd, Ord)]
+enum Event {
+    Arrive {
+        conv: usize,
+        turn: usize,
+    },
+    Finish {
+        engine: usize,
+        conv: usize,
+        turn: usize,
+        slot: usize,
+    },
+}
+
+/// Time in microseconds.
+fn us(secs: f64) -> u64 {
+    (secs * 1e6).round() as u64
+}
+
+/// A table for `nodes` identical engines with the routing settings of `config`.
+fn fleet_table(
+    config: &Config,
+    nodes: usize,
+    load_factor: Option<f64>,
+    max_in_flight: Option<u32>,
+) -> Table {
+    let mut c = config.clone();
+    c.pools.truncate(1);
+    let pool = &mut c.pools[0];
+    pool.nodes = (0..nodes)
+        .map(|i| crate::config::NodeConfig {
+            id: format!("engine-{i}"),
+            url: "http://127.0.0.1:1".parse().expect("a valid URI"),
+            weight: 1,
+        })
+        .collect();
+    if let Some(lf) = load_factor {
+        c.routing.load_factor = Some(lf);
+    }
+    if let Some(m) = max_in_flight {
+        c.routing.max_in_flight = m;
+    }
+    Table::build(c, &Registry::default())
+}
+
+/// Simulates one policy over a workload.
+pub fn simulate(
+    workload: &Workload,
+    config: &Config,
+    fleet: &Fleet,
+    policy: &str,
+) -> Result<Report, String> {
+    let block_tokens = workload
+        .conversations
+        .iter()
+        .flat_map(|c| c.turns.first())
+        .find_map(|t| t.trace.as_ref().map(|p| p.block_tokens))
+        .unwrap_or(crate::engine_model::BLOCK_TOKENS);
+    let mut routing = match policy {
+        "round_robin" => Policy::RoundRobin(0),
+        "least_loaded" => Policy::LeastLoaded,
+        "consistent_hash" => Policy::ConsistentHash(fleet_table(config, fleet.nodes, None, None)),
+        "prefixlb" => Policy::Bounded(fleet_table(config, fleet.nodes, None, None)),
+        "chwbl" => Policy::Bounded(fleet_table(
+            config,
+            fleet.nodes,
+            Some(1.25),
+            Some(u32::MAX / 2),
+        )),
+        "cache_aware" => Policy::CacheAware(
+            (0..fleet.nodes)
+                .map(|_| PrefixCache::new(fleet.cache_tokens, block_tokens))
+                .collect(),
+        ),
+        "oracle" => Policy::Oracle {
+            cap: fleet.max_num_seqs,
+        },
+        other => {
+            return Err(format!(
+                "unknown policy {other:?} (one of {})",
+                POLICIES.join(", ")
+            ))
+        }
+    };
+    let model_name = config
+        .pools
+        .first()
+        .and_then(|p| p.models.first())
+        .cloned()
+        .unwrap_or_default();
+    let mut engines: Vec<Engine> = (0..fleet.nodes)
+        .map(|_| Engine {
+            model: EngineModel::new(fleet.cache_tokens, block_tokens, fleet.costs),
+            running: 0,
+            waiting: VecDeque::new(),
+            served: 0,
+        })
+        .collect();
+    let mut in_flight = vec![0usize; fleet.nodes];
+    let mut events: BinaryHeap<Reverse<(u64, u64, Event)>> = BinaryHeap::new();
+    let mut seq = 0u64;
+    let mut push = |events: &mut BinaryHeap<Reverse<(u64, u64, Event)>>, at: u64, e: Event| {
+        seq += 1;
+        events.push(Reverse((at, seq, e)));
+    };
+    for (c, conv) in workload.conversations.iter().enumerate() {
+        if let Some(t) = conv.turns.first() {
+            push(&mut events, us(t.delay), Event::Arrive { conv: c, turn: 0 });
+        }
+    }
+    let epoch = Instant::now();
+    let (mut prompt_tokens, mut cached_tokens, mut spilled, mut done) =
+        (0u64, 0u64, 0usize, 0usize);
+    let mut ttfts: Vec<f64> = Vec::new();
+    let mut pending: VecDeque<Job> = VecDeque::new();
+    let (mut first, mut last) = (u64::MAX, 0u64);
+    // Slots of running jobs hold their reservations until they finish.
+    let mut slots: Vec<Option<Reservation>> = Vec::new();
+    let mut free_slots: Vec<usize> = Vec::new();
+
+    while let Some(Reverse((now, _, event))) = events.pop() {
+        match event {
+            Event::Arrive { conv, turn } => {
+                first = first.min(now);
+                let t = &workload.conversations[conv].turns[turn];
+                let job = Job {
+                    conv,
+                    turn,
+                    arrival: now,
+                    prompt: t.prompt(),
+                    output: t.output_tokens,
+                    reservation: None,
+                };
+                pending.push_back(job);
+            }
+            Event::Finish {
+                engine,
+                conv,
+                turn,
+                slot,
+            } => {
+                last = last.max(now);
+                done += 1;
+                slots[slot] = None; // releases the reservation
+                free_slots.push(slot);
+                in_flight[engine] -= 1;
+                let e = &mut engines[engine];
+                e.running -= 1;
+                let turns = &workload.conversations[conv].turns;
+                if turn + 1 < turns.len() {
+                    push(
+                        &mut events,
+                        now + us(turns[turn + 1].delay),
+                        Event::Arrive {
+                            conv,
+                            turn: turn + 1,
+                        },
+                    );
+                }
+                if let Some(next) = e.waiting.pop_front() {
+                    start(
+                        engine,
+                        next,
+                        now,
+                        &mut engines,
+                        &mut ttfts,
+                        &mut prompt_tokens,
+                        &mut cached_tokens,
+                        &mut slots,
+                        &mut free_slots,
+                        &mut |at, ev| push(&mut events, at, ev),
+                        fleet,
+                    );
+                }
+            }
+        }
+        // Route what waits at the balancer, oldest first, until one must keep waiting.
+        while let Some(job) = pending.pop_front() {
+            let turn = &workload.conversations[job.conv].turns[job.turn];
+            let route = match &mut routing {
+                Policy::RoundRobin(next) => {
+                    *next += 1;
+                    Route::To {
+                        engine: (*next - 1) % fleet.nodes,
+                        reservation: None,
+                        spilled: false,
+                    }
+                }
+                Policy::LeastLoaded => {
+                    let engine = (0..fleet.nodes)
+                        .min_by_key(|&i| (in_flight[i], i))
+                        .unwrap_or(0);
+                    Route::To {
+                        engine,
+                        reservation: None,
+                        spilled: false,
+                    }
+                }
+                Policy::ConsistentHash(table) => {
+                    let plan = table
+                        .plan(turn.path(), None, &turn.body(&model_name))
+                        .map_err(|e| e.to_string())?;
+                    let engine = table.pools[plan.pool]
+                        .balancer
+                        .ring
+                        .primary(plan.hash)
+                        .unwrap_or(0);
+                    Route::To {
+                        engine,
+                        reservation: None,
+                        spilled: false,
+                    }
+                }
+                Policy::Bounded(table) => {
+                    let plan = table
+                        .plan(turn.path(), None, &turn.body(&model_name))
+                        .map_err(|e| e.to_string())?;
+                    match table.pools[plan.pool]
+                        .balancer
+                        .choose(plan.hash, &[], epoch)
+                    {
+                        Walk::Chosen(c) => Route::To {
+                            engine: c.index,
+                            spilled: c.distance > 0,
+                            reservation: Some(c.reservation),
+                        },
+                        _ => Route::Wait,
+                    }
+                }
+                Policy::CacheAware(trees) => {
+                    let (max, min) = (
+                        *in_flight.iter().max().unwrap_or(&0),
+                        *in_flight.iter().min().unwrap_or(&0),
+                    );
+                    let least = (0..fleet.nodes)
+                        .min_by_key(|&i| (in_flight[i], i))
+                        .unwrap_or(0);
+                    let engine = if max - min > 32 && max as f64 > 1.1 * min as f64 {
+                        least
+                    } else {
+                        let blocks = job.prompt.blocks.len().max(1);
+                        let (best, matched) = (0..fleet.nodes)
+                            .map(|i| (i, trees[i].cached_prefix(&job.prompt.blocks)))
+                            .max_by_key(|&(i, m)| (m, Reverse(in_flight[i]), Reverse(i)))
+                            .unwrap_or((0, 0));
+                        if matched as f64 / blocks as f64 > 0.5 {
+                            best
+                        } else {
+                            least
+                        }
+                    };
+                    trees[engine].serve(&job.prompt.blocks);
+                    Route::To {
+                        engine,
+                        reservation: None,
+                        spilled: false,
+                    }
+                }
+                Policy::Oracle { cap } => {
+                    // The cache-aware rule with perfect knowledge: follow a real
+                    // match (over half the prompt cached somewhere), else spread.
+                    let free: Vec<usize> =
+                        (0..fleet.nodes).filter(|&i| in_flight[i] < *cap).collect();
+                    let best = free
+                        .iter()
+                        .map(|&i| (i, engines[i].model.cache.cached_prefix(&job.prompt.blocks)))
+                        .max_by_key(|&(i, m)| (m, Reverse(in_flight[i]), Reverse(i)));
+                    let least = free
+                        .iter()
+                        .copied()
+                        .min_by_key(|&i| (in_flight[i], engines[i].served, i));
+                    match (best, least) {
+                        (Some((i, m)), _) if 2 * m > job.prompt.blocks.len() => Route::To {
+                            engine: i,
+                            reservation: None,
+                            spilled: false,
+                        },
+                        (_, Some(i)) => Route::To {
+                            engine: i,
+                            reservation: None,
+                            spilled: false,
+                        },
+                        _ => Route::Wait,
+                    }
+                }
+            };
+            match route {
+                Route::Wait => {
+                    pending.push_front(job);
+                    break;
+                }
+                Route::To {
+                    engine,
+                    reservation,
+                    spilled: s,
+                } => {
+                    spilled += s as usize;
+                    in_flight[engine] += 1;
+                    let job = Job { reservation, ..job };
+                    let e = &mut engines[engine];
+                    e.served += 1;
+                    if e.running < fleet.max_num_seqs {
+                        start(
+                            engine,
+                            job,
+                            now,
+                            &mut engines,
+                            &mut ttfts,
+                            &mut prompt_tokens,
+                            &mut cached_tokens,
+                            &mut slots,
+                            &mut free_slots,
+                            &mut |at, ev| push(&mut events, at, ev),
+                            fleet,
+                        );
+                    } else {
+                        e.waiting.push_back(job);
+                    }
+                }
+            }
+        }
+    }
+    if !pending.is_empty() {
+        return Err(format!("{} requests were never routed", pending.len()));
+    }
+    ttfts.sort_by(f64::total_cmp);
+    let q = |p: f64| {
+        ttfts
+            .get(((p * ttfts.len() as f64).ceil() as usize).clamp(1, ttfts.len().max(1)) - 1)
+            .copied()
+            .unwrap_or(0.0)
+    };
+    let served: Vec<f64> = engines.iter().map(|e| e.served as f64).collect();
+    let mean = served.iter().sum::<f64>() / served.len().max(1) as f64;
+    let span = (last.saturating_sub(first)) as f64 / 1e6;
+    Ok(Report {
+        policy: policy.to_string(),
+        requests: done,
+        hit_rate: cached_tokens as f64 / prompt_tokens.max(1) as f64,
+        ttft_mean_ms: ttfts.iter().sum::<f64>() / ttfts.len().max(1) as f64,
+        ttft_p50_ms: q(0.5),
+        ttft_p99_ms: q(0.99),
+        throughput_rps: done as f64 / span.max(1e-9),
+        max_mean_load: served.iter().cloned().fold(0.0, f64::max) / mean.max(1e-9),
+        spill_share: spilled as f64 / done.max(1) as f64,
+    })
+}
+
+/// Starts a job on an engine: prefill (cache lookup and insert), then decode.
+#[allow(clippy::too_many_arguments)]
+fn start(
+    engine: usize,
+    job: Job,
+    now: u64,
+    engines: &mut [Engine],
+    ttfts: &mut Vec<f64>,
+    prompt_tokens: &mut u64,
+    cached_tokens: &mut u64,
+    slots: &mut Vec<Option<Reservation>>,
+    free_slots: &mut Vec<usize>,
+    push: &mut dyn FnMut(u64, Event),
+    fleet: &Fleet,
+) {
+    let e = &mut engines[engine];
+    e.running += 1;
+    let plan = e.model.prefill(&job.prompt);
+    *prompt_tokens += plan.prompt_tokens as u64;
+    *cached_tokens += plan.cached_tokens as u64;
+    let first_token = now + plan.prefill.as_micros() as u64;
+    ttfts.push((first_token - job.arrival) as f64 / 1000.0);
+    let finish =
+        first_token + (fleet.costs.decode_per_token * job.output as u32).as_micros() as u64;
+    let slot = match free_slots.pop() {
+        Some(s) => {
+            slots[s] = job.reservation;
+            s
+        }
+        None => {
+            slots.push(job.reservation);
+            slots.len() - 1
+        }
+    };
+    push(
+        finish,
+        Event::Finish {
+            engine,
+            conv: job.conv,
+            turn: job.turn,
+            slot,
+        },
+    );
+}
+
+/// The reports as a table.
+pub fn table(reports: &[Report]) -> String {
+    let mut out = format!(
+        "{:<16} {:>8} {:>9} {:>10} {:>10} {:>10} {:>9} {:>9} {:>7}\n",
+        "policy",
+        "requests",
+        "hit rate",
+        "TTFT mean",
+        "TTFT p50",
+        "TTFT p99",
+        "req/s",
+        "max/mean",
+        "spill"
+    );
+    for r in reports {
+        out.push_str(&format!(
+            "{:<16} {:>8} {:>8.1}% {:>8.1}ms {:>8.1}ms {:>8.1}ms {:>9.2} {:>9.2} {:>6.1}%\n",
+            r.policy,
+            r.requests,
+            r.hit_rate * 100.0,
+            r.ttft_mean_ms,
+            r.ttft_p50_ms,
+            r.ttft_p99_ms,
+            r.throughput_rps,
+            r.max_mean_load,
+            r.spill_share * 100.0
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> Config {
+        Config::parse(
+            "[[pools]]\nname = \"sim\"\nnodes = [{ id = \"x\", url = \"http://h:1\" }]\n",
+            "t",
+        )
+        .unwrap()
+    }
+
+    fn fleet(nodes: usize) -> Fleet {
+        Fleet {
+            nodes,
+            cache_tokens: 60_000,
+            costs: Costs::default(),
+            max_num_seqs: 64,
+        }
+    }
+
+    #[test]
+    fn simulation_is_deterministic() {
+        let w = workload::synthetic("multi-turn", 5, 0.2).unwrap();
+        let a = simulate(&w, &config(), &fleet(4), "prefixlb").unwrap();
+        let b = simulate(&w, &config(), &fleet(4), "prefixlb").unwrap();
+        assert_eq!(a, b);
+        assert_eq!(a.requests, w.requests());
+    }
+
+    #[test]
+    fn oracle_is_the_ceiling_and_affinity_beats_round_robin() {
+        let fleet = Fleet {
+            nodes: 8,
+            cache_tokens: 20_000,
+            costs: Costs::default(),
+            max_num_seqs: 64,
+        };
+        for name in ["multi-turn", "shared-prefix"] {
+            let w = workload::synthetic(name, 1, 0.5).unwrap();
+            let reports: Vec<Report> = POLICIES
+                .iter()
+                .map(|p| simulate(&w, &config(), &fleet, p).unwrap())
+                .collect();
+            let hit = |p: &str| reports.iter().find(|r| r.policy == p).unwrap().hit_rate;
+            for r in &reports {
+                assert!(
+                    hit("oracle") >= r.hit_rate,
+                    "{name}: oracle {} < {} {}",
+                    hit("oracle"),
+                    r.policy,
+                    r.hit_rate
+                );
+                assert_eq!(r.requests, w.requests());
+            }
+        }
+        // Affinity: prefixlb's defaults on conversations, `key = "prefix"` on a shared
+        // prefix (the default key spreads single-turn requests by their question).
+        let prefix = Config::parse("[routing]\nkey = \"prefix\"\n[[pools]]\nname = \"sim\"\nnodes = [{ id = \"x\", url = \"http://h:1\" }]\n", "t").unwrap();
+        for (name, config) in [("multi-turn", config()), ("shared-prefix", prefix)] {
+            let w = workload::synthetic(name, 1, 0.5).unwrap();
+            let lb = simulate(&w, &config, &fleet, "prefixlb").unwrap();
+            let rr = simulate(&w, &config, &fleet, "round_robin").unwrap();
+            assert!(
+                lb.hit_rate > 2.5 * rr.hit_rate,
+                "{name}: prefixlb {} vs round_robin {}",
+                lb.hit_rate,
+                rr.hit_rate
+            );
+        }
+    }
+
+    #[test]
+    fn unknown_policies_are_errors() {
+        let w = workload::synthetic("rag", 5, 0.01).unwrap();
+        assert!(simulate(&w, &config(), &fleet(2), "random").is_err());
+    }
+}

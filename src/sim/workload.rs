@@ -1,0 +1,473 @@
+//! Workloads for the simulator: seeded synthetic generators (`multi-turn`,
+//! `shared-prefix`, `rag`, `agentic`) that produce real chat messages, and Mooncake
+//! JSON-lines traces (`{"timestamp", "input_length", "output_length", "hash_ids"}`).
+//! Pure: text in, text out.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use serde::Deserialize;
+
+use crate::engine_model::Prompt;
+
+/// A small seeded generator (xorshift64*): the same seed gives the same workload.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// Uniform in `[lo, hi]`.
+    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next_u64() % (hi - lo + 1)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+const WORDS: [&str; 32] = [
+    "cluster",
+    "latency",
+    "token",
+    "cache",
+    "prefix",
+    "engine",
+    "request",
+    "stream",
+    "model",
+    "batch",
+    "memory",
+    "kernel",
+    "driver",
+    "queue",
+    "replica",
+    "shard",
+    "tensor",
+    "layer",
+    "weight",
+    "budget",
+    "scheduler",
+    "node",
+    "router",
+    "ring",
+    "block",
+    "attention",
+    "decode",
+    "prefill",
+    "throughput",
+    "window",
+    "session",
+    "context",
+];
+
+/// About `tokens` tokens (≈ 4 chars each) of seeded prose.
+pub fn prose(rng: &mut Rng, tokens: usize) -> String {
+    let chars = tokens * 4;
+    let mut s = String::with_capacity(chars + 16);
+    while s.len() < chars {
+        s.push_str(WORDS[(rng.next_u64() % WORDS.len() as u64) as usize]);
+        s.push(if rng.next_u64() % 9 == 0 { '\n' } else { ' ' });
+    }
+    s.truncate(chars);
+    s
+}
+
+/// A chat message.
+#[derive(Debug, Clone)]
+pub struct Message {
+    pub role: &'static str,
+    pub content: Arc<str>,
+}
+
+/// One request of a workload.
+#[derive(Debug, Clone)]
+pub struct Turn {
+    /// This request's messages (earlier turns and answers included).
+    pub messages: Vec<Message>,
+    pub output_tokens: usize,
+    /// Seconds after the previous turn's answer (think time); for a conversation's
+    /// first turn (or a trace request), its arrival time.
+    pub delay: f64,
+    /// Trace requests: the prompt as given.
+    pub trace: Option<Prompt>,
+}
+
+/// A sequence of turns; turn k + 1 is sent `delay` after turn k's answer.
+#[derive(Debug, Clone)]
+pub struct Conversation {
+    pub turns: Vec<Turn>,
+}
+
+/// A workload: conversations, replayed conversation-faithfully.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    pub name: String,
+    pub conversations: Vec<Conversation>,
+}
+
+impl Workload {
+    pub fn requests(&self) -> usize {
+        self.conversations.iter().map(|c| c.turns.len()).sum()
+    }
+}
+
+impl Turn {
+    /// The prompt text as an engine renders it (`role \n content \n` per message, as
+    /// `mock-engine` does), for the cache model.
+    pub fn prompt(&self) -> Prompt {
+        if let Some(p) = &self.trace {
+            return p.clone();
+        }
+        let mut text = String::new();
+        for m in &self.messages {
+            text.push_str(m.role);
+            text.push('\n');
+            text.push_str(&m.content);
+            text.push('\n');
+        }
+        Prompt::from_text(&text)
+    }
+
+    /// The request body a client would send.
+    pub fn body(&self, model: &str) -> Vec<u8> {
+        if let Some(p) = &self.trace {
+            // Traces carry block ids, not text: route them as a completions prompt of
+            // their ids, so requests sharing leading blocks share the key's text.
+            let text: Vec<String> = p.blocks.iter().map(|b| format!("{b:x}")).collect();
+            return serde_json::to_vec(
+                &serde_json::json!({"model": model, "prompt": text.join(" ")}),
+            )
+            .unwrap_or_default();
+        }
+        let messages: Vec<serde_json::Value> = self
+            .messages
+            .iter()
+            .map(|m| serde_json::json!({"role": m.role, "content": &*m.content}))
+            .collect();
+        serde_json::to_vec(&serde_json::json!({
+            "model": model, "messages": messages, "max_tokens": self.output_tokens, "stream": true,
+        }))
+        .unwrap_or_default()
+    }
+
+    /// The path of `body`.
+    pub fn path(&self) -> &'static str {
+        if self.trace.is_some() {
+            "/v1/completions"
+        } else {
+            "/v1/chat/completions"
+        }
+    }
+}
+
+/// The synthetic workloads by name.
+pub const NAMES: [&str; 4] = ["multi-turn", "shared-prefix", "rag", "agentic"];
+
+/// Builds a synthetic workload. `scale` multiplies its number of conversations.
+pub fn synthetic(name: &str, seed: u64, scale: f64) -> Option<Workload> {
+    let mut rng = Rng::new(seed);
+    let n = |base: usize| ((base as f64 * scale).round() as usize).max(1);
+    let conversations = match name {
+        "multi-turn" => multi_turn(&mut rng, n(96), 8),
+        "shared-prefix" => shared_prefix(&mut rng, n(64), 16),
+        "rag" => rag(&mut rng, n(800)),
+        "agentic" => agentic(&mut rng, n(24), 16),
+        _ => return None,
+    };
+    Some(Workload {
+        name: name.to_string(),
+        conversations,
+    })
+}
+
+fn msg(role: &'static str, content: String) -> Message {
+    Message {
+        role,
+        content: content.into(),
+    }
+}
+
+/// Users chatting: one shared system prompt (~200 tokens), an opening message of
+/// 200–600 tokens, follow-ups of 30–150, answers of 50–250; 5–20 s of thought.
+fn multi_turn(rng: &mut Rng, users: usize, rounds: usize) -> Vec<Conversation> {
+    let system: Arc<str> = format!(
+        "You are a helpful assistant for GPU cluster operators. {}",
+        prose(rng, 180)
+    )
+    .into();
+    (0..users)
+        .map(|u| {
+            let mut history = vec![Message {
+                role: "system",
+                content: system.clone(),
+            }];
+            let mut turns = Vec::new();
+            for r in 0..rounds {
+                let len = if r == 0 {
+                    rng.range(200, 600)
+                } else {
+                    rng.range(30, 150)
+                };
+                history.push(msg(
+                    "user",
+                    format!("user {u} turn {r}: {}", prose(rng, len as usize)),
+                ));
+                let output = rng.range(50, 250) as usize;
+                let delay = if r == 0 {
+                    u as f64 * 0.2
+                } else {
+                    5.0 + rng.unit() * 15.0
+                };
+                turns.push(Turn {
+                    messages: history.clone(),
+                    output_tokens: output,
+                    delay,
+                    trace: None,
+                });
+                history.push(msg("assistant", prose(rng, output)));
+            }
+            Conversation { turns }
+        })
+        .collect()
+}
+
+/// SGLang's generated-shared-prefix: groups sharing a 2,048-token prefix, each with
+/// single-turn 128-token questions, arriving interleaved.
+fn shared_prefix(rng: &mut Rng, groups: usize, per_group: usize) -> Vec<Conversation> {
+    let prefixes: Vec<Arc<str>> = (0..groups)
+        .map(|g| format!("group {g}: {}", prose(rng, 2048)).into())
+        .collect();
+    let total = groups * per_group;
+    let mut order: Vec<usize> = (0..total).collect();
+    for i in (1..total).rev() {
+        order.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+    }
+    order
+        .into_iter()
+        .enumerate()
+        .map(|(k, i)| {
+            let g = i % groups;
+            Conversation {
+                turns: vec![Turn {
+                    messages: vec![
+                        Message {
+                            role: "system",
+                            content: prefixes[g].clone(),
+                        },
+                        msg("user", prose(rng, 128)),
+                    ],
+                    output_tokens: rng.range(32, 128) as usize,
+                    delay: k as f64 * 0.05,
+                    trace: None,
+                }],
+            }
+        })
+        .collect()
+}
+
+/// Retrieval-augmented questions: a shared template, then two documents drawn Zipf
+/// (s = 1) from a pool of 200 (~500 tokens each), then a question.
+fn rag(rng: &mut Rng, requests: usize) -> Vec<Conversation> {
+    let template: Arc<str> = format!("Answer from the documents only. {}", prose(rng, 300)).into();
+    let docs: Vec<String> = (0..200)
+        .map(|d| format!("[doc {d}] {}", prose(rng, 500)))
+        .collect();
+    let weights: Vec<f64> = (1..=docs.len()).map(|k| 1.0 / k as f64).collect();
+    let total: f64 = weights.iter().sum();
+    let zipf = |rng: &mut Rng| {
+        let mut x = rng.unit() * total;
+        for (i, w) in weights.iter().enumerate() {
+            if x < *w {
+                return i;
+            }
+            x -= w;
+        }
+        weights.len() - 1
+    };
+    (0..requests)
+        .map(|k| {
+            let (a, b) = (zipf(rng), zipf(rng));
+            Conversation {
+                turns: vec![Turn {
+                    messages: vec![
+                        Message {
+                            role: "system",
+                            content: template.clone(),
+                        },
+                        msg(
+                            "user",
+                            format!("{}\n{}\nQuestion: {}", docs[a], docs[b], prose(rng, 60)),
+                        ),
+                    ],
+                    output_tokens: rng.range(40, 160) as usize,
+                    delay: k as f64 * 0.02,
+                    trace: None,
+                }],
+            }
+        })
+        .collect()
+}
+
+/// Agents in tool loops: a long system prompt with tool descriptions (~1,500 tokens),
+/// a task, then per step a short tool call and a long tool result (200–800 tokens),
+/// half a second apart.
+fn agentic(rng: &mut Rng, agents: usize, steps: usize) -> Vec<Conversation> {
+    let system: Arc<str> = format!("You are a coding agent. Tools: {}", prose(rng, 1500)).into();
+    (0..agents)
+        .map(|a| {
+            let mut history = vec![
+                Message {
+                    role: "system",
+                    content: system.clone(),
+                },
+                msg("user", format!("task {a}: {}", prose(rng, 200))),
+            ];
+            let mut turns = Vec::new();
+            for s in 0..steps {
+                turns.push(Turn {
+                    messages: history.clone(),
+                    output_tokens: rng.range(30, 80) as usize,
+                    delay: if s == 0 { a as f64 * 0.5 } else { 0.5 },
+                    trace: None,
+                });
+                history.push(msg("assistant", format!("call tool {}", prose(rng, 40))));
+                let result_len = rng.range(200, 800) as usize;
+                history.push(msg("tool", prose(rng, result_len)));
+            }
+            Conversation { turns }
+        })
+        .collect()
+}
+
+/// One line of a Mooncake trace.
+#[derive(Debug, Deserialize)]
+struct TraceLine {
+    timestamp: f64,
+    input_length: usize,
+    output_length: usize,
+    hash_ids: Vec<u64>,
+}
+
+/// Reads a Mooncake JSON-lines trace; each request is its own conversation, arriving
+/// at its timestamp (ms).
+pub fn trace(text: &str, block_tokens: usize) -> Result<Workload, String> {
+    let mut conversations = Vec::new();
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let t: TraceLine =
+            serde_json::from_str(line).map_err(|e| format!("trace line {}: {e}", i + 1))?;
+        conversations.push(Conversation {
+            turns: vec![Turn {
+                messages: Vec::new(),
+                output_tokens: t.output_length,
+                delay: t.timestamp / 1000.0,
+                trace: Some(Prompt::from_blocks(
+                    t.input_length,
+                    t.hash_ids,
+                    block_tokens,
+                )),
+            }],
+        });
+    }
+    Ok(Workload {
+        name: "trace".into(),
+        conversations,
+    })
+}
+
+/// Writes a workload as a Mooncake trace (512-token blocks, ids numbered in order of
+/// first appearance; timestamps assume answers take no time).
+pub fn to_trace(w: &Workload) -> String {
+    let mut ids: HashMap<u64, u64> = HashMap::new();
+    let mut lines = Vec::new();
+    for c in &w.conversations {
+        let mut at = 0.0;
+        for (k, t) in c.turns.iter().enumerate() {
+            at = if k == 0 { t.delay } else { at + t.delay };
+            let p = t.prompt();
+            // Every 32nd 16-token block hash names the prefix up to a 512-token boundary.
+            let hash_ids: Vec<u64> = p
+                .blocks
+                .iter()
+                .skip(31)
+                .step_by(32)
+                .map(|h| {
+                    let next = ids.len() as u64;
+                    *ids.entry(*h).or_insert(next)
+                })
+                .collect();
+            lines.push((
+                at,
+                serde_json::json!({
+                    "timestamp": (at * 1000.0).round() as u64, "input_length": p.tokens,
+                    "output_length": t.output_tokens, "hash_ids": hash_ids,
+                }),
+            ));
+        }
+    }
+    lines.sort_by(|a, b| a.0.total_cmp(&b.0));
+    lines
+        .into_iter()
+        .map(|(_, l)| l.to_string() + "\n")
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generators_are_deterministic_and_conversations_grow() {
+        for name in NAMES {
+            let a = synthetic(name, 7, 0.1).unwrap();
+            let b = synthetic(name, 7, 0.1).unwrap();
+            assert_eq!(a.requests(), b.requests());
+            let (pa, pb) = (
+                a.conversations[0].turns[0].prompt(),
+                b.conversations[0].turns[0].prompt(),
+            );
+            assert_eq!(pa, pb, "{name}");
+        }
+        let w = synthetic("multi-turn", 1, 0.1).unwrap();
+        let c = &w.conversations[0];
+        let (p0, p1) = (c.turns[0].prompt(), c.turns[1].prompt());
+        assert!(p1.tokens > p0.tokens);
+        assert_eq!(
+            p1.blocks[..p0.blocks.len() - 1],
+            p0.blocks[..p0.blocks.len() - 1],
+            "turn 2 extends turn 1"
+        );
+    }
+
+    #[test]
+    fn traces_round_trip() {
+        let w = synthetic("shared-prefix", 3, 0.05).unwrap();
+        let text = to_trace(&w);
+        let t = trace(&text, 512).unwrap();
+        assert_eq!(t.requests(), w.requests());
+        let first = t.conversations[0].turns[0].trace.as_ref().unwrap();
+        assert_eq!(first.block_tokens, 512);
+        assert!(
+            first.tokens > 2048 && first.blocks.len() == 4,
+            "{} tokens, {} blocks",
+            first.tokens,
+            first.blocks.len()
+        );
+        assert!(trace("{\"timestamp\": 1}", 512).is_err());
+    }
+}
