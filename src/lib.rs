@@ -9,6 +9,7 @@
 
 pub mod admin;
 pub mod balance;
+pub mod bench;
 pub mod body;
 pub mod breaker;
 pub mod config;

@@ -95,6 +95,38 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Load-test an OpenAI-compatible endpoint with a replayed workload.
+    Bench {
+        /// Base URL, e.g. http://127.0.0.1:8080 (repeat to round-robin over several).
+        #[arg(long, required = true)]
+        target: Vec<String>,
+        /// multi-turn, shared-prefix, rag, agentic.
+        #[arg(long)]
+        workload: String,
+        /// Requests in flight (closed loop).
+        #[arg(long, default_value_t = 8)]
+        concurrency: usize,
+        /// Requests per second (open loop) instead of a closed loop.
+        #[arg(long)]
+        rate: Option<f64>,
+        /// Stop after this many requests (default: the whole workload).
+        #[arg(long)]
+        requests: Option<usize>,
+        /// Stream responses (TTFT = first content event).
+        #[arg(long)]
+        stream: bool,
+        /// The `model` to send.
+        #[arg(long, default_value = "mock")]
+        model: String,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Multiplies the workload's number of conversations.
+        #[arg(long, default_value_t = 1.0)]
+        scale: f64,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Start emulated engines and the balancer in this process, drive a multi-turn
     /// workload through real HTTP with round-robin and with prefixlb, print the comparison.
     Demo,
@@ -264,6 +296,43 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                     fleet.cache_tokens
                 );
                 print!("{}", prefixlb::sim::table(&reports));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench {
+            target,
+            workload,
+            concurrency,
+            rate,
+            requests,
+            stream,
+            model,
+            seed,
+            scale,
+            json,
+        } => {
+            let w =
+                prefixlb::sim::workload::synthetic(&workload, seed, scale).with_context(|| {
+                    format!(
+                        "unknown workload {workload:?} (one of {})",
+                        prefixlb::sim::workload::NAMES.join(", ")
+                    )
+                })?;
+            let opts = prefixlb::bench::BenchOptions {
+                targets: target,
+                model,
+                concurrency,
+                rate,
+                requests,
+                stream,
+                progress: !json,
+            };
+            let scripts = prefixlb::bench::Script::from_workload(&w);
+            let report = runtime()?.block_on(prefixlb::bench::run(scripts, &opts));
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", report.table());
             }
             Ok(ExitCode::SUCCESS)
         }

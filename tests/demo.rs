@@ -28,12 +28,12 @@ async fn prefix_affinity_beats_round_robin_on_cache_hits() {
         assert!(s.prompt_tokens > 48 * 1500);
     }
     // Turns 2 and 3 of each conversation find their document cached only with affinity.
-    assert!(lb.hit_rate() > 0.55, "prefixlb hit rate {}", lb.hit_rate());
+    assert!(lb.hit_rate > 0.55, "prefixlb hit rate {}", lb.hit_rate);
     assert!(
-        lb.hit_rate() > rr.hit_rate() + 0.2,
+        lb.hit_rate > rr.hit_rate + 0.2,
         "prefixlb {} vs round-robin {}",
-        lb.hit_rate(),
-        rr.hit_rate()
+        lb.hit_rate,
+        rr.hit_rate
     );
     let text = report(&opts, &rr, &lb, Duration::from_secs(1));
     assert!(

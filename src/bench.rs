@@ -1,0 +1,406 @@
+//! `prefixlb bench`: an HTTP load generator for OpenAI-compatible endpoints (the
+//! balancer, or engines directly). Conversations are replayed faithfully: turn k + 1 is
+//! sent after turn k's answer, with the real answer in its history. Closed loop
+//! (`concurrency` requests in flight) or open loop (`rate` requests per second).
+//! Measures TTFT (first content event), end-to-end latency, output tokens/s, errors,
+//! and the prefix-cache hit rate the engines report in `usage`.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use parking_lot::Mutex;
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use crate::sim::workload::Workload;
+
+/// One conversation to replay: per turn, the messages it adds and its output budget.
+#[derive(Debug, Clone)]
+pub struct Script {
+    pub turns: Vec<ScriptTurn>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ScriptTurn {
+    /// Messages added by this turn (the previous answer is added by the replay).
+    pub messages: Vec<(&'static str, Arc<str>)>,
+    pub max_tokens: usize,
+}
+
+impl Script {
+    /// Scripts from a simulator workload (its generated answers are replaced by the
+    /// engines' real ones during the replay).
+    pub fn from_workload(w: &Workload) -> Vec<Script> {
+        w.conversations
+            .iter()
+            .map(|c| {
+                let mut seen = 0;
+                let turns = c
+                    .turns
+                    .iter()
+                    .map(|t| {
+                        // Skip the generated assistant answer that precedes this turn.
+                        let skip = if seen == 0 { 0 } else { seen + 1 };
+                        seen = t.messages.len();
+                        ScriptTurn {
+                            messages: t
+                                .messages
+                                .iter()
+                                .skip(skip)
+                                .map(|m| (m.role, m.content.clone()))
+                                .collect(),
+                            max_tokens: t.output_tokens,
+                        }
+                    })
+                    .collect();
+                Script { turns }
+            })
+            .collect()
+    }
+
+    fn requests(scripts: &[Script]) -> usize {
+        scripts.iter().map(|s| s.turns.len()).sum()
+    }
+}
+
+/// How to drive the load.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// Base URLs; several are used round-robin (that is how the demo measures a
+    /// round-robin balancer).
+    pub targets: Vec<String>,
+    pub model: String,
+    /// Requests in flight (closed loop).
+    pub concurrency: usize,
+    /// Requests per second (open loop) instead of a closed loop.
+    pub rate: Option<f64>,
+    /// Stop after this many requests.
+    pub requests: Option<usize>,
+    pub stream: bool,
+    pub progress: bool,
+}
+
+/// What a run measured.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct BenchReport {
+    pub requests: usize,
+    pub errors: usize,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    /// cached / prompt tokens, as the engines reported them.
+    pub hit_rate: f64,
+    pub ttft_p50_ms: f64,
+    pub ttft_p99_ms: f64,
+    pub latency_p50_ms: f64,
+    pub latency_p99_ms: f64,
+    pub output_tokens_per_s: f64,
+    pub throughput_rps: f64,
+    pub duration_s: f64,
+    #[serde(skip)]
+    pub ttft: Vec<Duration>,
+    #[serde(skip)]
+    latency: Vec<Duration>,
+    #[serde(skip)]
+    output_tokens: u64,
+}
+
+impl BenchReport {
+    fn finish(&mut self, elapsed: Duration) {
+        self.ttft.sort();
+        self.latency.sort();
+        let ms = |v: &[Duration], q: f64| quantile(v, q).as_secs_f64() * 1000.0;
+        self.hit_rate = self.cached_tokens as f64 / self.prompt_tokens.max(1) as f64;
+        self.ttft_p50_ms = ms(&self.ttft, 0.5);
+        self.ttft_p99_ms = ms(&self.ttft, 0.99);
+        self.latency_p50_ms = ms(&self.latency, 0.5);
+        self.latency_p99_ms = ms(&self.latency, 0.99);
+        self.duration_s = elapsed.as_secs_f64();
+        self.output_tokens_per_s = self.output_tokens as f64 / self.duration_s.max(1e-9);
+        self.throughput_rps = self.requests as f64 / self.duration_s.max(1e-9);
+    }
+
+    /// The q-quantile of TTFT.
+    pub fn ttft_quantile(&self, q: f64) -> Duration {
+        quantile(&self.ttft, q)
+    }
+
+    /// The report as a small table.
+    pub fn table(&self) -> String {
+        format!(
+            "requests {}  errors {}  cache hit {:.1}%  TTFT p50 {:.1} ms p99 {:.1} ms  latency p50 {:.1} ms p99 {:.1} ms  {:.1} req/s  {:.0} output tok/s  ({:.1} s)\n",
+            self.requests,
+            self.errors,
+            self.hit_rate * 100.0,
+            self.ttft_p50_ms,
+            self.ttft_p99_ms,
+            self.latency_p50_ms,
+            self.latency_p99_ms,
+            self.throughput_rps,
+            self.output_tokens_per_s,
+            self.duration_s
+        )
+    }
+}
+
+fn quantile(sorted: &[Duration], q: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    sorted[((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1]
+}
+
+/// A conversation in progress.
+struct Live {
+    script: usize,
+    turn: usize,
+    history: Vec<Value>,
+}
+
+struct Shared {
+    scripts: Vec<Script>,
+    line: Mutex<VecDeque<Live>>,
+    report: Mutex<BenchReport>,
+    sent: std::sync::atomic::AtomicUsize,
+    /// Round-robin position over the targets.
+    next_target: std::sync::atomic::AtomicUsize,
+    limit: usize,
+}
+
+/// Replays the scripts against the targets.
+pub async fn run(scripts: Vec<Script>, opts: &BenchOptions) -> BenchReport {
+    let total = Script::requests(&scripts);
+    let limit = opts.requests.unwrap_or(total).min(total);
+    let line = (0..scripts.len())
+        .map(|script| Live {
+            script,
+            turn: 0,
+            history: Vec::new(),
+        })
+        .collect();
+    let shared = Arc::new(Shared {
+        scripts,
+        line: Mutex::new(line),
+        report: Mutex::new(BenchReport::default()),
+        sent: Default::default(),
+        next_target: Default::default(),
+        limit,
+    });
+    let bar = if opts.progress {
+        let bar = indicatif::ProgressBar::new(limit as u64);
+        if let Ok(style) = indicatif::ProgressStyle::with_template(
+            "{bar:40} {pos}/{len} requests  {per_sec}  eta {eta}",
+        ) {
+            bar.set_style(style);
+        }
+        Some(bar)
+    } else {
+        None
+    };
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let started = Instant::now();
+    let mut workers = tokio::task::JoinSet::new();
+    // Closed loop: `concurrency` workers. Open loop: a ticket every 1/rate s, each
+    // running one request, so slow answers do not slow the arrivals.
+    match opts.rate {
+        None => {
+            for _ in 0..opts.concurrency.max(1) {
+                let (shared, client, opts, bar) =
+                    (shared.clone(), client.clone(), opts.clone(), bar.clone());
+                workers.spawn(
+                    async move { while step(&shared, &client, &opts, bar.as_ref()).await {} },
+                );
+            }
+        }
+        Some(rate) => {
+            let gap = Duration::from_secs_f64(1.0 / rate.max(1e-3));
+            let mut next = tokio::time::Instant::now();
+            for _ in 0..limit {
+                tokio::time::sleep_until(next).await;
+                next += gap;
+                let (shared, client, opts, bar) =
+                    (shared.clone(), client.clone(), opts.clone(), bar.clone());
+                workers.spawn(async move {
+                    // A conversation may be busy with its previous turn: wait for one.
+                    while !step(&shared, &client, &opts, bar.as_ref()).await {
+                        if shared.sent.load(std::sync::atomic::Ordering::Relaxed) >= shared.limit {
+                            return;
+                        }
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                });
+            }
+        }
+    }
+    while workers.join_next().await.is_some() {}
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+    let mut report = std::mem::take(&mut *shared.report.lock());
+    report.finish(started.elapsed());
+    report
+}
+
+/// Sends the next turn of the conversation at the front of the line. Returns false
+/// when nothing could be sent (all done, or every open conversation is busy).
+async fn step(
+    shared: &Shared,
+    client: &Client<HttpConnector, Full<Bytes>>,
+    opts: &BenchOptions,
+    bar: Option<&indicatif::ProgressBar>,
+) -> bool {
+    let next = shared.line.lock().pop_front();
+    let Some(mut live) = next else { return false };
+    if shared
+        .sent
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        >= shared.limit
+    {
+        return false;
+    }
+    let turn = &shared.scripts[live.script].turns[live.turn];
+    for (role, content) in &turn.messages {
+        live.history
+            .push(json!({"role": role, "content": &**content}));
+    }
+    let mut body = json!({"model": opts.model, "messages": live.history, "max_tokens": turn.max_tokens, "stream": opts.stream});
+    if opts.stream {
+        body["stream_options"] = json!({"include_usage": true});
+    }
+    let target = &opts.targets[shared
+        .next_target
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        % opts.targets.len()];
+    let outcome = exchange(client, target, &body, opts.stream).await;
+    {
+        let mut r = shared.report.lock();
+        r.requests += 1;
+        match &outcome {
+            Some(reply) => {
+                r.prompt_tokens += reply.prompt_tokens;
+                r.cached_tokens += reply.cached_tokens;
+                r.output_tokens += reply.completion_tokens;
+                r.ttft.push(reply.ttft);
+                r.latency.push(reply.latency);
+            }
+            None => r.errors += 1,
+        }
+    }
+    if let Some(bar) = bar {
+        bar.inc(1);
+    }
+    let Some(reply) = outcome else { return true }; // the conversation ends with the error
+    live.history
+        .push(json!({"role": "assistant", "content": reply.text}));
+    live.turn += 1;
+    if live.turn < shared.scripts[live.script].turns.len() {
+        // Users think for different times: rejoin somewhere in the back half of the
+        // line (deterministically), so turns interleave as they do in real traffic.
+        let mut line = shared.line.lock();
+        let back = line.len() / 2 + 1;
+        let at = line.len() - (live.script * 7919 + live.turn * 104_729) % back;
+        line.insert(at, live);
+    }
+    true
+}
+
+/// One answer.
+pub struct Reply {
+    pub text: String,
+    pub ttft: Duration,
+    pub latency: Duration,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    pub completion_tokens: u64,
+}
+
+/// Sends one chat request to `base` and reads the answer (an SSE stream or JSON).
+pub async fn exchange(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    base: &str,
+    body: &Value,
+    stream: bool,
+) -> Option<Reply> {
+    let req = http::Request::post(format!(
+        "{}/v1/chat/completions",
+        base.trim_end_matches('/')
+    ))
+    .header("content-type", "application/json")
+    .body(Full::new(Bytes::from(body.to_string())))
+    .ok()?;
+    let sent = Instant::now();
+    let resp = client.request(req).await.ok()?;
+    if !resp.status().is_success() {
+        return None;
+    }
+    let mut reply = Reply {
+        text: String::new(),
+        ttft: Duration::ZERO,
+        latency: Duration::ZERO,
+        prompt_tokens: 0,
+        cached_tokens: 0,
+        completion_tokens: 0,
+    };
+    let usage = |u: &Value, reply: &mut Reply| {
+        reply.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0);
+        reply.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0);
+        reply.completion_tokens = u["completion_tokens"].as_u64().unwrap_or(0);
+    };
+    let mut body = resp.into_body();
+    if !stream {
+        let bytes = body.collect().await.ok()?.to_bytes();
+        let v: Value = serde_json::from_slice(&bytes).ok()?;
+        reply.latency = sent.elapsed();
+        reply.ttft = reply.latency;
+        reply.text = v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
+        usage(&v["usage"], &mut reply);
+        return Some(reply);
+    }
+    let mut buf = String::new();
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame.ok()?.into_data() else {
+            continue;
+        };
+        buf.push_str(&String::from_utf8_lossy(&data));
+        while let Some(end) = buf.find("\n\n") {
+            let event: String = buf.drain(..end + 2).collect();
+            let Some(payload) = event.trim().strip_prefix("data: ") else {
+                continue;
+            };
+            if payload == "[DONE]" {
+                reply.latency = sent.elapsed();
+                return Some(reply);
+            }
+            let Ok(v) = serde_json::from_str::<Value>(payload) else {
+                continue;
+            };
+            if v.get("error").is_some() {
+                return None;
+            }
+            if let Some(content) = v["choices"][0]["delta"]["content"]
+                .as_str()
+                .filter(|c| !c.is_empty())
+            {
+                if reply.text.is_empty() {
+                    reply.ttft = sent.elapsed();
+                }
+                reply.text.push_str(content);
+            }
+            if v.get("usage").is_some_and(|u| !u.is_null()) {
+                usage(&v["usage"], &mut reply);
+            }
+        }
+    }
+    None // the stream ended without [DONE]
+}

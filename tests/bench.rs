@@ -1,0 +1,65 @@
+//! `prefixlb bench` against the balancer and four `mock-engine`s: the hit rate it
+//! reports (from the responses' `usage`) is the engines' own.
+
+mod common;
+
+use common::*;
+use serde_json::Value;
+
+#[test]
+fn bench_reports_the_hit_rate_the_engines_measured() {
+    let engines: Vec<Proc> = (0..4)
+        .map(|i| {
+            engine(
+                &format!("e{i}"),
+                &["--decode-ms-per-token", "1", "--prefill-us-per-token", "5"],
+            )
+        })
+        .collect();
+    let lb = balancer(&config(&engines.iter().collect::<Vec<_>>(), "", ""));
+    let out = std::process::Command::new(BIN)
+        .args([
+            "bench",
+            "--target",
+            &lb.url(""),
+            "--workload",
+            "multi-turn",
+            "--scale",
+            "0.25",
+            "--concurrency",
+            "6",
+            "--stream",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["errors"], 0);
+    assert_eq!(report["requests"], 24 * 8);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (mut hits, mut queries) = (0.0, 0.0);
+    for e in &engines {
+        hits += rt.block_on(metric(&e.url("/metrics"), "vllm:prefix_cache_hits_total"));
+        queries += rt.block_on(metric(
+            &e.url("/metrics"),
+            "vllm:prefix_cache_queries_total",
+        ));
+    }
+    let engines_rate = hits / queries;
+    let bench_rate = report["hit_rate"].as_f64().unwrap();
+    assert!(
+        (bench_rate - engines_rate).abs() < 0.02,
+        "bench {bench_rate} vs engines {engines_rate}"
+    );
+    assert!(
+        bench_rate > 0.5,
+        "multi-turn through prefixlb hits the cache: {bench_rate}"
+    );
+    assert!(report["ttft_p50_ms"].as_f64().unwrap() > 0.0);
+    assert!(report["output_tokens_per_s"].as_f64().unwrap() > 0.0);
+}
