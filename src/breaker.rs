@@ -14,7 +14,7 @@
 //!   threshold, that share of the node's keys (again by key-hash bits) goes to the
 //!   key's next node.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
@@ -141,12 +141,87 @@ struct Inner {
     since: Instant,
     consecutive_failures: u32,
     probe_in_flight: bool,
-    /// (when, TTFT) of recent successful streams.
-    samples: VecDeque<(Instant, Duration)>,
+    window: TtftWindow,
 }
 
 /// Most samples kept, whatever the window: bounds memory and P90 work.
 const MAX_SAMPLES: usize = 512;
+
+/// TTFTs of recent successful streams, in arrival order and sorted, so that a
+/// quantile or the slow share costs a short walk, not a sort, on every request.
+#[derive(Debug, Default)]
+struct TtftWindow {
+    by_time: VecDeque<(Instant, Duration)>,
+    sorted: BTreeMap<Duration, u32>,
+}
+
+impl TtftWindow {
+    fn len(&self) -> usize {
+        self.by_time.len()
+    }
+
+    fn push(&mut self, at: Instant, ttft: Duration) {
+        self.by_time.push_back((at, ttft));
+        *self.sorted.entry(ttft).or_insert(0) += 1;
+        if self.by_time.len() > MAX_SAMPLES {
+            self.pop_oldest();
+        }
+    }
+
+    fn pop_oldest(&mut self) {
+        if let Some((_, t)) = self.by_time.pop_front() {
+            if let Some(n) = self.sorted.get_mut(&t) {
+                *n -= 1;
+                if *n == 0 {
+                    self.sorted.remove(&t);
+                }
+            }
+        }
+    }
+
+    /// Drops samples older than `window`.
+    fn prune(&mut self, window: Duration, now: Instant) {
+        while let Some(&(at, _)) = self.by_time.front() {
+            if now.saturating_duration_since(at) <= window {
+                break;
+            }
+            self.pop_oldest();
+        }
+    }
+
+    fn clear(&mut self) {
+        self.by_time.clear();
+        self.sorted.clear();
+    }
+
+    /// The q-quantile (nearest rank), walking down from the largest.
+    fn quantile(&self, q: f64) -> Option<Duration> {
+        let n = self.len();
+        if n == 0 {
+            return None;
+        }
+        let rank = ((q * n as f64).ceil() as usize).clamp(1, n);
+        let mut from_top = n - rank + 1;
+        for (t, count) in self.sorted.iter().rev() {
+            if *count as usize >= from_top {
+                return Some(*t);
+            }
+            from_top -= *count as usize;
+        }
+        None
+    }
+
+    /// Samples slower than `threshold`.
+    fn slower_than(&self, threshold: Duration) -> usize {
+        self.sorted
+            .range((
+                std::ops::Bound::Excluded(threshold),
+                std::ops::Bound::Unbounded,
+            ))
+            .map(|(_, c)| *c as usize)
+            .sum()
+    }
+}
 
 /// A key's position in [0, 1) for canary admission (low bits of its hash).
 fn canary_point(hash: u64) -> f64 {
@@ -168,7 +243,7 @@ impl Breaker {
                 since: now,
                 consecutive_failures: 0,
                 probe_in_flight: false,
-                samples: VecDeque::new(),
+                window: TtftWindow::default(),
             }),
         }
     }
@@ -194,13 +269,8 @@ impl Breaker {
         now: Instant,
     ) -> Option<(Duration, Duration)> {
         let mut inner = self.inner.lock();
-        inner.prune(s, now);
-        let mut v: Vec<Duration> = inner.samples.iter().map(|(_, t)| *t).collect();
-        if v.is_empty() {
-            return None;
-        }
-        v.sort_unstable();
-        Some((quantile(&v, 0.5), quantile(&v, 0.9)))
+        inner.window.prune(s.window, now);
+        Some((inner.window.quantile(0.5)?, inner.window.quantile(0.9)?))
     }
 
     /// Asks whether the node may take a request for `hash`; returns the state it
@@ -265,12 +335,9 @@ impl Breaker {
             Outcome::Success => {
                 inner.consecutive_failures = 0;
                 if let Some(t) = ttft {
-                    inner.samples.push_back((now, t));
-                    if inner.samples.len() > MAX_SAMPLES {
-                        inner.samples.pop_front();
-                    }
+                    inner.window.push(now, t);
                 }
-                inner.prune(s, now);
+                inner.window.prune(s.window, now);
                 match inner.state {
                     BreakerState::HalfOpen if probe => {
                         self.enter(&mut inner, BreakerState::Recovering, now)
@@ -328,7 +395,7 @@ impl Breaker {
         inner.consecutive_failures = 0;
         if to == BreakerState::Open {
             // The evidence that opened it must not re-open it after recovery.
-            inner.samples.clear();
+            inner.window.clear();
         }
         self.state.store(to as u8, Ordering::Release);
         self.shunt.store(0, Ordering::Relaxed);
@@ -336,10 +403,15 @@ impl Breaker {
     }
 
     fn update_shunt(&self, inner: &Inner, s: &BreakerSettings) {
-        let ratio = if inner.state == BreakerState::Closed && inner.samples.len() >= s.min_samples {
-            let mut v: Vec<Duration> = inner.samples.iter().map(|(_, t)| *t).collect();
-            v.sort_unstable();
-            let p90 = quantile(&v, 0.9);
+        let p90 = match inner.window.quantile(0.9) {
+            Some(p90)
+                if inner.state == BreakerState::Closed && inner.window.len() >= s.min_samples =>
+            {
+                Some(p90)
+            }
+            _ => None,
+        };
+        let ratio = if let Some(p90) = p90 {
             s.shunt_steps
                 .iter()
                 .filter(|step| p90 >= step.p90)
@@ -354,33 +426,11 @@ impl Breaker {
 }
 
 impl Inner {
-    fn prune(&mut self, s: &BreakerSettings, now: Instant) {
-        while let Some(&(at, _)) = self.samples.front() {
-            if now.saturating_duration_since(at) > s.window {
-                self.samples.pop_front();
-            } else {
-                break;
-            }
-        }
-    }
-
     fn too_slow(&self, s: &BreakerSettings) -> bool {
-        let n = self.samples.len();
-        if n < s.min_samples || n == 0 {
-            return false;
-        }
-        let slow = self
-            .samples
-            .iter()
-            .filter(|(_, t)| *t > s.slow_ttft)
-            .count();
-        slow as f64 / n as f64 >= s.slow_ratio
+        let n = self.window.len();
+        n >= s.min_samples.max(1)
+            && self.window.slower_than(s.slow_ttft) as f64 / n as f64 >= s.slow_ratio
     }
-}
-
-fn quantile(sorted: &[Duration], q: f64) -> Duration {
-    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
-    sorted[rank - 1]
 }
 
 #[cfg(test)]
@@ -600,6 +650,21 @@ mod tests {
             None
         );
         assert_eq!(b.ttft_quantiles(&s, t0 + secs(61)).unwrap().1, secs(5));
+    }
+
+    #[test]
+    fn the_window_keeps_quantiles_exact() {
+        let t0 = Instant::now();
+        let mut w = TtftWindow::default();
+        for ms in [5u64, 1, 4, 2, 3, 3, 9, 7, 8, 6] {
+            w.push(t0, Duration::from_millis(ms));
+        }
+        let ms = |q| w.quantile(q).unwrap().as_millis();
+        assert_eq!((ms(0.1), ms(0.5), ms(0.9), ms(1.0)), (1, 4, 8, 9));
+        assert_eq!(w.slower_than(Duration::from_millis(6)), 3);
+        w.pop_oldest();
+        assert_eq!(w.len(), 9);
+        assert_eq!(w.slower_than(Duration::from_millis(4)), 4);
     }
 
     #[test]

@@ -803,12 +803,25 @@ q
             b"null",
             b"{\"messages\": \"nope\"}",
             b"{\"model\": 5, \"messages\": []}",
-            b"{\"messages\": [{\"role\": \"user\", \"content\": \"\\ud800\"}]}",
+            b"{\"messages\": [{\"role\": 1}]}",
+            b"{\"messages\": [], \"stream\": \"yes\"}",
             &[0xff, 0xfe],
         ] {
             let r = extract(Api::Chat, body, None, CONV);
-            assert!(r.is_err() || r.is_ok(), "no panic");
+            assert!(
+                r.is_err(),
+                "{:?} was accepted",
+                String::from_utf8_lossy(body)
+            );
         }
+        // A lone surrogate is valid JSON: it is routed, the key holds U+FFFD.
+        let lone = extract(
+            Api::Chat,
+            b"{\"messages\": [{\"role\": \"user\", \"content\": \"\\ud800\"}]}",
+            None,
+            CONV,
+        );
+        assert_eq!(lone.unwrap().key, "user\n\u{fffd}\n".as_bytes());
         assert_eq!(extract(Api::Chat, b"", None, CONV), Err(KeyError::Empty));
         assert!(matches!(
             extract(Api::Chat, b"{", None, CONV),

@@ -274,7 +274,10 @@ static USAGE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"usage
 pub struct UsageScan {
     pub prompt: Option<u64>,
     pub cached: Option<u64>,
+    /// The last bytes of the previous frame, then the seam being scanned; reused, so
+    /// scanning allocates nothing per frame.
     tail: Vec<u8>,
+    seam: Vec<u8>,
 }
 
 const OVERLAP: usize = 48;
@@ -282,12 +285,17 @@ const OVERLAP: usize = 48;
 impl UsageScan {
     pub fn feed(&mut self, chunk: &[u8]) {
         if !self.tail.is_empty() {
-            let mut seam = std::mem::take(&mut self.tail);
+            let mut seam = std::mem::take(&mut self.seam);
+            seam.clear();
+            seam.extend_from_slice(&self.tail);
             seam.extend_from_slice(&chunk[..chunk.len().min(OVERLAP)]);
             self.scan(&seam);
+            self.seam = seam;
         }
         self.scan(chunk);
-        self.tail = chunk[chunk.len().saturating_sub(OVERLAP)..].to_vec();
+        self.tail.clear();
+        self.tail
+            .extend_from_slice(&chunk[chunk.len().saturating_sub(OVERLAP)..]);
     }
 
     fn scan(&mut self, hay: &[u8]) {

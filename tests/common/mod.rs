@@ -111,22 +111,9 @@ pub fn write_config(text: &str) -> PathBuf {
 }
 
 /// A config with one pool `mock` over the given engines (node ids n0, n1, …), plus
-/// extra `[routing]`/`[server]` lines.
+/// extra `[server]` and `[routing]` lines.
 pub fn config(engines: &[&Proc], server: &str, routing: &str) -> String {
-    let nodes: Vec<String> = engines
-        .iter()
-        .enumerate()
-        .map(|(i, e)| {
-            format!(
-                "[[pools.nodes]]\nid = \"n{i}\"\nurl = \"http://{}\"\n",
-                e.addr
-            )
-        })
-        .collect();
-    format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{server}\n[routing]\n{routing}\n[[pools]]\nname = \"mock\"\nmodels = [\"mock\"]\n{}",
-        nodes.join("")
-    )
+    config_ext(engines, &format!("{server}\n[routing]\n{routing}"), "")
 }
 
 /// Starts `prefixlb serve` on a config text.
