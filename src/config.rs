@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::net::SocketAddr;
 use std::ops::Range;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use serde::{Deserialize, Deserializer};
@@ -466,12 +466,6 @@ impl Config {
             toml::from_str(text).map_err(|e| at(e.span(), e.message().trim().to_string()))?;
         validate(raw).map_err(|(span, msg)| at(span, msg))
     }
-}
-
-/// Where a config path came from, for reloads.
-#[derive(Debug, Clone)]
-pub struct ConfigSource {
-    pub path: PathBuf,
 }
 
 type Invalid = (Option<Range<usize>>, String);

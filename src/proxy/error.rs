@@ -93,14 +93,6 @@ impl ProxyError {
     pub fn retry_after(&self) -> Option<u32> {
         (self.status() == StatusCode::SERVICE_UNAVAILABLE).then_some(1)
     }
-
-    /// Whether the failure is the engines' (counted against nodes), not the client's.
-    pub fn blames_node(&self) -> bool {
-        matches!(
-            self,
-            ProxyError::Upstream { .. } | ProxyError::UpstreamTimeout { .. }
-        )
-    }
 }
 
 impl From<ProxyError> for Response<BoxBody> {
@@ -189,14 +181,12 @@ mod tests {
             ),
         ];
         for (err, status, code, retry) in cases {
-            let blames = err.blames_node();
             let (s, r, body) = render(err).await;
             assert_eq!(s.as_u16(), status, "{body}");
             assert_eq!(body["error"]["code"], code);
             assert!(body["error"]["message"].as_str().unwrap().len() > 5);
             assert!(body["error"]["type"].is_string());
             assert_eq!(r.as_deref(), retry);
-            assert_eq!(blames, status == 502);
         }
     }
 }
