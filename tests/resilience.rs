@@ -30,7 +30,7 @@ async fn a_stalled_empty_or_failing_primary_is_invisible_to_the_client() {
     let lb = balancer(&config_ext(
         &refs(&e),
         "[breaker]\nfailure_threshold = 100\n",
-        "first_token_timeout = \"600ms\"",
+        "first_token_timeout = \"1500ms\"",
     ));
     for (i, mode) in ["stall", "empty", "error"].iter().enumerate() {
         let session = format!("conversation-{i}");
@@ -58,12 +58,12 @@ async fn a_stalled_empty_or_failing_primary_is_invisible_to_the_client() {
         assert!(text.ends_with("data: [DONE]\n\n"), "{mode}");
         if *mode == "stall" {
             assert!(
-                took >= Duration::from_millis(600),
+                took >= Duration::from_millis(1500),
                 "waited for first_token_timeout: {took:?}"
             );
         } else {
             assert!(
-                took < Duration::from_millis(600),
+                took < Duration::from_millis(1500),
                 "{mode} failed over at once: {took:?}"
             );
         }
@@ -133,7 +133,7 @@ async fn two_failures_open_the_breaker_then_a_probe_and_the_canary_bring_it_back
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_node_is_shunted_then_opened_then_recovered() {
     let e = engines(3, FAST);
-    let sections = "[breaker]\nslow_ttft = \"300ms\"\nmin_samples = 4\nopen_for = \"1s\"\ncanary_step = \"200ms\"\n\
+    let sections = "[breaker]\nslow_ttft = \"700ms\"\nmin_samples = 4\nopen_for = \"1s\"\ncanary_step = \"200ms\"\n\
                     shunt_steps = [{ p90 = \"150ms\", divert = 0.2 }, { p90 = \"200ms\", divert = 0.5 }]\n[health]\ninterval = \"60s\"\n";
     let lb = balancer(&config_ext(&refs(&e), sections, ""));
     // Sessions whose primary is n0.
@@ -148,7 +148,7 @@ async fn a_slow_node_is_shunted_then_opened_then_recovered() {
         }
     }
     // Stage 1: slower than the shunt steps, faster than slow_ttft.
-    set_fault(&e[0], "slow", 230).await;
+    set_fault(&e[0], "slow", 300).await;
     for k in &keys[..4] {
         stream_chat(&lb, k, 1).await;
     }
@@ -169,7 +169,7 @@ async fn a_slow_node_is_shunted_then_opened_then_recovered() {
     );
     // Stage 2: slower than slow_ttft: once half the window is slow, the breaker
     // opens. (Half the keys are shunted away meanwhile, so send them four at a time.)
-    set_fault(&e[0], "slow", 400).await;
+    set_fault(&e[0], "slow", 800).await;
     for batch in keys.chunks(4).cycle().take(20) {
         let sends: Vec<_> = batch
             .iter()
