@@ -481,3 +481,36 @@ async fn a_silent_stream_after_commit_ends_with_an_error_event() {
         "the engine's sequence was aborted"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_leaving_during_the_probe_cancels_the_engine_and_blames_nobody() {
+    let e = engines(1, FAST);
+    let lb = balancer(&config(&refs(&e), "", ""));
+    set_fault(&e[0], "stall", 0).await;
+    let url = lb.url("/v1/chat/completions");
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(300),
+        post_json(&url, &chat(&[("user", "hello")], true, 5), &[]),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the stalled stream was not committed");
+    let engine_metrics = e[0].url("/metrics");
+    assert!(
+        eventually(Duration::from_secs(1), || async {
+            metric(&engine_metrics, "mock_engine_cancelled_total").await == 1.0
+        })
+        .await,
+        "the engine saw the cancel"
+    );
+    assert!(
+        eventually(Duration::from_secs(1), || async {
+            in_flight(&lb).await[0].1 == 0
+        })
+        .await
+    );
+    assert_eq!(
+        node_info(&lb, "n0").await["state"],
+        "closed",
+        "the client's leaving is nobody's failure"
+    );
+}
