@@ -8,6 +8,7 @@ variants=(
   'key = "conversation"\nprefix_chars = 4096'
   'key = "prefix"'
   'key = "prefix"\nprefix_chars = 4096'
+  'key = "hybrid"'
   'max_in_flight = 8'
   'max_in_flight = 16'
   'load_factor = 1.25'

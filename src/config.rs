@@ -79,7 +79,8 @@ impl Default for ServerSection {
 #[derive(Debug, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RoutingSection {
-    /// What part of the prompt is hashed. Default `"conversation"`.
+    /// What part of the prompt is hashed: `"conversation"`, `"prefix"` or
+    /// `"hybrid"`. Default `"conversation"`.
     pub key: KeyMode,
     /// Characters of each part of the key. Default 1024.
     pub prefix_chars: Spanned<usize>,
@@ -220,6 +221,11 @@ pub enum KeyMode {
     Conversation,
     /// The first `prefix_chars` characters of the whole prompt.
     Prefix,
+    /// A first turn (no assistant or tool message yet) by its system/developer part
+    /// alone, so single-turn requests sharing a long prompt group together; later
+    /// turns as `conversation`. Best overall in the simulator, at the price of turn 2
+    /// of a conversation moving once (to its conversation home).
+    Hybrid,
 }
 
 /// `routing.when_saturated`

@@ -352,12 +352,12 @@ fn prompt_key(api: Api, env: &Envelope<'_>, spec: KeySpec) -> Option<String> {
     }
 }
 
-/// In `conversation` mode, system and user parts are cut separately (each to
+/// In `conversation` (and `hybrid`) mode, system and user parts are cut separately (each to
 /// `prefix_chars`) so the user part survives a long shared system prompt; in `prefix`
 /// mode the whole text is cut once.
 fn join_parts(mode: KeyMode, mut system: KeyText, user: KeyText, n: usize) -> String {
     match mode {
-        KeyMode::Conversation => {
+        KeyMode::Conversation | KeyMode::Hybrid => {
             system.out.push_str(&user.out);
             system.out
         }
@@ -395,12 +395,18 @@ fn messages_key(
             }
             head.out
         }
-        KeyMode::Conversation => {
+        KeyMode::Conversation | KeyMode::Hybrid => {
             for m in messages.iter().filter(|m| is_system(m)) {
                 if head.full() {
                     break;
                 }
                 push_message(&mut head, m);
+            }
+            let first_turn = !messages
+                .iter()
+                .any(|m| matches!(m.role.as_deref(), Some("assistant" | "tool")));
+            if spec.mode == KeyMode::Hybrid && first_turn && !head.out.is_empty() {
+                return head.out;
             }
             let mut user = KeyText::new(n);
             if let Some(m) = messages.iter().find(|m| m.role.as_deref() == Some("user")) {
@@ -659,6 +665,51 @@ mod tests {
         let pb = key(Api::Chat, &chat(&long, &["question two"]), PREFIX);
         assert_eq!(pa, pb, "prefix mode hashes only the shared prefix");
         assert_eq!(pa.chars().count(), 1024);
+    }
+
+    #[test]
+    fn hybrid_keys_first_turns_by_their_system_part() {
+        let spec = KeySpec {
+            mode: KeyMode::Hybrid,
+            prefix_chars: 1024,
+        };
+        let q1 = key(
+            Api::Chat,
+            &chat("Group A few-shot prefix.", &["question one"]),
+            spec,
+        );
+        let q2 = key(
+            Api::Chat,
+            &chat("Group A few-shot prefix.", &["question two"]),
+            spec,
+        );
+        assert_eq!(
+            q1, q2,
+            "single-turn requests sharing a system prompt share a key"
+        );
+        assert_eq!(q1, "system\nGroup A few-shot prefix.\n");
+        let later = key(
+            Api::Chat,
+            &chat(
+                "Group A few-shot prefix.",
+                &["question one", "answer", "more"],
+            ),
+            spec,
+        );
+        assert_eq!(
+            later,
+            key(
+                Api::Chat,
+                &chat(
+                    "Group A few-shot prefix.",
+                    &["question one", "answer", "more"]
+                ),
+                CONV
+            )
+        );
+        // No system prompt: the first user message keys it, as in `conversation`.
+        let bare = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+        assert_eq!(key(Api::Chat, &bare, spec), "user\nhi\n");
     }
 
     #[test]

@@ -578,9 +578,16 @@ mod tests {
             }
         }
         // Affinity: prefixlb's defaults on conversations, `key = "prefix"` on a shared
-        // prefix (the default key spreads single-turn requests by their question).
+        // prefix (the default key spreads single-turn requests by their question), and
+        // `key = "hybrid"` on both.
         let prefix = Config::parse("[routing]\nkey = \"prefix\"\n[[pools]]\nname = \"sim\"\nnodes = [{ id = \"x\", url = \"http://h:1\" }]\n", "t").unwrap();
-        for (name, config) in [("multi-turn", config()), ("shared-prefix", prefix)] {
+        let hybrid = Config::parse("[routing]\nkey = \"hybrid\"\n[[pools]]\nname = \"sim\"\nnodes = [{ id = \"x\", url = \"http://h:1\" }]\n", "t").unwrap();
+        for (name, config) in [
+            ("multi-turn", config()),
+            ("shared-prefix", prefix),
+            ("multi-turn", hybrid.clone()),
+            ("shared-prefix", hybrid),
+        ] {
             let w = workload::synthetic(name, 1, 0.5).unwrap();
             let lb = simulate(&w, &config, &fleet, "prefixlb").unwrap();
             let rr = simulate(&w, &config, &fleet, "round_robin").unwrap();
