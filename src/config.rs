@@ -228,6 +228,28 @@ pub enum KeyMode {
     Hybrid,
 }
 
+impl KeyMode {
+    /// The TOML spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KeyMode::Conversation => "conversation",
+            KeyMode::Prefix => "prefix",
+            KeyMode::Hybrid => "hybrid",
+        }
+    }
+}
+
+impl WhenSaturated {
+    /// The TOML spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WhenSaturated::Queue => "queue",
+            WhenSaturated::Reject => "reject",
+            WhenSaturated::LeastLoaded => "least_loaded",
+        }
+    }
+}
+
 /// `routing.when_saturated`
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -397,14 +397,14 @@ fn check_report(path: &Path, config: Config) -> String {
     let r = &config.routing;
     let _ = writeln!(
         out,
-        "{}: ok\nrouting: key={:?} prefix_chars={} vnodes={} max_in_flight={} load_factor={} when_saturated={:?} max_attempts={}",
+        "{}: ok\nrouting: key={} prefix_chars={} vnodes={} max_in_flight={} load_factor={} when_saturated={} max_attempts={}",
         path.display(),
-        r.key,
+        r.key.as_str(),
         r.prefix_chars,
         r.vnodes,
         r.max_in_flight,
         r.load_factor.map(|c| c.to_string()).unwrap_or_else(|| "none".into()),
-        r.when_saturated,
+        r.when_saturated.as_str(),
         r.max_attempts
     );
     let table = Table::build(config, &Registry::default());
