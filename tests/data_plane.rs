@@ -208,11 +208,9 @@ async fn saturated_requests_queue_until_a_slot_frees() {
 async fn streams_are_relayed_chunk_by_chunk() {
     let engines = vec![engine("e0", &["--decode-ms-per-token", "100"])];
     let lb = balancer(&config(&refs(&engines), "", ""));
-    let resp = send(
-        "POST",
+    let resp = post_stream(
         &lb.url("/v1/chat/completions"),
-        &[("content-type", "application/json")],
-        serde_json::to_vec(&chat(&[("user", "stream please")], true, 10)).unwrap(),
+        &chat(&[("user", "stream please")], true, 10),
     )
     .await;
     assert_eq!(resp.status(), 200);
@@ -241,11 +239,9 @@ async fn streams_are_relayed_chunk_by_chunk() {
 async fn client_disconnect_cancels_upstream_and_frees_the_slot() {
     let engines = vec![engine("e0", &["--decode-ms-per-token", "100"])];
     let lb = balancer(&config(&refs(&engines), "", ""));
-    let resp = send(
-        "POST",
+    let resp = post_stream(
         &lb.url("/v1/chat/completions"),
-        &[("content-type", "application/json")],
-        serde_json::to_vec(&chat(&[("user", "a long answer")], true, 500)).unwrap(),
+        &chat(&[("user", "a long answer")], true, 500),
     )
     .await;
     let mut body = resp.into_body();

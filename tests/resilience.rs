@@ -241,11 +241,9 @@ async fn an_engine_400_is_passed_through_and_does_not_count() {
 async fn an_engine_killed_mid_stream_ends_the_stream_with_an_error_event() {
     let mut e = engines(1, &["--decode-ms-per-token", "50"]);
     let lb = balancer(&config(&refs(&e), "", ""));
-    let resp = send(
-        "POST",
+    let resp = post_stream(
         &lb.url("/v1/chat/completions"),
-        &[("content-type", "application/json")],
-        serde_json::to_vec(&chat(&[("user", "tell me a long story")], true, 200)).unwrap(),
+        &chat(&[("user", "tell me a long story")], true, 200),
     )
     .await;
     assert_eq!(resp.status(), 200);

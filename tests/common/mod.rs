@@ -188,6 +188,17 @@ pub async fn call(
     }
 }
 
+/// POSTs a JSON body and returns the response head with its streaming body.
+pub async fn post_stream(url: &str, body: &Value) -> hyper::Response<Incoming> {
+    send(
+        "POST",
+        url,
+        &[("content-type", "application/json")],
+        serde_json::to_vec(body).unwrap(),
+    )
+    .await
+}
+
 /// POSTs a JSON body.
 pub async fn post_json(url: &str, body: &Value, headers: &[(&str, &str)]) -> Reply {
     let mut h = vec![("content-type", "application/json")];
