@@ -93,8 +93,11 @@ pub(super) async fn forward(
     let upstream_headers = headers::upstream_headers(&parts.headers, peer);
     let stream = plan.facts.stream;
     // Ask a stream for its usage chunk (to count cache hits) when the client did not,
-    // and hide that chunk from the client.
-    let strip_usage = stream && routing.track_usage && plan.facts.include_usage.is_none();
+    // and hide that chunk from the client. Only the OpenAI APIs that define
+    // `stream_options` get it (SGLang's `/generate`, say, might reject the field).
+    let openai_stream = matches!(plan.api, key::Api::Chat | key::Api::Completions);
+    let strip_usage =
+        stream && openai_stream && routing.track_usage && plan.facts.include_usage.is_none();
     let body = if strip_usage {
         add_include_usage(&body)
     } else {
