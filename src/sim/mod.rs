@@ -65,6 +65,25 @@ enum Route {
     Wait,
 }
 
+impl Route {
+    /// An engine chosen without a reservation or a spill.
+    fn plain(engine: usize) -> Route {
+        Route::To {
+            engine,
+            reservation: None,
+            spilled: false,
+        }
+    }
+}
+
+/// The pool and key hash the proxy would compute for a turn.
+fn plan_of(table: &Table, turn: &workload::Turn, model: &str) -> Result<(usize, u64), String> {
+    let plan = table
+        .plan(turn.path(), None, &turn.body(model))
+        .map_err(|e| e.to_string())?;
+    Ok((plan.pool, plan.hash))
+}
+
 /// A policy's routing state.
 enum Policy {
     RoundRobin(usize),
@@ -279,45 +298,22 @@ pub fn simulate(
             let route = match &mut routing {
                 Policy::RoundRobin(next) => {
                     *next += 1;
-                    Route::To {
-                        engine: (*next - 1) % fleet.nodes,
-                        reservation: None,
-                        spilled: false,
-                    }
+                    Route::plain((*next - 1) % fleet.nodes)
                 }
                 Policy::LeastLoaded => {
                     let engine = (0..fleet.nodes)
                         .min_by_key(|&i| (in_flight[i], i))
                         .unwrap_or(0);
-                    Route::To {
-                        engine,
-                        reservation: None,
-                        spilled: false,
-                    }
+                    Route::plain(engine)
                 }
                 Policy::ConsistentHash(table) => {
-                    let plan = table
-                        .plan(turn.path(), None, &turn.body(&model_name))
-                        .map_err(|e| e.to_string())?;
-                    let engine = table.pools[plan.pool]
-                        .balancer
-                        .ring
-                        .primary(plan.hash)
-                        .unwrap_or(0);
-                    Route::To {
-                        engine,
-                        reservation: None,
-                        spilled: false,
-                    }
+                    let (pool, hash) = plan_of(table, turn, &model_name)?;
+                    let engine = table.pools[pool].balancer.ring.primary(hash).unwrap_or(0);
+                    Route::plain(engine)
                 }
                 Policy::Bounded(table) => {
-                    let plan = table
-                        .plan(turn.path(), None, &turn.body(&model_name))
-                        .map_err(|e| e.to_string())?;
-                    match table.pools[plan.pool]
-                        .balancer
-                        .choose(plan.hash, &[], epoch)
-                    {
+                    let (pool, hash) = plan_of(table, turn, &model_name)?;
+                    match table.pools[pool].balancer.choose(hash, &[], epoch) {
                         Walk::Chosen(c) => Route::To {
                             engine: c.index,
                             spilled: c.distance > 0,
@@ -349,11 +345,7 @@ pub fn simulate(
                         }
                     };
                     trees[engine].serve(&job.prompt.blocks);
-                    Route::To {
-                        engine,
-                        reservation: None,
-                        spilled: false,
-                    }
+                    Route::plain(engine)
                 }
                 Policy::Oracle { cap } => {
                     // The cache-aware rule with perfect knowledge: follow a real
@@ -369,16 +361,8 @@ pub fn simulate(
                         .copied()
                         .min_by_key(|&i| (in_flight[i], engines[i].served, i));
                     match (best, least) {
-                        (Some((i, m)), _) if 2 * m > job.prompt.blocks.len() => Route::To {
-                            engine: i,
-                            reservation: None,
-                            spilled: false,
-                        },
-                        (_, Some(i)) => Route::To {
-                            engine: i,
-                            reservation: None,
-                            spilled: false,
-                        },
+                        (Some((i, m)), _) if 2 * m > job.prompt.blocks.len() => Route::plain(i),
+                        (_, Some(i)) => Route::plain(i),
                         _ => Route::Wait,
                     }
                 }
