@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
-use prefixlb::balance::{Balancer, Member, NodeState, PoolLoad, Walk};
+use prefixlb::balance::{Balancer, Walk};
 use prefixlb::config::{Config, KeyMode};
 use prefixlb::key::{self, Api, KeySpec};
 use prefixlb::ring::{Ring, RingMember};
@@ -51,27 +51,7 @@ fn table(nodes: usize) -> Table {
 }
 
 fn balancer(nodes: usize, vnodes: u32) -> Balancer {
-    let ids: Vec<RingMember> = (0..nodes)
-        .map(|i| RingMember {
-            id: format!("gpu-{i}"),
-            weight: 1,
-        })
-        .collect();
-    let members = ids
-        .iter()
-        .map(|r| Member {
-            state: Arc::new(NodeState::new(&r.id)),
-            weight: 1,
-            cap: 4,
-        })
-        .collect();
-    Balancer::new(
-        Ring::build(&ids, vnodes),
-        members,
-        Arc::new(PoolLoad::default()),
-        None,
-        Arc::default(),
-    )
+    Balancer::uniform(nodes, vnodes, 4, None)
 }
 
 fn routing_decision(c: &mut Criterion) {

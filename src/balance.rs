@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
 use crate::breaker::{Admission, Breaker, BreakerSettings, BreakerState, Outcome};
-use crate::ring::Ring;
+use crate::ring::{Ring, RingMember};
 
 /// Runtime state of one node, keyed by node id and carried across config reloads and
 /// ring rebuilds.
@@ -265,6 +265,32 @@ impl Balancer {
         }
     }
 
+    /// `nodes` identical nodes (`n0`, `n1`, …, weight 1, cap `cap`) with fresh state:
+    /// the fleet of tests, benches and experiments.
+    pub fn uniform(nodes: usize, vnodes: u32, cap: u32, load_factor: Option<f64>) -> Balancer {
+        let ids: Vec<RingMember> = (0..nodes)
+            .map(|i| RingMember {
+                id: format!("n{i}"),
+                weight: 1,
+            })
+            .collect();
+        let members = ids
+            .iter()
+            .map(|r| Member {
+                state: Arc::new(NodeState::new(&r.id)),
+                weight: 1,
+                cap,
+            })
+            .collect();
+        Balancer::new(
+            Ring::build(&ids, vnodes),
+            members,
+            Arc::default(),
+            load_factor,
+            Arc::default(),
+        )
+    }
+
     /// The cap in force for a member now: the absolute cap, tightened by the relative
     /// bound `ceil(c × (total_in_flight + 1) × weight / total_weight)` when configured.
     pub fn cap_of(&self, m: &Member) -> u32 {
@@ -389,31 +415,10 @@ impl Balancer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ring::RingMember;
     use proptest::prelude::*;
 
     fn balancer(n: usize, cap: u32, load_factor: Option<f64>) -> Balancer {
-        let ids: Vec<RingMember> = (0..n)
-            .map(|i| RingMember {
-                id: format!("n{i}"),
-                weight: 1,
-            })
-            .collect();
-        let members = ids
-            .iter()
-            .map(|r| Member {
-                state: Arc::new(NodeState::new(&r.id)),
-                weight: 1,
-                cap,
-            })
-            .collect();
-        Balancer::new(
-            Ring::build(&ids, 160),
-            members,
-            Arc::default(),
-            load_factor,
-            Arc::default(),
-        )
+        Balancer::uniform(n, 160, cap, load_factor)
     }
 
     fn chosen(w: Walk) -> Choice {

@@ -206,37 +206,36 @@ pub fn simulate(
         .and_then(|p| p.models.first())
         .cloned()
         .unwrap_or_default();
-    let mut engines: Vec<Engine> = (0..fleet.nodes)
-        .map(|_| Engine {
-            model: EngineModel::new(fleet.cache_tokens, block_tokens, fleet.costs),
-            running: 0,
-            waiting: VecDeque::new(),
-            served: 0,
-        })
-        .collect();
-    let mut in_flight = vec![0usize; fleet.nodes];
-    let mut events: BinaryHeap<Reverse<(u64, u64, Event)>> = BinaryHeap::new();
-    let mut seq = 0u64;
-    let mut push = |events: &mut BinaryHeap<Reverse<(u64, u64, Event)>>, at: u64, e: Event| {
-        seq += 1;
-        events.push(Reverse((at, seq, e)));
+    let mut st = State {
+        engines: (0..fleet.nodes)
+            .map(|_| Engine {
+                model: EngineModel::new(fleet.cache_tokens, block_tokens, fleet.costs),
+                running: 0,
+                waiting: VecDeque::new(),
+                served: 0,
+            })
+            .collect(),
+        events: BinaryHeap::new(),
+        seq: 0,
+        decode_per_token: fleet.costs.decode_per_token,
+        ttfts: Vec::new(),
+        prompt_tokens: 0,
+        cached_tokens: 0,
+        slots: Vec::new(),
+        free_slots: Vec::new(),
     };
+    let mut in_flight = vec![0usize; fleet.nodes];
     for (c, conv) in workload.conversations.iter().enumerate() {
         if let Some(t) = conv.turns.first() {
-            push(&mut events, us(t.delay), Event::Arrive { conv: c, turn: 0 });
+            st.push(us(t.delay), Event::Arrive { conv: c, turn: 0 });
         }
     }
     let epoch = Instant::now();
-    let (mut prompt_tokens, mut cached_tokens, mut spilled, mut done) =
-        (0u64, 0u64, 0usize, 0usize);
-    let mut ttfts: Vec<f64> = Vec::new();
+    let (mut spilled, mut done) = (0usize, 0usize);
     let mut pending: VecDeque<Job> = VecDeque::new();
     let (mut first, mut last) = (u64::MAX, 0u64);
-    // Slots of running jobs hold their reservations until they finish.
-    let mut slots: Vec<Option<Reservation>> = Vec::new();
-    let mut free_slots: Vec<usize> = Vec::new();
 
-    while let Some(Reverse((now, _, event))) = events.pop() {
+    while let Some(Reverse((now, _, event))) = st.events.pop() {
         match event {
             Event::Arrive { conv, turn } => {
                 first = first.min(now);
@@ -259,15 +258,13 @@ pub fn simulate(
             } => {
                 last = last.max(now);
                 done += 1;
-                slots[slot] = None; // releases the reservation
-                free_slots.push(slot);
+                st.slots[slot] = None; // releases the reservation
+                st.free_slots.push(slot);
                 in_flight[engine] -= 1;
-                let e = &mut engines[engine];
-                e.running -= 1;
+                st.engines[engine].running -= 1;
                 let turns = &workload.conversations[conv].turns;
                 if turn + 1 < turns.len() {
-                    push(
-                        &mut events,
+                    st.push(
                         now + us(turns[turn + 1].delay),
                         Event::Arrive {
                             conv,
@@ -275,20 +272,8 @@ pub fn simulate(
                         },
                     );
                 }
-                if let Some(next) = e.waiting.pop_front() {
-                    start(
-                        engine,
-                        next,
-                        now,
-                        &mut engines,
-                        &mut ttfts,
-                        &mut prompt_tokens,
-                        &mut cached_tokens,
-                        &mut slots,
-                        &mut free_slots,
-                        &mut |at, ev| push(&mut events, at, ev),
-                        fleet,
-                    );
+                if let Some(next) = st.engines[engine].waiting.pop_front() {
+                    st.start(engine, next, now);
                 }
             }
         }
@@ -354,12 +339,17 @@ pub fn simulate(
                         (0..fleet.nodes).filter(|&i| in_flight[i] < *cap).collect();
                     let best = free
                         .iter()
-                        .map(|&i| (i, engines[i].model.cache.cached_prefix(&job.prompt.blocks)))
+                        .map(|&i| {
+                            (
+                                i,
+                                st.engines[i].model.cache.cached_prefix(&job.prompt.blocks),
+                            )
+                        })
                         .max_by_key(|&(i, m)| (m, Reverse(in_flight[i]), Reverse(i)));
                     let least = free
                         .iter()
                         .copied()
-                        .min_by_key(|&i| (in_flight[i], engines[i].served, i));
+                        .min_by_key(|&i| (in_flight[i], st.engines[i].served, i));
                     match (best, least) {
                         (Some((i, m)), _) if 2 * m > job.prompt.blocks.len() => Route::plain(i),
                         (_, Some(i)) => Route::plain(i),
@@ -380,22 +370,10 @@ pub fn simulate(
                     spilled += s as usize;
                     in_flight[engine] += 1;
                     let job = Job { reservation, ..job };
-                    let e = &mut engines[engine];
+                    let e = &mut st.engines[engine];
                     e.served += 1;
                     if e.running < fleet.max_num_seqs {
-                        start(
-                            engine,
-                            job,
-                            now,
-                            &mut engines,
-                            &mut ttfts,
-                            &mut prompt_tokens,
-                            &mut cached_tokens,
-                            &mut slots,
-                            &mut free_slots,
-                            &mut |at, ev| push(&mut events, at, ev),
-                            fleet,
-                        );
+                        st.start(engine, job, now);
                     } else {
                         e.waiting.push_back(job);
                     }
@@ -406,6 +384,7 @@ pub fn simulate(
     if !pending.is_empty() {
         return Err(format!("{} requests were never routed", pending.len()));
     }
+    let mut ttfts = std::mem::take(&mut st.ttfts);
     ttfts.sort_by(f64::total_cmp);
     let q = |p: f64| {
         ttfts
@@ -413,13 +392,13 @@ pub fn simulate(
             .copied()
             .unwrap_or(0.0)
     };
-    let served: Vec<f64> = engines.iter().map(|e| e.served as f64).collect();
+    let served: Vec<f64> = st.engines.iter().map(|e| e.served as f64).collect();
     let mean = served.iter().sum::<f64>() / served.len().max(1) as f64;
     let span = (last.saturating_sub(first)) as f64 / 1e6;
     Ok(Report {
         policy: policy.to_string(),
         requests: done,
-        hit_rate: cached_tokens as f64 / prompt_tokens.max(1) as f64,
+        hit_rate: st.cached_tokens as f64 / st.prompt_tokens.max(1) as f64,
         ttft_mean_ms: ttfts.iter().sum::<f64>() / ttfts.len().max(1) as f64,
         ttft_p50_ms: q(0.5),
         ttft_p99_ms: q(0.99),
@@ -429,49 +408,57 @@ pub fn simulate(
     })
 }
 
-/// Starts a job on an engine: prefill (cache lookup and insert), then decode.
-#[allow(clippy::too_many_arguments)]
-fn start(
-    engine: usize,
-    job: Job,
-    now: u64,
-    engines: &mut [Engine],
-    ttfts: &mut Vec<f64>,
-    prompt_tokens: &mut u64,
-    cached_tokens: &mut u64,
-    slots: &mut Vec<Option<Reservation>>,
-    free_slots: &mut Vec<usize>,
-    push: &mut dyn FnMut(u64, Event),
-    fleet: &Fleet,
-) {
-    let e = &mut engines[engine];
-    e.running += 1;
-    let plan = e.model.prefill(&job.prompt);
-    *prompt_tokens += plan.prompt_tokens as u64;
-    *cached_tokens += plan.cached_tokens as u64;
-    let first_token = now + plan.prefill.as_micros() as u64;
-    ttfts.push((first_token - job.arrival) as f64 / 1000.0);
-    let finish =
-        first_token + (fleet.costs.decode_per_token * job.output as u32).as_micros() as u64;
-    let slot = match free_slots.pop() {
-        Some(s) => {
-            slots[s] = job.reservation;
-            s
-        }
-        None => {
-            slots.push(job.reservation);
-            slots.len() - 1
-        }
-    };
-    push(
-        finish,
-        Event::Finish {
-            engine,
-            conv: job.conv,
-            turn: job.turn,
-            slot,
-        },
-    );
+/// The fleet's mutable state during a run: engines, the event queue, and the tallies.
+struct State {
+    engines: Vec<Engine>,
+    events: BinaryHeap<Reverse<(u64, u64, Event)>>,
+    /// Tie-breaker that keeps same-time events in insertion order.
+    seq: u64,
+    decode_per_token: std::time::Duration,
+    ttfts: Vec<f64>,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+    /// Reservations of running jobs, held until they finish.
+    slots: Vec<Option<Reservation>>,
+    free_slots: Vec<usize>,
+}
+
+impl State {
+    fn push(&mut self, at: u64, event: Event) {
+        self.seq += 1;
+        self.events.push(Reverse((at, self.seq, event)));
+    }
+
+    /// Starts a job on an engine: prefill (cache lookup and insert), then decode.
+    fn start(&mut self, engine: usize, job: Job, now: u64) {
+        let e = &mut self.engines[engine];
+        e.running += 1;
+        let plan = e.model.prefill(&job.prompt);
+        self.prompt_tokens += plan.prompt_tokens as u64;
+        self.cached_tokens += plan.cached_tokens as u64;
+        let first_token = now + plan.prefill.as_micros() as u64;
+        self.ttfts.push((first_token - job.arrival) as f64 / 1000.0);
+        let finish = first_token + (self.decode_per_token * job.output as u32).as_micros() as u64;
+        let slot = match self.free_slots.pop() {
+            Some(s) => {
+                self.slots[s] = job.reservation;
+                s
+            }
+            None => {
+                self.slots.push(job.reservation);
+                self.slots.len() - 1
+            }
+        };
+        self.push(
+            finish,
+            Event::Finish {
+                engine,
+                conv: job.conv,
+                turn: job.turn,
+                slot,
+            },
+        );
+    }
 }
 
 /// The reports as a table.
