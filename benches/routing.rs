@@ -72,10 +72,8 @@ fn routing_decision(c: &mut Criterion) {
                 let plan = t
                     .plan("/v1/chat/completions", None, black_box(body))
                     .unwrap();
-                match t.pools[plan.pool]
-                    .balancer
-                    .choose(plan.hash, &[], Instant::now())
-                {
+                let b = &t.pools[plan.pool].balancer;
+                match b.choose(b.target(plan.hash, plan.group), &[], Instant::now()) {
                     Walk::Chosen(choice) => drop(black_box(choice)),
                     _ => unreachable!(),
                 }

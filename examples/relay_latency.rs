@@ -79,6 +79,7 @@ async fn main() {
         costs: Costs {
             prefill_per_token: Duration::ZERO,
             decode_per_token: Duration::from_millis(2),
+            ..Costs::default()
         },
         ..MockConfig::default()
     });

@@ -8,9 +8,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
+use xxhash_rust::xxh3::xxh3_64;
 
 use crate::breaker::{Admission, Breaker, BreakerSettings, BreakerState, Outcome};
-use crate::ring::{Ring, RingMember};
+use crate::group::{rendezvous, GroupHeat};
+use crate::ring::{Ring, RingMember, Successors};
 
 /// Runtime state of one node, keyed by node id and carried across config reloads and
 /// ring rebuilds.
@@ -137,6 +139,8 @@ pub struct PoolLoad {
     in_flight: AtomicU32,
     queued: AtomicUsize,
     freed: Notify,
+    /// Recent traffic per prefix group (`key = "hybrid"`).
+    pub groups: GroupHeat,
 }
 
 impl PoolLoad {
@@ -224,6 +228,45 @@ pub struct Choice {
     pub shunted: bool,
 }
 
+/// Where a request's walk starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Target {
+    /// The key's hash: its ring position when it has no group, and the bits the
+    /// breaker's canary and shunting read.
+    pub hash: u64,
+    /// `key = "hybrid"`: the group's hash and width; the walk starts at the node of
+    /// the group's first `width` that ranks highest for `hash`.
+    pub group: Option<(u64, usize)>,
+}
+
+impl From<u64> for Target {
+    fn from(hash: u64) -> Self {
+        Target { hash, group: None }
+    }
+}
+
+/// The nodes of a walk in order, each once: the key's ring walk, or for a grouped key
+/// the first `width` nodes of the group's walk ranked by rendezvous score with the key
+/// (so each conversation has its own order among them and spills scatter), then the
+/// rest of the group's walk.
+pub struct WalkOrder<'a> {
+    /// Scored head nodes not yet yielded.
+    head: Vec<(u64, usize)>,
+    rest: Successors<'a>,
+}
+
+impl Iterator for WalkOrder<'_> {
+    type Item = usize;
+
+    fn next(&mut self) -> Option<usize> {
+        let best = (0..self.head.len()).max_by_key(|&k| self.head[k].0);
+        match best {
+            Some(k) => Some(self.head.swap_remove(k).1),
+            None => self.rest.next(),
+        }
+    }
+}
+
 /// Outcome of a walk.
 #[derive(Debug)]
 pub enum Walk {
@@ -244,6 +287,8 @@ pub struct Balancer {
     pub load_factor: Option<f64>,
     pub breaker: Arc<BreakerSettings>,
     total_weight: u32,
+    /// `xxh3_64(node id)` per member: rendezvous scores stay put across rebuilds.
+    id_hashes: Vec<u64>,
 }
 
 impl Balancer {
@@ -255,6 +300,10 @@ impl Balancer {
         breaker: Arc<BreakerSettings>,
     ) -> Self {
         let total_weight = members.iter().map(|m| m.weight).sum();
+        let id_hashes = members
+            .iter()
+            .map(|m| xxh3_64(m.state.id.as_bytes()))
+            .collect();
         Balancer {
             ring,
             members,
@@ -262,6 +311,7 @@ impl Balancer {
             load_factor,
             breaker,
             total_weight,
+            id_hashes,
         }
     }
 
@@ -291,6 +341,48 @@ impl Balancer {
         )
     }
 
+    /// The walk target of a key (and its group, if any), counting the request toward
+    /// its group's share of the traffic.
+    pub fn target(&self, hash: u64, group: Option<u64>) -> Target {
+        let nodes = self.members.len();
+        Target {
+            hash,
+            group: group.map(|g| (g, self.load.groups.observe(g, nodes))),
+        }
+    }
+
+    /// [`Balancer::target`] without counting the request (for explanations).
+    pub fn peek_target(&self, hash: u64, group: Option<u64>) -> Target {
+        let nodes = self.members.len();
+        Target {
+            hash,
+            group: group.map(|g| (g, self.load.groups.width(g, nodes))),
+        }
+    }
+
+    /// The nodes a target's walk visits, in order.
+    pub fn order(&self, target: Target) -> WalkOrder<'_> {
+        match target.group {
+            None => WalkOrder {
+                head: Vec::new(),
+                rest: self.ring.successors(target.hash),
+            },
+            Some((group, width)) => {
+                let score = |i: usize| (rendezvous(target.hash, self.id_hashes[i]), i);
+                if width >= self.members.len() {
+                    // The whole pool: no need to walk the group's ring to list it.
+                    return WalkOrder {
+                        head: (0..self.members.len()).map(score).collect(),
+                        rest: self.ring.successors(group).exhausted(),
+                    };
+                }
+                let mut rest = self.ring.successors(group);
+                let head = rest.by_ref().take(width.max(1)).map(score).collect();
+                WalkOrder { head, rest }
+            }
+        }
+    }
+
     /// The cap in force for a member now: the absolute cap, tightened by the relative
     /// bound `ceil(c × (total_in_flight + 1) × weight / total_weight)` when configured.
     pub fn cap_of(&self, m: &Member) -> u32 {
@@ -308,10 +400,12 @@ impl Balancer {
     /// requests (healthy, not draining, its breaker admitting this key), was not tried
     /// yet, is under its cap, and does not shunt this key. Shunting is a preference: a
     /// shunted node still serves the key when no later node can.
-    pub fn choose(&self, hash: u64, tried: &[usize], now: Instant) -> Walk {
+    pub fn choose(&self, target: impl Into<Target>, tried: &[usize], now: Instant) -> Walk {
+        let target = target.into();
+        let hash = target.hash;
         let mut any_open = false;
         let mut shunted: Option<(usize, usize)> = None;
-        for (distance, index) in self.ring.successors(hash).enumerate() {
+        for (distance, index) in self.order(target).enumerate() {
             let m = &self.members[index];
             if tried.contains(&index) || !m.state.accepts_new() {
                 continue;
@@ -370,10 +464,13 @@ impl Balancer {
     /// Overcommits the least loaded (relative to weight) node that accepts new requests
     /// and whose breaker is closed or recovering: `when_saturated = "least_loaded"`.
     /// Ties go to the earlier node in the key's walk.
-    pub fn choose_least_loaded(&self, hash: u64, tried: &[usize]) -> Option<Choice> {
+    pub fn choose_least_loaded(
+        &self,
+        target: impl Into<Target>,
+        tried: &[usize],
+    ) -> Option<Choice> {
         let (distance, index) = self
-            .ring
-            .successors(hash)
+            .order(target.into())
             .enumerate()
             .filter(|(_, i)| {
                 let state = &self.members[*i].state;

@@ -79,8 +79,8 @@ impl Default for ServerSection {
 #[derive(Debug, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RoutingSection {
-    /// What part of the prompt is hashed: `"conversation"`, `"prefix"` or
-    /// `"hybrid"`. Default `"conversation"`.
+    /// What part of the prompt is hashed: `"hybrid"`, `"conversation"` or
+    /// `"prefix"`. Default `"hybrid"` (chosen in the simulator).
     pub key: KeyMode,
     /// Characters of each part of the key. Default 1024.
     pub prefix_chars: Spanned<usize>,
@@ -90,7 +90,7 @@ pub struct RoutingSection {
     pub hash_seed: u64,
     /// Ring points per unit of weight. Default 160.
     pub vnodes: Spanned<u32>,
-    /// In-flight cap per unit of weight. Default 4.
+    /// In-flight cap per unit of weight. Default 16 (chosen in the simulator).
     pub max_in_flight: Spanned<u32>,
     /// Optional CHWBL relative bound `c ≥ 1.0`. Default: none.
     pub load_factor: Option<Spanned<f64>>,
@@ -110,12 +110,12 @@ pub struct RoutingSection {
 impl Default for RoutingSection {
     fn default() -> Self {
         RoutingSection {
-            key: KeyMode::Conversation,
+            key: KeyMode::Hybrid,
             prefix_chars: unspanned(1024),
             key_header: "x-session-id".to_string(),
             hash_seed: 0,
             vnodes: unspanned(160),
-            max_in_flight: unspanned(4),
+            max_in_flight: unspanned(16),
             load_factor: None,
             when_saturated: WhenSaturated::Queue,
             max_queue: 1024,
@@ -221,10 +221,11 @@ pub enum KeyMode {
     Conversation,
     /// The first `prefix_chars` characters of the whole prompt.
     Prefix,
-    /// A first turn (no assistant or tool message yet) by its system/developer part
-    /// alone, so single-turn requests sharing a long prompt group together; later
-    /// turns as `conversation`. Best overall in the simulator, at the price of turn 2
-    /// of a conversation moving once (to its conversation home).
+    /// The `conversation` key, placed within its prefix group: the system/developer
+    /// part picks the group's nodes, and the group spreads over as many of them as
+    /// its share of the traffic calls for (see [`crate::group`]). Every turn of a
+    /// conversation lands on one node, and single-turn requests sharing a long
+    /// prompt gather where it is cached. The default: best overall in the simulator.
     Hybrid,
 }
 
@@ -833,10 +834,10 @@ nodes = [{ id = "a", url = "http://127.0.0.1:8001" }]
         assert_eq!(c.server.admin_listen.to_string(), "127.0.0.1:9091");
         assert_eq!(c.server.max_body_bytes, 16 << 20);
         assert_eq!(c.server.request_timeout, Duration::from_secs(600));
-        assert_eq!(c.routing.key, KeyMode::Conversation);
+        assert_eq!(c.routing.key, KeyMode::Hybrid);
         assert_eq!(c.routing.prefix_chars, 1024);
         assert_eq!(c.routing.vnodes, 160);
-        assert_eq!(c.routing.max_in_flight, 4);
+        assert_eq!(c.routing.max_in_flight, 16);
         assert_eq!(c.routing.max_attempts, 3);
         assert_eq!(c.routing.max_queue, 1024);
         assert_eq!(c.routing.when_saturated, WhenSaturated::Queue);

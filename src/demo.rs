@@ -48,6 +48,7 @@ impl Default for DemoOptions {
             costs: Costs {
                 prefill_per_token: Duration::from_micros(100),
                 decode_per_token: Duration::from_millis(2),
+                ..Costs::default()
             },
         }
     }

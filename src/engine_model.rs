@@ -2,7 +2,10 @@
 //! sleeps for the times it computes) and the simulator (which advances virtual time).
 //! Prompts become chained block hashes (≈ 4 chars per token, 16-token blocks, like
 //! vLLM's hashed KV blocks); a bounded LRU of blocks says how much of a prompt is
-//! cached; costs turn uncached tokens into prefill time. Pure: no I/O, no clocks.
+//! cached; costs turn uncached tokens into prefill time. Prefill is compute-bound, so an
+//! engine runs one prefill at a time (later prompts wait in its prefill lane: a cache
+//! miss delays everyone behind it), and a decode step slows as the batch grows. Pure:
+//! no I/O, no clocks (callers pass the time).
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
@@ -124,8 +127,12 @@ impl PrefixCache {
 pub struct Costs {
     /// Prefill time per uncached prompt token. Default 100 µs.
     pub prefill_per_token: Duration,
-    /// Decode time per output token. Default 10 ms.
+    /// Decode time per output token for a sequence running alone. Default 10 ms.
     pub decode_per_token: Duration,
+    /// Extra decode time per token for each other running sequence, as a share of
+    /// `decode_per_token`. Default 0.02: a batch of 64 decodes 2.3× slower per
+    /// sequence than one alone (memory-bound decode on a GPU, roughly).
+    pub batch_slowdown: f64,
 }
 
 impl Default for Costs {
@@ -133,7 +140,17 @@ impl Default for Costs {
         Costs {
             prefill_per_token: Duration::from_micros(100),
             decode_per_token: Duration::from_millis(10),
+            batch_slowdown: 0.02,
         }
+    }
+}
+
+impl Costs {
+    /// Time per output token while `running` sequences (this one included) decode.
+    pub fn decode_step(&self, running: usize) -> Duration {
+        let others = running.saturating_sub(1) as f64;
+        self.decode_per_token
+            .mul_f64(1.0 + self.batch_slowdown.max(0.0) * others)
     }
 }
 
@@ -142,8 +159,17 @@ impl Default for Costs {
 pub struct PrefillPlan {
     pub prompt_tokens: usize,
     pub cached_tokens: usize,
+    /// Time waiting for the prefills admitted before this one.
+    pub queued: Duration,
     /// Time to prefill the uncached tokens.
     pub prefill: Duration,
+}
+
+impl PrefillPlan {
+    /// From admission to the first token.
+    pub fn first_token(&self) -> Duration {
+        self.queued + self.prefill
+    }
 }
 
 /// An engine: its cache and costs.
@@ -151,6 +177,8 @@ pub struct PrefillPlan {
 pub struct EngineModel {
     pub cache: PrefixCache,
     pub costs: Costs,
+    /// When the prefill lane frees, on the caller's clock.
+    lane_free: Duration,
 }
 
 impl EngineModel {
@@ -159,25 +187,26 @@ impl EngineModel {
         EngineModel {
             cache: PrefixCache::new(cache_tokens, block_tokens),
             costs,
+            lane_free: Duration::ZERO,
         }
     }
 
-    /// Admits a prompt: how much is cached and how long its prefill takes. The prompt's
-    /// blocks are cached from now on.
-    pub fn prefill(&mut self, prompt: &Prompt) -> PrefillPlan {
+    /// Admits a prompt at `now` (any clock, as long as it is the same one every call):
+    /// how much is cached, how long it waits for the prefill lane and how long its own
+    /// prefill takes. The prompt's blocks are cached from now on.
+    pub fn prefill(&mut self, prompt: &Prompt, now: Duration) -> PrefillPlan {
         let hit_blocks = self.cache.serve(&prompt.blocks);
         let cached_tokens = (hit_blocks * prompt.block_tokens).min(prompt.tokens);
         let uncached = prompt.tokens - cached_tokens;
+        let prefill = self.costs.prefill_per_token * uncached as u32;
+        let start = self.lane_free.max(now);
+        self.lane_free = start + prefill;
         PrefillPlan {
             prompt_tokens: prompt.tokens,
             cached_tokens,
-            prefill: self.costs.prefill_per_token * uncached as u32,
+            queued: start - now,
+            prefill,
         }
-    }
-
-    /// Time to decode `tokens` output tokens.
-    pub fn decode(&self, tokens: usize) -> Duration {
-        self.costs.decode_per_token * tokens as u32
     }
 }
 
@@ -200,10 +229,14 @@ mod tests {
     fn second_turn_hits_the_first_turns_blocks() {
         let mut e = EngineModel::new(200_000, BLOCK_TOKENS, Costs::default());
         let turn1 = "s".repeat(4000);
-        let p1 = e.prefill(&Prompt::from_text(&turn1));
+        let p1 = e.prefill(&Prompt::from_text(&turn1), Duration::ZERO);
         assert_eq!(p1.cached_tokens, 0);
         assert_eq!(p1.prefill, Duration::from_micros(100 * 1000));
-        let p2 = e.prefill(&Prompt::from_text(&format!("{turn1} and more text here")));
+        let later = Duration::from_secs(1);
+        let p2 = e.prefill(
+            &Prompt::from_text(&format!("{turn1} and more text here")),
+            later,
+        );
         assert_eq!(p2.cached_tokens, 992, "all full blocks of turn 1 (62 × 16)");
         assert!(p2.prefill < Duration::from_millis(3));
     }
@@ -221,8 +254,35 @@ mod tests {
     }
 
     #[test]
-    fn decode_is_linear() {
-        let e = EngineModel::new(0, BLOCK_TOKENS, Costs::default());
-        assert_eq!(e.decode(16), Duration::from_millis(160));
+    fn prefills_queue_in_one_lane() {
+        let mut e = EngineModel::new(0, BLOCK_TOKENS, Costs::default());
+        let prompt = Prompt::from_text(&"q".repeat(4000)); // 1,000 tokens: 100 ms
+        let t0 = Duration::from_millis(5);
+        let a = e.prefill(&prompt, t0);
+        let b = e.prefill(&prompt, t0 + Duration::from_millis(40));
+        assert_eq!(
+            (a.queued, a.first_token()),
+            (Duration::ZERO, Duration::from_millis(100))
+        );
+        assert_eq!(
+            b.queued,
+            Duration::from_millis(60),
+            "waits for the first prefill"
+        );
+        let c = e.prefill(&prompt, Duration::from_secs(1));
+        assert_eq!(c.queued, Duration::ZERO, "an idle lane does not wait");
+    }
+
+    #[test]
+    fn decode_slows_with_the_batch() {
+        let c = Costs::default();
+        assert_eq!(c.decode_step(1), Duration::from_millis(10));
+        assert_eq!(c.decode_step(0), Duration::from_millis(10));
+        assert_eq!(c.decode_step(11), Duration::from_millis(12));
+        let flat = Costs {
+            batch_slowdown: 0.0,
+            ..c
+        };
+        assert_eq!(flat.decode_step(64), Duration::from_millis(10));
     }
 }

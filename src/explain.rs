@@ -1,6 +1,7 @@
 //! The explanation of one request's routing, as `prefixlb route` prints it and
 //! `POST /admin/explain` returns it: pool, key (shortened), hash, the key's successor
-//! walk with each node's load, and the node that would be chosen now.
+//! walk with each node's load (for a grouped key: the group and its width), and the
+//! node that would be chosen now.
 
 use serde::Serialize;
 
@@ -22,10 +23,21 @@ pub struct Explanation {
     pub key_chars: usize,
     /// `xxh3_64(pool ‖ 0x00 ‖ key, hash_seed)` in hex.
     pub hash: String,
+    /// `key = "hybrid"`: the request's prefix group (its system part).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub group: Option<GroupInfo>,
     /// The key's successor walk, primary first.
     pub successors: Vec<Step>,
     /// The node the walk would take now (first that accepts and is under its cap).
     pub choice: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GroupInfo {
+    /// `xxh3_64(pool ‖ 0x00 ‖ system part, hash_seed)` in hex.
+    pub hash: String,
+    /// Nodes the group's conversations spread over now.
+    pub width: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -46,9 +58,9 @@ pub fn explain(
     let plan = table.plan(path, header_key, body)?;
     let pool = &table.pools[plan.pool];
     let b = &pool.balancer;
+    let target = b.peek_target(plan.hash, plan.group);
     let successors: Vec<Step> = b
-        .ring
-        .successors(plan.hash)
+        .order(target)
         .map(|i| {
             let m = &b.members[i];
             Step {
@@ -78,6 +90,10 @@ pub fn explain(
         key,
         key_chars,
         hash: format!("{:016x}", plan.hash),
+        group: target.group.map(|(g, width)| GroupInfo {
+            hash: format!("{g:016x}"),
+            width,
+        }),
         successors,
         choice,
     })

@@ -90,7 +90,17 @@ pub struct RequestFacts {
     pub include_usage: Option<bool>,
     /// The key bytes (before the pool name and seed are mixed in).
     pub key: Vec<u8>,
+    /// `key = "hybrid"`: the key's first `group_len` bytes (its system part) name the
+    /// request's prefix group.
+    pub group_len: Option<usize>,
     pub source: KeySource,
+}
+
+impl RequestFacts {
+    /// The group's key bytes, if the request has a group.
+    pub fn group_key(&self) -> Option<&[u8]> {
+        self.group_len.map(|n| &self.key[..n.min(self.key.len())])
+    }
 }
 
 /// Why a body cannot be routed: the client's fault, answered with 400.
@@ -282,13 +292,14 @@ pub fn extract(
     }
 
     let (key, source) = match (header_key, &envelope) {
-        (Some(h), _) => (h.to_vec(), KeySource::Header),
+        (Some(h), _) => ((h.to_vec(), None), KeySource::Header),
         (None, Some(env)) => match prompt_key(api, env, spec) {
-            Some(text) => (text.into_bytes(), KeySource::Prompt),
-            None => (raw_prefix(body, spec.prefix_chars), KeySource::Raw),
+            Some((text, group)) => ((text.into_bytes(), group), KeySource::Prompt),
+            None => ((raw_prefix(body, spec.prefix_chars), None), KeySource::Raw),
         },
-        (None, None) => (raw_prefix(body, spec.prefix_chars), KeySource::Raw),
+        (None, None) => ((raw_prefix(body, spec.prefix_chars), None), KeySource::Raw),
     };
+    let (key, group_len) = key;
     Ok(RequestFacts {
         model,
         stream,
@@ -296,6 +307,7 @@ pub fn extract(
         model_span,
         include_usage,
         key,
+        group_len,
         source,
     })
 }
@@ -310,8 +322,21 @@ pub fn key_hash(pool: &str, key: &[u8], seed: u64) -> u64 {
     h.digest()
 }
 
-fn prompt_key(api: Api, env: &Envelope<'_>, spec: KeySpec) -> Option<String> {
+/// Key text, and in `hybrid` mode how many of its leading bytes are the group (the
+/// system part).
+type PromptKey = (String, Option<usize>);
+
+/// The key's hash for `pool` and, for a grouped key, its group's hash.
+pub fn key_hashes(pool: &str, facts: &RequestFacts, seed: u64) -> (u64, Option<u64>) {
+    (
+        key_hash(pool, &facts.key, seed),
+        facts.group_key().map(|g| key_hash(pool, g, seed)),
+    )
+}
+
+fn prompt_key(api: Api, env: &Envelope<'_>, spec: KeySpec) -> Option<PromptKey> {
     let n = spec.prefix_chars;
+    let ungrouped = |text: Option<String>| text.map(|t| (t, None));
     match api {
         Api::Chat | Api::Other if env.messages.is_some() => Some(messages_key(
             env.tools,
@@ -342,30 +367,32 @@ fn prompt_key(api: Api, env: &Envelope<'_>, spec: KeySpec) -> Option<String> {
                 }
             }
         }
-        Api::Completions => first_of(env.prompt, n),
-        Api::Generate => first_of(env.text, n).or_else(|| first_of(env.input_ids, n)),
-        _ => env.input.map(|raw| {
+        Api::Completions => ungrouped(first_of(env.prompt, n)),
+        Api::Generate => ungrouped(first_of(env.text, n).or_else(|| first_of(env.input_ids, n))),
+        _ => ungrouped(env.input.map(|raw| {
             let mut text = KeyText::new(n);
             text.push_value(raw);
             text.out
-        }),
+        })),
     }
 }
 
-/// In `conversation` (and `hybrid`) mode, system and user parts are cut separately (each to
-/// `prefix_chars`) so the user part survives a long shared system prompt; in `prefix`
-/// mode the whole text is cut once.
-fn join_parts(mode: KeyMode, mut system: KeyText, user: KeyText, n: usize) -> String {
+/// In `conversation` and `hybrid` mode, system and user parts are cut separately (each
+/// to `prefix_chars`) so the user part survives a long shared system prompt, and
+/// `hybrid` marks the system part as the group; in `prefix` mode the whole text is cut
+/// once.
+fn join_parts(mode: KeyMode, mut system: KeyText, user: KeyText, n: usize) -> PromptKey {
     match mode {
         KeyMode::Conversation | KeyMode::Hybrid => {
+            let group = (mode == KeyMode::Hybrid).then_some(system.out.len());
             system.out.push_str(&user.out);
-            system.out
+            (system.out, group)
         }
         KeyMode::Prefix => {
             let mut all = KeyText::new(n);
             all.push_str(&system.out);
             all.push_str(&user.out);
-            all.out
+            (all.out, None)
         }
     }
 }
@@ -376,7 +403,7 @@ fn messages_key(
     instructions: Option<&str>,
     messages: &[Message<'_>],
     spec: KeySpec,
-) -> String {
+) -> PromptKey {
     let n = spec.prefix_chars;
     let mut head = KeyText::new(n);
     if let Some(tools) = tools {
@@ -393,7 +420,7 @@ fn messages_key(
                 }
                 push_message(&mut head, m);
             }
-            head.out
+            (head.out, None)
         }
         KeyMode::Conversation | KeyMode::Hybrid => {
             for m in messages.iter().filter(|m| is_system(m)) {
@@ -402,17 +429,11 @@ fn messages_key(
                 }
                 push_message(&mut head, m);
             }
-            let first_turn = !messages
-                .iter()
-                .any(|m| matches!(m.role.as_deref(), Some("assistant" | "tool")));
-            if spec.mode == KeyMode::Hybrid && first_turn && !head.out.is_empty() {
-                return head.out;
-            }
             let mut user = KeyText::new(n);
             if let Some(m) = messages.iter().find(|m| m.role.as_deref() == Some("user")) {
                 push_message(&mut user, m);
             }
-            join_parts(KeyMode::Conversation, head, user, n)
+            join_parts(spec.mode, head, user, n)
         }
     }
 }
@@ -668,48 +689,58 @@ mod tests {
     }
 
     #[test]
-    fn hybrid_keys_first_turns_by_their_system_part() {
+    fn hybrid_keys_are_conversation_keys_with_the_system_part_as_group() {
         let spec = KeySpec {
             mode: KeyMode::Hybrid,
             prefix_chars: 1024,
         };
-        let q1 = key(
-            Api::Chat,
-            &chat("Group A few-shot prefix.", &["question one"]),
-            spec,
-        );
-        let q2 = key(
-            Api::Chat,
-            &chat("Group A few-shot prefix.", &["question two"]),
-            spec,
+        let facts = |body: &serde_json::Value| {
+            extract(Api::Chat, &serde_json::to_vec(body).unwrap(), None, spec).unwrap()
+        };
+        let turn1 = facts(&chat("Group A few-shot prefix.", &["question one"]));
+        let turn3 = facts(&chat(
+            "Group A few-shot prefix.",
+            &["question one", "answer", "more"],
+        ));
+        let other = facts(&chat("Group A few-shot prefix.", &["question two"]));
+        assert_eq!(
+            turn1.key, turn3.key,
+            "every turn of a conversation: one key"
         );
         assert_eq!(
-            q1, q2,
-            "single-turn requests sharing a system prompt share a key"
+            String::from_utf8(turn1.key.clone()).unwrap(),
+            key(Api::Chat, &chat("Group A few-shot prefix.", &["x"]), CONV)
+                .replace("user\nx\n", "user\nquestion one\n"),
+            "the key is the conversation key"
         );
-        assert_eq!(q1, "system\nGroup A few-shot prefix.\n");
-        let later = key(
-            Api::Chat,
-            &chat(
-                "Group A few-shot prefix.",
-                &["question one", "answer", "more"],
-            ),
-            spec,
-        );
+        assert_ne!(turn1.key, other.key);
         assert_eq!(
-            later,
-            key(
-                Api::Chat,
-                &chat(
-                    "Group A few-shot prefix.",
-                    &["question one", "answer", "more"]
-                ),
-                CONV
-            )
+            turn1.group_key(),
+            Some(&b"system\nGroup A few-shot prefix.\n"[..])
         );
-        // No system prompt: the first user message keys it, as in `conversation`.
+        assert_eq!(turn1.group_key(), other.group_key(), "one group");
+        // No system prompt: an empty group (all such chats form one group).
         let bare = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
-        assert_eq!(key(Api::Chat, &bare, spec), "user\nhi\n");
+        let bare = facts(&bare);
+        assert_eq!(
+            (bare.key.as_slice(), bare.group_key()),
+            (&b"user\nhi\n"[..], Some(&b""[..]))
+        );
+        // Other modes and a key header: no group.
+        let conv = extract(
+            Api::Chat,
+            &serde_json::to_vec(&chat("s", &["q"])).unwrap(),
+            None,
+            CONV,
+        );
+        assert_eq!(conv.unwrap().group_len, None);
+        let header = extract(
+            Api::Chat,
+            &serde_json::to_vec(&chat("s", &["q"])).unwrap(),
+            Some(b"session-1"),
+            spec,
+        );
+        assert_eq!(header.unwrap().group_len, None);
     }
 
     #[test]

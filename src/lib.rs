@@ -16,6 +16,7 @@ pub mod config;
 pub mod demo;
 pub mod engine_model;
 pub mod explain;
+pub mod group;
 pub mod health;
 pub mod json_scan;
 pub mod key;

@@ -144,6 +144,10 @@ enum Command {
         /// Decode cost per output token, in ms.
         #[arg(long, default_value_t = 10)]
         decode_ms_per_token: u64,
+        /// Extra decode time per token for each other running sequence, as a share of
+        /// the decode cost.
+        #[arg(long, default_value_t = 0.02)]
+        batch_slowdown: f64,
         /// KV-cache capacity in tokens.
         #[arg(long, default_value_t = 200_000)]
         cache_tokens: usize,
@@ -347,6 +351,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             model,
             prefill_us_per_token,
             decode_ms_per_token,
+            batch_slowdown,
             cache_tokens,
             max_num_seqs,
             max_model_len,
@@ -357,6 +362,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 costs: Costs {
                     prefill_per_token: Duration::from_micros(prefill_us_per_token),
                     decode_per_token: Duration::from_millis(decode_ms_per_token),
+                    batch_slowdown,
                 },
                 cache_tokens,
                 max_num_seqs,

@@ -7,7 +7,7 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http::{header, Method, Request, Response, StatusCode};
@@ -77,6 +77,8 @@ pub struct Fault {
 pub struct MockEngine {
     config: MockConfig,
     model: Mutex<EngineModel>,
+    /// The model's clock starts here.
+    epoch: Instant,
     seqs: Semaphore,
     fault: Mutex<Fault>,
     waiting: AtomicU64,
@@ -133,6 +135,7 @@ impl MockEngine {
                 BLOCK_TOKENS,
                 config.costs,
             )),
+            epoch: Instant::now(),
             seqs: Semaphore::new(config.max_num_seqs.max(1)),
             config,
             fault: Mutex::new(Fault::default()),
@@ -242,7 +245,7 @@ impl MockEngine {
 
         let permit = self.admit().await;
         let _running = Running::start(&self);
-        let plan = self.model.lock().prefill(&job.prompt);
+        let plan = self.prefill(&job.prompt);
         self.count_prompt(plan.prompt_tokens, plan.cached_tokens);
         let content = match fault.mode {
             FaultMode::Stall => {
@@ -251,9 +254,9 @@ impl MockEngine {
             }
             FaultMode::Empty => String::new(),
             _ => {
-                tokio::time::sleep(plan.prefill + slow_extra(fault)).await;
-                let decode = self.config.costs.decode_per_token * job.max_tokens as u32;
-                tokio::time::sleep(decode).await;
+                tokio::time::sleep(plan.first_token() + slow_extra(fault)).await;
+                let step = self.config.costs.decode_step(self.running());
+                tokio::time::sleep(step * job.max_tokens as u32).await;
                 (0..job.max_tokens).map(token_text).collect()
             }
         };
@@ -279,6 +282,16 @@ impl MockEngine {
         json_response(StatusCode::OK, &body)
     }
 
+    /// Admits a prompt to the model now: cache lookup, prefill-lane wait, prefill time.
+    fn prefill(&self, prompt: &Prompt) -> crate::engine_model::PrefillPlan {
+        self.model.lock().prefill(prompt, self.epoch.elapsed())
+    }
+
+    /// Sequences running now.
+    fn running(&self) -> usize {
+        self.running.load(Ordering::Acquire) as usize
+    }
+
     /// Produces one SSE stream. Every send doubles as a check that the client is still
     /// there: a failed send means it left, and the sequence is aborted at once.
     async fn stream(self: Arc<Self>, job: Job, fault: Fault, tx: mpsc::Sender<Bytes>) {
@@ -287,7 +300,7 @@ impl MockEngine {
             _ = tx.closed() => return self.cancel(),
         };
         let _running = Running::start(&self);
-        let plan = self.model.lock().prefill(&job.prompt);
+        let plan = self.prefill(&job.prompt);
         self.count_prompt(plan.prompt_tokens, plan.cached_tokens);
         let chunk = |delta: Value, finish: Value| {
             sse_chunk(job.kind, &job.model, delta, finish, job.timestamps)
@@ -312,10 +325,13 @@ impl MockEngine {
             FaultMode::Empty => 0,
             _ => job.max_tokens,
         };
-        let first = plan.prefill + slow_extra(fault);
-        let decode = self.config.costs.decode_per_token;
+        let first = plan.first_token() + slow_extra(fault);
         for i in 0..tokens {
-            let wait = if i == 0 { first } else { decode };
+            let wait = if i == 0 {
+                first
+            } else {
+                self.config.costs.decode_step(self.running())
+            };
             tokio::select! {
                 _ = tokio::time::sleep(wait) => {}
                 _ = tx.closed() => return self.cancel(),

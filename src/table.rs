@@ -72,6 +72,8 @@ pub struct Plan {
     pub pool: usize,
     pub facts: RequestFacts,
     pub hash: u64,
+    /// `key = "hybrid"`: the hash of the request's prefix group.
+    pub group: Option<u64>,
 }
 
 /// Why a request cannot be planned: both are the client's fault.
@@ -185,9 +187,9 @@ impl Table {
         };
         let facts = key::extract(api, body, header_key, spec)?;
         let pool = self.pool_for(facts.model.as_deref())?;
-        let hash = key::key_hash(
+        let (hash, group) = key::key_hashes(
             &self.pools[pool].config.name,
-            &facts.key,
+            &facts,
             self.config.routing.hash_seed,
         );
         Ok(Plan {
@@ -195,6 +197,7 @@ impl Table {
             pool,
             facts,
             hash,
+            group,
         })
     }
 

@@ -115,7 +115,11 @@ async fn saturate(lb: &Proc) -> (Vec<hyper::Response<hyper::body::Incoming>>, Ve
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hot_key_fills_successors_in_ring_order_and_rejects_beyond() {
     let engines = four_engines(&["--decode-ms-per-token", "50"]);
-    let lb = balancer(&config(&refs(&engines), "", "when_saturated = \"reject\""));
+    let lb = balancer(&config(
+        &refs(&engines),
+        "",
+        "max_in_flight = 4\nwhen_saturated = \"reject\"",
+    ));
     let (streams, order) = saturate(&lb).await;
 
     let mut per_node: HashMap<String, usize> = HashMap::new();
@@ -176,7 +180,7 @@ async fn hot_key_fills_successors_in_ring_order_and_rejects_beyond() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn saturated_requests_queue_until_a_slot_frees() {
     let engines = four_engines(&["--decode-ms-per-token", "20"]);
-    let lb = balancer(&config(&refs(&engines), "", ""));
+    let lb = balancer(&config(&refs(&engines), "", "max_in_flight = 4"));
     let (streams, order) = saturate(&lb).await;
     let started = Instant::now();
     let waiter = {

@@ -17,6 +17,7 @@ async fn prefix_affinity_beats_round_robin_on_cache_hits() {
         costs: Costs {
             prefill_per_token: Duration::from_micros(20),
             decode_per_token: Duration::from_millis(1),
+            ..Costs::default()
         },
         ..DemoOptions::default()
     };

@@ -45,7 +45,7 @@ async fn a_scripted_run_shows_in_the_metrics_and_the_dashboard_queries_exist() {
         4,
         &["--decode-ms-per-token", "5", "--prefill-us-per-token", "10"],
     );
-    let lb = balancer(&config(&refs(&e), "", ""));
+    let lb = balancer(&config(&refs(&e), "", "max_in_flight = 4"));
     set_fault(&e[0], "error", 0).await;
 
     // A hot key: six streams at once over a cap of four spill two.
@@ -291,7 +291,7 @@ async fn watch_config_applies_edits_by_itself() {
     let text = config(&refs(&e), "watch_config = true", "");
     let path = write_config(&text);
     let lb = balancer_from_file(&path);
-    assert_eq!(node_info(&lb, "n0").await["cap"], 4);
+    assert_eq!(node_info(&lb, "n0").await["cap"], 16);
     // mtime granularity: make sure the edit gets a new timestamp.
     tokio::time::sleep(Duration::from_millis(1100)).await;
     std::fs::write(

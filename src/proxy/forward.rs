@@ -17,7 +17,7 @@ use super::headers;
 use super::probe::{self, ProbeFailure};
 use super::relay::{Finish, RelayBody};
 use super::{ProxyError, UpstreamClient};
-use crate::balance::{Balancer, Choice, NodeState, Walk};
+use crate::balance::{self, Balancer, Choice, NodeState, Walk};
 use crate::body::BoxBody;
 use crate::breaker::{BreakerSettings, Outcome};
 use crate::config::{RoutingConfig, WhenSaturated};
@@ -64,11 +64,12 @@ impl Drop for Attempt {
     }
 }
 
-/// Where the request is going now: a pool, the body for it, and the key's hash there.
+/// Where the request is going now: a pool, the body for it, and the key's walk target
+/// there.
 struct Target<'t> {
     pool: &'t Pool,
     body: Bytes,
-    hash: u64,
+    walk: balance::Target,
     /// `fallback:POOL` once the request left its own pool.
     fallback: Option<String>,
 }
@@ -133,7 +134,7 @@ pub(super) async fn forward(
     let mut failures: Vec<Failure> = Vec::new();
     let mut attempt = 0;
     while attempt < routing.max_attempts {
-        let (choice, queued) = match admit(target.pool, routing, target.hash, &tried, metrics).await
+        let (choice, queued) = match admit(target.pool, routing, target.walk, &tried, metrics).await
         {
             Ok(admitted) => admitted,
             Err(ProxyError::NoNode { .. }) if !pools.is_empty() => {
@@ -282,12 +283,13 @@ fn retarget<'t>(
     fallback: bool,
 ) -> Target<'t> {
     let name = &pool.config.name;
-    let hash = key::key_hash(name, &plan.facts.key, table.config.routing.hash_seed);
+    let (hash, group) = key::key_hashes(name, &plan.facts, table.config.routing.hash_seed);
+    let walk = pool.balancer.target(hash, group);
     if !fallback {
         return Target {
             pool,
             body: body.clone(),
-            hash,
+            walk,
             fallback: None,
         };
     }
@@ -295,7 +297,7 @@ fn retarget<'t>(
     Target {
         pool,
         body: rewrite_model(body, plan.facts.model_span, model),
-        hash,
+        walk,
         fallback: Some(format!("fallback:{name}")),
     }
 }
@@ -349,7 +351,7 @@ fn rewrite_model(body: &Bytes, span: Option<(usize, usize)>, model: &str) -> Byt
 async fn admit(
     pool: &Pool,
     routing: &RoutingConfig,
-    hash: u64,
+    target: balance::Target,
     tried: &[usize],
     metrics: &Metrics,
 ) -> Result<(Choice, bool), ProxyError> {
@@ -361,7 +363,7 @@ async fn admit(
     let walk = if queue_first {
         Walk::Saturated
     } else {
-        b.choose(hash, tried, std::time::Instant::now())
+        b.choose(target, tried, std::time::Instant::now())
     };
     match walk {
         Walk::Chosen(c) => Ok((c, false)),
@@ -369,12 +371,12 @@ async fn admit(
         Walk::Saturated => match routing.when_saturated {
             WhenSaturated::Reject => Err(ProxyError::Saturated { pool: name() }),
             WhenSaturated::LeastLoaded => b
-                .choose_least_loaded(hash, tried)
+                .choose_least_loaded(target, tried)
                 .map(|c| (c, false))
                 .ok_or_else(|| ProxyError::NoNode { pool: name() }),
             WhenSaturated::Queue => {
                 let waited = Instant::now();
-                let admitted = wait_for_slot(b, routing, hash, tried, &pool.config.name).await;
+                let admitted = wait_for_slot(b, routing, target, tried, &pool.config.name).await;
                 metrics
                     .queue_wait
                     .with_label_values(&[&pool.config.name])
@@ -390,7 +392,7 @@ async fn admit(
 async fn wait_for_slot(
     b: &Balancer,
     routing: &RoutingConfig,
-    hash: u64,
+    target: balance::Target,
     tried: &[usize],
     pool: &str,
 ) -> Result<Choice, ProxyError> {
@@ -407,7 +409,7 @@ async fn wait_for_slot(
         // Register for the wake-up before looking, so a slot freed in between is not missed.
         let mut freed = std::pin::pin!(b.load.freed().notified());
         freed.as_mut().enable();
-        match b.choose(hash, tried, std::time::Instant::now()) {
+        match b.choose(target, tried, std::time::Instant::now()) {
             Walk::Chosen(c) => return Ok(c),
             Walk::Unavailable => {
                 return Err(ProxyError::NoNode {

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::balance::{Reservation, Walk};
+use crate::balance::{Reservation, Target, Walk};
 use crate::config::Config;
 use crate::engine_model::{Costs, EngineModel, PrefixCache, Prompt};
 use crate::table::{Registry, Table};
@@ -50,8 +50,12 @@ pub struct Report {
     pub ttft_p50_ms: f64,
     pub ttft_p99_ms: f64,
     pub throughput_rps: f64,
-    /// Requests served by the busiest engine over the mean.
+    /// Time-averaged requests in flight on the busiest engine over the mean of all
+    /// engines (1.0 = perfectly even).
     pub max_mean_load: f64,
+    /// The most requests any engine had in flight at once (prefixlb's bound is
+    /// `max_in_flight`).
+    pub peak_in_flight: usize,
     /// Share of requests not served by their key's primary node.
     pub spill_share: f64,
 }
@@ -62,7 +66,9 @@ enum Route {
         reservation: Option<Reservation>,
         spilled: bool,
     },
-    Wait,
+    /// Every node is at its cap; the walk target is kept so the request is counted
+    /// once toward its group.
+    Wait(Option<(usize, Target)>),
 }
 
 impl Route {
@@ -76,12 +82,16 @@ impl Route {
     }
 }
 
-/// The pool and key hash the proxy would compute for a turn.
-fn plan_of(table: &Table, turn: &workload::Turn, model: &str) -> Result<(usize, u64), String> {
+/// The pool and walk target the proxy would compute for a turn (counting it toward its
+/// group's share, as the proxy does).
+fn plan_of(table: &Table, turn: &workload::Turn, model: &str) -> Result<(usize, Target), String> {
     let plan = table
         .plan(turn.path(), None, &turn.body(model))
         .map_err(|e| e.to_string())?;
-    Ok((plan.pool, plan.hash))
+    let target = table.pools[plan.pool]
+        .balancer
+        .target(plan.hash, plan.group);
+    Ok((plan.pool, target))
 }
 
 /// A policy's routing state.
@@ -107,6 +117,8 @@ struct Job {
     prompt: Prompt,
     output: usize,
     reservation: Option<Reservation>,
+    /// The walk target, once computed (`prefixlb` and `chwbl`).
+    target: Option<(usize, Target)>,
 }
 
 struct Engine {
@@ -217,14 +229,14 @@ pub fn simulate(
             .collect(),
         events: BinaryHeap::new(),
         seq: 0,
-        decode_per_token: fleet.costs.decode_per_token,
+        costs: fleet.costs,
         ttfts: Vec::new(),
         prompt_tokens: 0,
         cached_tokens: 0,
         slots: Vec::new(),
         free_slots: Vec::new(),
     };
-    let mut in_flight = vec![0usize; fleet.nodes];
+    let mut loads = Loads::new(fleet.nodes);
     for (c, conv) in workload.conversations.iter().enumerate() {
         if let Some(t) = conv.turns.first() {
             st.push(us(t.delay), Event::Arrive { conv: c, turn: 0 });
@@ -247,6 +259,7 @@ pub fn simulate(
                     prompt: t.prompt(),
                     output: t.output_tokens,
                     reservation: None,
+                    target: None,
                 };
                 pending.push_back(job);
             }
@@ -260,7 +273,7 @@ pub fn simulate(
                 done += 1;
                 st.slots[slot] = None; // releases the reservation
                 st.free_slots.push(slot);
-                in_flight[engine] -= 1;
+                loads.change(engine, now, false);
                 st.engines[engine].running -= 1;
                 let turns = &workload.conversations[conv].turns;
                 if turn + 1 < turns.len() {
@@ -287,33 +300,36 @@ pub fn simulate(
                 }
                 Policy::LeastLoaded => {
                     let engine = (0..fleet.nodes)
-                        .min_by_key(|&i| (in_flight[i], i))
+                        .min_by_key(|&i| (loads.now[i], i))
                         .unwrap_or(0);
                     Route::plain(engine)
                 }
                 Policy::ConsistentHash(table) => {
-                    let (pool, hash) = plan_of(table, turn, &model_name)?;
-                    let engine = table.pools[pool].balancer.ring.primary(hash).unwrap_or(0);
+                    let (pool, target) = plan_of(table, turn, &model_name)?;
+                    let engine = table.pools[pool].balancer.order(target).next().unwrap_or(0);
                     Route::plain(engine)
                 }
                 Policy::Bounded(table) => {
-                    let (pool, hash) = plan_of(table, turn, &model_name)?;
-                    match table.pools[pool].balancer.choose(hash, &[], epoch) {
+                    let (pool, target) = match job.target {
+                        Some(t) => t,
+                        None => plan_of(table, turn, &model_name)?,
+                    };
+                    match table.pools[pool].balancer.choose(target, &[], epoch) {
                         Walk::Chosen(c) => Route::To {
                             engine: c.index,
                             spilled: c.distance > 0,
                             reservation: Some(c.reservation),
                         },
-                        _ => Route::Wait,
+                        _ => Route::Wait(Some((pool, target))),
                     }
                 }
                 Policy::CacheAware(trees) => {
                     let (max, min) = (
-                        *in_flight.iter().max().unwrap_or(&0),
-                        *in_flight.iter().min().unwrap_or(&0),
+                        *loads.now.iter().max().unwrap_or(&0),
+                        *loads.now.iter().min().unwrap_or(&0),
                     );
                     let least = (0..fleet.nodes)
-                        .min_by_key(|&i| (in_flight[i], i))
+                        .min_by_key(|&i| (loads.now[i], i))
                         .unwrap_or(0);
                     let engine = if max - min > 32 && max as f64 > 1.1 * min as f64 {
                         least
@@ -321,7 +337,7 @@ pub fn simulate(
                         let blocks = job.prompt.blocks.len().max(1);
                         let (best, matched) = (0..fleet.nodes)
                             .map(|i| (i, trees[i].cached_prefix(&job.prompt.blocks)))
-                            .max_by_key(|&(i, m)| (m, Reverse(in_flight[i]), Reverse(i)))
+                            .max_by_key(|&(i, m)| (m, Reverse(loads.now[i]), Reverse(i)))
                             .unwrap_or((0, 0));
                         if matched as f64 / blocks as f64 > 0.5 {
                             best
@@ -336,7 +352,7 @@ pub fn simulate(
                     // The cache-aware rule with perfect knowledge: follow a real
                     // match (over half the prompt cached somewhere), else spread.
                     let free: Vec<usize> =
-                        (0..fleet.nodes).filter(|&i| in_flight[i] < *cap).collect();
+                        (0..fleet.nodes).filter(|&i| loads.now[i] < *cap).collect();
                     let best = free
                         .iter()
                         .map(|&i| {
@@ -345,21 +361,21 @@ pub fn simulate(
                                 st.engines[i].model.cache.cached_prefix(&job.prompt.blocks),
                             )
                         })
-                        .max_by_key(|&(i, m)| (m, Reverse(in_flight[i]), Reverse(i)));
+                        .max_by_key(|&(i, m)| (m, Reverse(loads.now[i]), Reverse(i)));
                     let least = free
                         .iter()
                         .copied()
-                        .min_by_key(|&i| (in_flight[i], st.engines[i].served, i));
+                        .min_by_key(|&i| (loads.now[i], st.engines[i].served, i));
                     match (best, least) {
                         (Some((i, m)), _) if 2 * m > job.prompt.blocks.len() => Route::plain(i),
                         (_, Some(i)) => Route::plain(i),
-                        _ => Route::Wait,
+                        _ => Route::Wait(None),
                     }
                 }
             };
             match route {
-                Route::Wait => {
-                    pending.push_front(job);
+                Route::Wait(target) => {
+                    pending.push_front(Job { target, ..job });
                     break;
                 }
                 Route::To {
@@ -368,7 +384,7 @@ pub fn simulate(
                     spilled: s,
                 } => {
                     spilled += s as usize;
-                    in_flight[engine] += 1;
+                    loads.change(engine, now, true);
                     let job = Job { reservation, ..job };
                     let e = &mut st.engines[engine];
                     e.served += 1;
@@ -392,8 +408,8 @@ pub fn simulate(
             .copied()
             .unwrap_or(0.0)
     };
-    let served: Vec<f64> = st.engines.iter().map(|e| e.served as f64).collect();
-    let mean = served.iter().sum::<f64>() / served.len().max(1) as f64;
+    let areas = loads.areas(last);
+    let mean = areas.iter().sum::<f64>() / areas.len().max(1) as f64;
     let span = (last.saturating_sub(first)) as f64 / 1e6;
     Ok(Report {
         policy: policy.to_string(),
@@ -403,9 +419,50 @@ pub fn simulate(
         ttft_p50_ms: q(0.5),
         ttft_p99_ms: q(0.99),
         throughput_rps: done as f64 / span.max(1e-9),
-        max_mean_load: served.iter().cloned().fold(0.0, f64::max) / mean.max(1e-9),
+        max_mean_load: areas.iter().cloned().fold(0.0, f64::max) / mean.max(1e-9),
+        peak_in_flight: loads.peak.iter().copied().max().unwrap_or(0),
         spill_share: spilled as f64 / done.max(1) as f64,
     })
+}
+
+/// Requests in flight per engine (as the balancer counts them): now, at peak, and
+/// integrated over time.
+struct Loads {
+    now: Vec<usize>,
+    peak: Vec<usize>,
+    /// Σ in-flight × µs.
+    area: Vec<f64>,
+    since: Vec<u64>,
+}
+
+impl Loads {
+    fn new(engines: usize) -> Self {
+        Loads {
+            now: vec![0; engines],
+            peak: vec![0; engines],
+            area: vec![0.0; engines],
+            since: vec![0; engines],
+        }
+    }
+
+    /// One request more (`up`) or less on `engine` at time `at`.
+    fn change(&mut self, engine: usize, at: u64, up: bool) {
+        self.area[engine] += self.now[engine] as f64 * at.saturating_sub(self.since[engine]) as f64;
+        self.since[engine] = at;
+        if up {
+            self.now[engine] += 1;
+            self.peak[engine] = self.peak[engine].max(self.now[engine]);
+        } else {
+            self.now[engine] -= 1;
+        }
+    }
+
+    /// The time integrals up to `end`.
+    fn areas(&self, end: u64) -> Vec<f64> {
+        (0..self.now.len())
+            .map(|e| self.area[e] + self.now[e] as f64 * end.saturating_sub(self.since[e]) as f64)
+            .collect()
+    }
 }
 
 /// The fleet's mutable state during a run: engines, the event queue, and the tallies.
@@ -414,7 +471,7 @@ struct State {
     events: BinaryHeap<Reverse<(u64, u64, Event)>>,
     /// Tie-breaker that keeps same-time events in insertion order.
     seq: u64,
-    decode_per_token: std::time::Duration,
+    costs: Costs,
     ttfts: Vec<f64>,
     prompt_tokens: u64,
     cached_tokens: u64,
@@ -433,12 +490,17 @@ impl State {
     fn start(&mut self, engine: usize, job: Job, now: u64) {
         let e = &mut self.engines[engine];
         e.running += 1;
-        let plan = e.model.prefill(&job.prompt);
+        let plan = e
+            .model
+            .prefill(&job.prompt, std::time::Duration::from_micros(now));
         self.prompt_tokens += plan.prompt_tokens as u64;
         self.cached_tokens += plan.cached_tokens as u64;
-        let first_token = now + plan.prefill.as_micros() as u64;
+        let first_token = now + plan.first_token().as_micros() as u64;
         self.ttfts.push((first_token - job.arrival) as f64 / 1000.0);
-        let finish = first_token + (self.decode_per_token * job.output as u32).as_micros() as u64;
+        // The batch as this sequence starts decoding sets its pace (an approximation:
+        // the real pace changes as others come and go).
+        let step = self.costs.decode_step(e.running);
+        let finish = first_token + (step * job.output as u32).as_micros() as u64;
         let slot = match self.free_slots.pop() {
             Some(s) => {
                 self.slots[s] = job.reservation;
@@ -464,7 +526,7 @@ impl State {
 /// The reports as a table.
 pub fn table(reports: &[Report]) -> String {
     let mut out = format!(
-        "{:<16} {:>8} {:>9} {:>10} {:>10} {:>10} {:>9} {:>9} {:>7}\n",
+        "{:<16} {:>8} {:>9} {:>10} {:>10} {:>10} {:>9} {:>9} {:>5} {:>7}\n",
         "policy",
         "requests",
         "hit rate",
@@ -473,11 +535,12 @@ pub fn table(reports: &[Report]) -> String {
         "TTFT p99",
         "req/s",
         "max/mean",
+        "peak",
         "spill"
     );
     for r in reports {
         out.push_str(&format!(
-            "{:<16} {:>8} {:>8.1}% {:>8.1}ms {:>8.1}ms {:>8.1}ms {:>9.2} {:>9.2} {:>6.1}%\n",
+            "{:<16} {:>8} {:>8.1}% {:>8.1}ms {:>8.1}ms {:>8.1}ms {:>9.2} {:>9.2} {:>5} {:>6.1}%\n",
             r.policy,
             r.requests,
             r.hit_rate * 100.0,
@@ -486,6 +549,7 @@ pub fn table(reports: &[Report]) -> String {
             r.ttft_p99_ms,
             r.throughput_rps,
             r.max_mean_load,
+            r.peak_in_flight,
             r.spill_share * 100.0
         ));
     }

@@ -1,0 +1,242 @@
+//! Prefix groups for `key = "hybrid"`: requests that share a system prompt form a
+//! group; the group's hash picks an ordered list of nodes (its ring walk), and each
+//! conversation of the group lands on one of the first `width` of them, picked by its
+//! own hash by rendezvous hashing. `width` follows the group's share of the
+//! pool's recent requests: a system prompt that fronts all the traffic spreads its
+//! conversations over the whole fleet (its prefix is then cached everywhere, which is
+//! cheap), while one of many few-shot or batch prompts stays on one node (its long
+//! prefix is cached once). Every turn of a conversation computes the same node as long
+//! as the width holds; a width change moves only the conversations that must move
+//! (`1/(w+1)` of them on growth). Lock-free: a fixed table of atomic counters.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use parking_lot::Mutex;
+
+/// Counter slots; groups are hashed into them (a collision only widens both groups).
+const SLOTS: usize = 1024;
+/// All counters halve once the total reaches this many requests, so shares follow the
+/// last few thousand requests.
+const WINDOW: u32 = 8192;
+/// A group gets about `SPREAD × share × nodes` nodes: twice its fair share, so the
+/// nodes it lands on keep headroom for its bursts.
+const SPREAD: f64 = 2.0;
+/// A group narrows only when `SHRINK_AT × SPREAD × share × nodes` is below its width:
+/// the band between growing and narrowing keeps widths from flapping.
+const SHRINK_AT: f64 = 1.5;
+
+/// The recent request counts of a pool's groups, and each group's current width.
+#[derive(Debug)]
+pub struct GroupHeat {
+    counts: Box<[AtomicU32]>,
+    widths: Box<[AtomicU32]>,
+    total: AtomicU32,
+    decay: Mutex<()>,
+}
+
+impl Default for GroupHeat {
+    fn default() -> Self {
+        GroupHeat {
+            counts: (0..SLOTS).map(|_| AtomicU32::new(0)).collect(),
+            widths: (0..SLOTS).map(|_| AtomicU32::new(0)).collect(),
+            total: AtomicU32::new(0),
+            decay: Mutex::new(()),
+        }
+    }
+}
+
+impl GroupHeat {
+    /// Counts one request of `group` and returns the group's width among `nodes`.
+    pub fn observe(&self, group: u64, nodes: usize) -> usize {
+        let slot = slot_of(group);
+        self.counts[slot].fetch_add(1, Ordering::Relaxed);
+        if self.total.fetch_add(1, Ordering::Relaxed) + 1 >= WINDOW {
+            self.halve();
+        }
+        let target = self.target(slot, nodes);
+        let width = &self.widths[slot];
+        let current = width.load(Ordering::Relaxed) as usize;
+        let next = next_width(current, target, nodes);
+        if next != current {
+            width.store(next as u32, Ordering::Relaxed);
+        }
+        next
+    }
+
+    /// The group's width now, without counting a request (for explanations).
+    pub fn width(&self, group: u64, nodes: usize) -> usize {
+        let slot = slot_of(group);
+        let current = self.widths[slot].load(Ordering::Relaxed) as usize;
+        next_width(current, self.target(slot, nodes), nodes)
+    }
+
+    /// The group's share of recent requests, scaled to nodes (unrounded).
+    fn target(&self, slot: usize, nodes: usize) -> f64 {
+        let total = self.total.load(Ordering::Relaxed).max(1);
+        let count = self.counts[slot].load(Ordering::Relaxed).min(total);
+        SPREAD * nodes as f64 * count as f64 / total as f64
+    }
+
+    fn halve(&self) {
+        // One thread decays; the others go on with slightly stale counts.
+        let Some(_decaying) = self.decay.try_lock() else {
+            return;
+        };
+        if self.total.load(Ordering::Relaxed) < WINDOW {
+            return;
+        }
+        let mut sum = 0;
+        for c in self.counts.iter() {
+            let half = c.load(Ordering::Relaxed) / 2;
+            c.store(half, Ordering::Relaxed);
+            sum += half;
+        }
+        self.total.store(sum, Ordering::Relaxed);
+    }
+}
+
+fn slot_of(group: u64) -> usize {
+    (group >> 54) as usize % SLOTS
+}
+
+/// Grows at once to `ceil(target)`; narrows only below `ceil(SHRINK_AT × target)`.
+fn next_width(current: usize, target: f64, nodes: usize) -> usize {
+    let grow = target.ceil() as usize;
+    let shrink = (SHRINK_AT * target).ceil() as usize;
+    let next = if current == 0 || grow > current {
+        grow
+    } else if shrink < current {
+        shrink
+    } else {
+        current
+    };
+    next.clamp(1, nodes.max(1))
+}
+
+/// Rendezvous (highest random weight) score of a key on a node: the node with the
+/// highest score is the key's pick, the next its first spill. When a node joins the
+/// candidates, only the keys it outranks move (`1/(w+1)` of them), all to it.
+pub fn rendezvous(key: u64, node: u64) -> u64 {
+    // splitmix64's finalizer over the pair: cheap, and every input bit reaches every
+    // output bit.
+    let mut z = key ^ node.rotate_left(32) ^ 0x9E37_79B9_7F4A_7C15;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pick(key: u64, nodes: &[u64]) -> usize {
+        (0..nodes.len())
+            .max_by_key(|&i| rendezvous(key, nodes[i]))
+            .unwrap()
+    }
+
+    #[test]
+    fn rendezvous_spreads_evenly_and_moves_only_to_the_new_node() {
+        let keys: Vec<u64> = (0..20_000u64)
+            .map(|i| xxhash_rust::xxh3::xxh3_64(&i.to_le_bytes()))
+            .collect();
+        let nodes: Vec<u64> = (0..16u64)
+            .map(|i| xxhash_rust::xxh3::xxh3_64(format!("n{i}").as_bytes()))
+            .collect();
+        let mut per = [0usize; 8];
+        for &k in &keys {
+            per[pick(k, &nodes[..8])] += 1;
+        }
+        for n in per {
+            assert!((2_200..2_800).contains(&n), "{per:?}");
+        }
+        for w in 1..16 {
+            let moved: Vec<usize> = keys
+                .iter()
+                .filter(|&&k| pick(k, &nodes[..w]) != pick(k, &nodes[..w + 1]))
+                .map(|&k| pick(k, &nodes[..w + 1]))
+                .collect();
+            assert!(moved.iter().all(|&b| b == w), "moves only to the new node");
+            let share = moved.len() as f64 / keys.len() as f64;
+            assert!(
+                (share - 1.0 / (w + 1) as f64).abs() < 0.02,
+                "w {w}: {share}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_group_fronting_all_traffic_spreads_over_every_node() {
+        let heat = GroupHeat::default();
+        let widths: Vec<usize> = (0..100).map(|_| heat.observe(7, 8)).collect();
+        assert!(widths.iter().all(|&w| w == 8), "{widths:?}");
+    }
+
+    #[test]
+    fn one_of_many_groups_narrows_to_one_node() {
+        let heat = GroupHeat::default();
+        let groups: Vec<u64> = (0..64u64).map(|g| g << 54).collect();
+        for round in 0..50 {
+            for &g in &groups {
+                let w = heat.observe(g, 8);
+                if round >= 10 {
+                    assert_eq!(w, 1, "64 equal groups on 8 nodes: one node each");
+                }
+            }
+        }
+        // Four equal groups: a quarter of the traffic each, so twice their fair share
+        // is 4 nodes, and the band lets a group that started wider stay at up to 6.
+        let heat = GroupHeat::default();
+        for _ in 0..500 {
+            for g in 0..4u64 {
+                heat.observe(g << 54, 8);
+            }
+        }
+        for g in 0..4u64 {
+            assert!((4..=6).contains(&heat.width(g << 54, 8)), "group {g}");
+        }
+    }
+
+    #[test]
+    fn widths_hold_inside_the_band_and_follow_a_lasting_change() {
+        let heat = GroupHeat::default();
+        let feed = |hot_every: u64, n: u64| {
+            let mut last = 0;
+            for i in 0..n {
+                let g = if i % hot_every == 0 {
+                    1 << 54
+                } else {
+                    (2 + i % 50) << 54
+                };
+                let w = heat.observe(g, 8);
+                if g == 1 << 54 {
+                    last = w;
+                }
+            }
+            last
+        };
+        let settled = feed(3, 3_000);
+        assert!(
+            (6..=8).contains(&settled),
+            "a third of 8 nodes, doubled: 5.3 → 6 (band to 8)"
+        );
+        // A dip to 25 % (target 4, shrink bound 6) narrows it at most to 6, not to 4.
+        let dipped = feed(4, 20_000);
+        assert!((6..=settled).contains(&dipped), "{dipped}");
+        // A lasting drop to 5 % (target 0.8, shrink bound 1.2) narrows it.
+        assert!(feed(20, 40_000) <= 2);
+    }
+
+    #[test]
+    fn counts_decay_so_shares_follow_recent_traffic() {
+        let heat = GroupHeat::default();
+        for _ in 0..20_000 {
+            heat.observe(1 << 54, 8);
+        }
+        for i in 0..40_000u64 {
+            heat.observe((2 + i % 64) << 54, 8);
+        }
+        assert!(heat.total.load(Ordering::Relaxed) < WINDOW);
+        assert_eq!(heat.width(1 << 54, 8), 1, "the old hot group is forgotten");
+    }
+}
