@@ -518,6 +518,56 @@ mod tests {
         Balancer::uniform(n, 160, cap, load_factor)
     }
 
+    #[test]
+    fn a_grouped_walk_starts_within_the_groups_first_nodes() {
+        let b = balancer(8, 1, None);
+        let group = 0xfeed_u64 << 40;
+        let ring: Vec<usize> = b.ring.successors(group).collect();
+        let conversations: Vec<u64> = (0..400u64)
+            .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+            .collect();
+        for width in [1, 3, 8] {
+            let mut primaries = std::collections::HashSet::new();
+            for &c in &conversations {
+                let t = Target {
+                    hash: c,
+                    group: Some((group, width)),
+                };
+                let walk: Vec<usize> = b.order(t).collect();
+                let mut sorted = walk.clone();
+                sorted.sort();
+                assert_eq!(sorted, (0..8).collect::<Vec<_>>(), "each node once");
+                let mut head = walk[..width].to_vec();
+                head.sort();
+                let mut first = ring[..width].to_vec();
+                first.sort();
+                assert_eq!(head, first, "the group's first {width} nodes come first");
+                assert_eq!(walk[width..], ring[width..], "then the group's ring walk");
+                assert_eq!(walk, b.order(t).collect::<Vec<_>>(), "deterministic");
+                primaries.insert(walk[0]);
+            }
+            assert_eq!(
+                primaries.len(),
+                width,
+                "conversations use all {width} nodes"
+            );
+        }
+        // A bounded walk spills within the group first: width 2, cap 1.
+        let t = Target {
+            hash: 5,
+            group: Some((group, 2)),
+        };
+        let first = chosen(b.choose(t, &[], Instant::now()));
+        let second = chosen(b.choose(t, &[], Instant::now()));
+        let third = chosen(b.choose(t, &[], Instant::now()));
+        let mut pair = vec![first.index, second.index];
+        pair.sort();
+        let mut head = ring[..2].to_vec();
+        head.sort();
+        assert_eq!(pair, head);
+        assert_eq!((second.distance, third.index), (1, ring[2]));
+    }
+
     fn chosen(w: Walk) -> Choice {
         match w {
             Walk::Chosen(c) => c,

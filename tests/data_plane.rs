@@ -113,6 +113,52 @@ async fn saturate(lb: &Proc) -> (Vec<hyper::Response<hyper::body::Incoming>>, Ve
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_turn_requests_sharing_a_system_prompt_gather_on_its_node() {
+    // 16 few-shot prompts, each a sixteenth of the traffic: with the default hybrid
+    // key a group narrows to one node, where its prefix is cached once.
+    let engines = four_engines(&["--decode-ms-per-token", "0", "--prefill-us-per-token", "0"]);
+    let lb = balancer(&config(&refs(&engines), "", ""));
+    let prefix = |g: usize| format!("Few-shot prompt {g}. {}", "Example answer. ".repeat(60));
+    let mut homes: HashMap<usize, HashSet<String>> = HashMap::new();
+    for round in 0..6 {
+        for g in 0..16 {
+            let body = chat(
+                &[
+                    ("system", &prefix(g)),
+                    ("user", &format!("question {round}")),
+                ],
+                false,
+                2,
+            );
+            let reply = post_json(&lb.url("/v1/chat/completions"), &body, &[]).await;
+            assert_eq!(reply.status, 200, "{}", reply.text());
+            if round >= 3 {
+                homes
+                    .entry(g)
+                    .or_default()
+                    .insert(reply.header("x-prefixlb-node").to_string());
+            }
+        }
+    }
+    for (g, nodes) in &homes {
+        assert_eq!(nodes.len(), 1, "group {g} was served by {nodes:?}");
+    }
+    let used: HashSet<&String> = homes.values().flatten().collect();
+    assert!(used.len() >= 3, "groups spread over the pool: {used:?}");
+    // The explanation shows the group and its width.
+    let body =
+        serde_json::to_vec(&chat(&[("system", &prefix(3)), ("user", "q")], false, 2)).unwrap();
+    let x = call("POST", &lb.admin_url("/admin/explain"), &[], body)
+        .await
+        .json();
+    assert_eq!(x["group"]["width"], 1, "{x}");
+    assert_eq!(
+        x["choice"].as_str(),
+        homes[&3].iter().next().map(|s| s.as_str())
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hot_key_fills_successors_in_ring_order_and_rejects_beyond() {
     let engines = four_engines(&["--decode-ms-per-token", "50"]);
     let lb = balancer(&config(
