@@ -1,39 +1,68 @@
 #!/usr/bin/env bash
-# Regenerates the README's "Why these defaults" table: prefixlb's hit rate (and TTFT p50) per
-# routing variant and workload, 8 engines, 60,000 cached tokens each.
+# Regenerates the README's "Why these defaults" tables: the hit rate and TTFT p50 of
+# prefixlb (one routing setting changed from the defaults per row) and of the reference
+# policies, per workload, on 8 engines with 30,000 cached tokens each (--cache-tokens to
+# change), each number the mean over workload seeds 1, 2 and 3.
+# Usage: cargo build --release && ./scripts/defaults.sh [CACHE_TOKENS]
+set -euo pipefail
 B=${B:-./target/release/prefixlb}
+CACHE=${1:-30000}
+SEEDS=(1 2 3)
+WORKLOADS=(multi-turn shared-prefix rag agentic)
 variants=(
+  '(defaults: key = "hybrid", max_in_flight = 16)'
   'key = "conversation"'
-  'key = "conversation"\nprefix_chars = 256'
-  'key = "conversation"\nprefix_chars = 4096'
   'key = "prefix"'
-  'key = "prefix"\nprefix_chars = 4096'
-  'key = "hybrid"'
+  'prefix_chars = 256'
+  'prefix_chars = 4096'
+  'max_in_flight = 4'
   'max_in_flight = 8'
-  'max_in_flight = 16'
+  'max_in_flight = 32'
   'load_factor = 1.25'
   'vnodes = 40'
   'vnodes = 640'
 )
-printf "| variant | multi-turn | shared-prefix | rag | agentic |\n|---|---|---|---|---|\n"
-for v in "${variants[@]}"; do
+
+# mean "hit% / TTFT p50 ms" of one policy over the seeds
+cell() {
+  local config=$1 workload=$2 policy=$3
+  for seed in "${SEEDS[@]}"; do
+    $B simulate --config "$config" --workload "$workload" --nodes 8 --cache-tokens "$CACHE" \
+      --seed "$seed" --policies "$policy" --json
+  done | python3 -c '
+import json, sys
+text, dec, runs, at = sys.stdin.read(), json.JSONDecoder(), [], 0
+while text[at:].strip():
+    doc, at = dec.raw_decode(text, at + len(text[at:]) - len(text[at:].lstrip()))
+    runs.append(doc["policies"][0])
+hit = sum(r["hit_rate"] for r in runs) / len(runs)
+ttft = sum(r["ttft_p50_ms"] for r in runs) / len(runs)
+print("%.1f%% / %.0f ms" % (100 * hit, ttft))'
+}
+
+config_with() {
+  local f
   f=$(mktemp)
-  printf "[routing]\n$v\n[[pools]]\nname = \"sim\"\nnodes = [{ id = \"a\", url = \"http://127.0.0.1:1\" }]\n" > $f
-  row="| \`$(echo -e "$v" | tr '\n' ' ' | sed 's/ *$//')\` |"
-  for w in multi-turn shared-prefix rag agentic; do
-    r=$($B simulate --config $f --workload $w --nodes 8 --cache-tokens 60000 --policies prefixlb --json)
-    row="$row $(echo "$r" | python3 -c 'import json,sys; p=json.load(sys.stdin)["policies"][0]; print("%.1f%% / %.0f ms" % (100*p["hit_rate"], p["ttft_p50_ms"]))') |"
-  done
+  case $1 in
+    \(*) printf '[[pools]]\nname = "sim"\nnodes = [{ id = "a", url = "http://127.0.0.1:1" }]\n' > "$f" ;;
+    *) printf '[routing]\n%s\n[[pools]]\nname = "sim"\nnodes = [{ id = "a", url = "http://127.0.0.1:1" }]\n' "$1" > "$f" ;;
+  esac
+  echo "$f"
+}
+
+printf "| routing | %s |\n|---|---|---|---|---|\n" "$(IFS='|'; echo "${WORKLOADS[*]}" | sed 's/|/ | /g')"
+for v in "${variants[@]}"; do
+  f=$(config_with "$v")
+  row="| \`$v\` |"
+  [[ $v == \(* ]] && row="| $v |"
+  for w in "${WORKLOADS[@]}"; do row="$row $(cell "$f" "$w" prefixlb) |"; done
   echo "$row"
-  rm -f $f
+  rm -f "$f"
 done
-f=$(mktemp); printf "[[pools]]\nname = \"sim\"\nnodes = [{ id = \"a\", url = \"http://127.0.0.1:1\" }]\n" > $f
-for p in round_robin cache_aware oracle; do
+f=$(config_with '(defaults)')
+for p in round_robin least_loaded consistent_hash chwbl cache_aware oracle; do
   row="| policy \`$p\` |"
-  for w in multi-turn shared-prefix rag agentic; do
-    r=$($B simulate --config $f --workload $w --nodes 8 --cache-tokens 60000 --policies $p --json)
-    row="$row $(echo "$r" | python3 -c 'import json,sys; p=json.load(sys.stdin)["policies"][0]; print("%.1f%% / %.0f ms" % (100*p["hit_rate"], p["ttft_p50_ms"]))') |"
-  done
+  for w in "${WORKLOADS[@]}"; do row="$row $(cell "$f" "$w" "$p") |"; done
   echo "$row"
 done
-rm -f $f
+rm -f "$f"

@@ -53,7 +53,7 @@ impl GroupHeat {
         if self.total.fetch_add(1, Ordering::Relaxed) + 1 >= WINDOW {
             self.halve();
         }
-        let target = self.target(slot, nodes);
+        let target = self.target(slot, nodes, 0);
         let width = &self.widths[slot];
         let current = width.load(Ordering::Relaxed) as usize;
         let next = next_width(current, target, nodes);
@@ -63,18 +63,20 @@ impl GroupHeat {
         next
     }
 
-    /// The group's width now, without counting a request (for explanations).
+    /// The width the group's next request would get, without counting it (for
+    /// explanations).
     pub fn width(&self, group: u64, nodes: usize) -> usize {
         let slot = slot_of(group);
         let current = self.widths[slot].load(Ordering::Relaxed) as usize;
-        next_width(current, self.target(slot, nodes), nodes)
+        next_width(current, self.target(slot, nodes, 1), nodes)
     }
 
-    /// The group's share of recent requests, scaled to nodes (unrounded).
-    fn target(&self, slot: usize, nodes: usize) -> f64 {
-        let total = self.total.load(Ordering::Relaxed).max(1);
-        let count = self.counts[slot].load(Ordering::Relaxed).min(total);
-        SPREAD * nodes as f64 * count as f64 / total as f64
+    /// The group's share of recent requests (with `extra` more of its own), scaled to
+    /// nodes (unrounded).
+    fn target(&self, slot: usize, nodes: usize, extra: u32) -> f64 {
+        let total = self.total.load(Ordering::Relaxed) + extra;
+        let count = (self.counts[slot].load(Ordering::Relaxed) + extra).min(total);
+        SPREAD * nodes as f64 * count as f64 / total.max(1) as f64
     }
 
     fn halve(&self) {
@@ -168,6 +170,11 @@ mod tests {
     #[test]
     fn a_group_fronting_all_traffic_spreads_over_every_node() {
         let heat = GroupHeat::default();
+        assert_eq!(
+            heat.width(7, 8),
+            8,
+            "an unseen group's first request: all nodes"
+        );
         let widths: Vec<usize> = (0..100).map(|_| heat.observe(7, 8)).collect();
         assert!(widths.iter().all(|&w| w == 8), "{widths:?}");
     }
@@ -185,7 +192,8 @@ mod tests {
             }
         }
         // Four equal groups: a quarter of the traffic each, so twice their fair share
-        // is 4 nodes, and the band lets a group that started wider stay at up to 6.
+        // is 4 nodes, and the band lets a group that started wider (the very first
+        // request sees a share of 1) stay a little wider: up to ⌈1.5 × 4.0…⌉ = 7.
         let heat = GroupHeat::default();
         for _ in 0..500 {
             for g in 0..4u64 {
@@ -193,7 +201,8 @@ mod tests {
             }
         }
         for g in 0..4u64 {
-            assert!((4..=6).contains(&heat.width(g << 54, 8)), "group {g}");
+            let w = heat.width(g << 54, 8);
+            assert!((4..=7).contains(&w), "group {g}: {w}");
         }
     }
 

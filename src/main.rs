@@ -179,6 +179,17 @@ fn main() -> ExitCode {
     }
 }
 
+/// Writes a command's report to stdout; a reader that went away (`| head`) is not an
+/// error.
+fn emit(text: impl std::fmt::Display) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match write!(out, "{text}").and_then(|()| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        written => Ok(written?),
+    }
+}
+
 fn run(command: Command) -> anyhow::Result<ExitCode> {
     match command {
         Command::Serve { config: path } => {
@@ -196,7 +207,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             let Some(config) = load(&path) else {
                 return Ok(ExitCode::from(2));
             };
-            print!("{}", check_report(&path, config));
+            emit(check_report(&path, config))?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Route {
@@ -222,7 +233,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             let table = Table::build(config, &Registry::default());
             match prefixlb::explain::explain(&table, &path, header_key.as_deref(), &body) {
                 Ok(x) => {
-                    println!("{}", serde_json::to_string_pretty(&x)?);
+                    emit(format!("{}\n", serde_json::to_string_pretty(&x)?))?;
                     Ok(ExitCode::SUCCESS)
                 }
                 Err(e) => {
@@ -287,19 +298,19 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 );
             }
             if json {
-                println!(
-                    "{}",
+                emit(format!(
+                    "{}\n",
                     serde_json::to_string_pretty(&serde_json::json!({ "policies": reports }))?
-                );
+                ))?;
             } else {
-                println!(
-                    "workload {} ({} requests) on {} engines, {} cached tokens each\n",
+                emit(format!(
+                    "workload {} ({} requests) on {} engines, {} cached tokens each\n\n",
                     w.name,
                     w.requests(),
                     fleet.nodes,
                     fleet.cache_tokens
-                );
-                print!("{}", prefixlb::sim::table(&reports));
+                ))?;
+                emit(prefixlb::sim::table(&reports))?;
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -334,15 +345,15 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             let scripts = prefixlb::bench::Script::from_workload(&w);
             let report = runtime()?.block_on(prefixlb::bench::run(scripts, &opts));
             if json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
+                emit(format!("{}\n", serde_json::to_string_pretty(&report)?))?;
             } else {
-                print!("{}", report.table());
+                emit(report.table())?;
             }
             Ok(ExitCode::SUCCESS)
         }
         Command::Demo => {
             let report = runtime()?.block_on(prefixlb::demo::run())?;
-            print!("{report}");
+            emit(report)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::MockEngine {
