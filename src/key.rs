@@ -327,11 +327,18 @@ pub fn key_hash(pool: &str, key: &[u8], seed: u64) -> u64 {
 type PromptKey = (String, Option<usize>);
 
 /// The key's hash for `pool` and, for a grouped key, its group's hash.
+/// The group is a prefix of the key, so one streaming pass yields both hashes.
 pub fn key_hashes(pool: &str, facts: &RequestFacts, seed: u64) -> (u64, Option<u64>) {
-    (
-        key_hash(pool, &facts.key, seed),
-        facts.group_key().map(|g| key_hash(pool, g, seed)),
-    )
+    let Some(group) = facts.group_key() else {
+        return (key_hash(pool, &facts.key, seed), None);
+    };
+    let mut h = Xxh3::with_seed(seed);
+    h.update(pool.as_bytes());
+    h.update(&[0]);
+    h.update(group);
+    let group_hash = h.digest();
+    h.update(&facts.key[group.len()..]);
+    (h.digest(), Some(group_hash))
 }
 
 fn prompt_key(api: Api, env: &Envelope<'_>, spec: KeySpec) -> Option<PromptKey> {
@@ -719,6 +726,12 @@ mod tests {
             Some(&b"system\nGroup A few-shot prefix.\n"[..])
         );
         assert_eq!(turn1.group_key(), other.group_key(), "one group");
+        let (conv_hash, group_hash) = key_hashes("pool", &turn1, 7);
+        assert_eq!(conv_hash, key_hash("pool", &turn1.key, 7));
+        assert_eq!(
+            group_hash,
+            Some(key_hash("pool", turn1.group_key().unwrap(), 7))
+        );
         // No system prompt: an empty group (all such chats form one group).
         let bare = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
         let bare = facts(&bare);
