@@ -11,7 +11,7 @@ use tokio::sync::Notify;
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::breaker::{Admission, Breaker, BreakerSettings, BreakerState, Outcome};
-use crate::group::{rendezvous, GroupHeat};
+use crate::group::{rendezvous, weighted_rendezvous, GroupHeat};
 use crate::ring::{Ring, RingMember, Successors};
 
 /// Runtime state of one node, keyed by node id and carried across config reloads and
@@ -289,6 +289,8 @@ pub struct Balancer {
     total_weight: u32,
     /// `xxh3_64(node id)` per member: rendezvous scores stay put across rebuilds.
     id_hashes: Vec<u64>,
+    /// Members differ in weight: rank group nodes by weighted rendezvous.
+    weighted: bool,
 }
 
 impl Balancer {
@@ -304,6 +306,7 @@ impl Balancer {
             .iter()
             .map(|m| xxh3_64(m.state.id.as_bytes()))
             .collect();
+        let weighted = members.windows(2).any(|w| w[0].weight != w[1].weight);
         Balancer {
             ring,
             members,
@@ -312,6 +315,7 @@ impl Balancer {
             breaker,
             total_weight,
             id_hashes,
+            weighted,
         }
     }
 
@@ -368,7 +372,15 @@ impl Balancer {
                 rest: self.ring.successors(target.hash),
             },
             Some((group, width)) => {
-                let score = |i: usize| (rendezvous(target.hash, self.id_hashes[i]), i);
+                let score = |i: usize| {
+                    let id = self.id_hashes[i];
+                    let s = if self.weighted {
+                        weighted_rendezvous(target.hash, id, self.members[i].weight)
+                    } else {
+                        rendezvous(target.hash, id)
+                    };
+                    (s, i)
+                };
                 if width >= self.members.len() {
                     // The whole pool: no need to walk the group's ring to list it.
                     return WalkOrder {

@@ -127,6 +127,15 @@ pub fn rendezvous(key: u64, node: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// Weighted rendezvous score (the logarithmic method: `weight / -ln(u)`, with `u`
+/// uniform in (0, 1) from the pair's hash): a node is the pick for a share of keys
+/// proportional to its weight, and equal weights rank as [`rendezvous`] does. The
+/// score is a positive `f64`'s bits, which order as the floats do.
+pub fn weighted_rendezvous(key: u64, node: u64, weight: u32) -> u64 {
+    let u = ((rendezvous(key, node) >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+    (f64::from(weight.max(1)) / -u.ln()).to_bits()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -165,6 +174,27 @@ mod tests {
                 "w {w}: {share}"
             );
         }
+    }
+
+    #[test]
+    fn weighted_rendezvous_shares_keys_by_weight() {
+        let nodes = [(11u64, 3u32), (22, 1), (33, 1)];
+        let mut won = [0usize; 3];
+        for i in 0..50_000u64 {
+            let key = xxhash_rust::xxh3::xxh3_64(&i.to_le_bytes());
+            let best = (0..3)
+                .max_by_key(|&n| weighted_rendezvous(key, nodes[n].0, nodes[n].1))
+                .unwrap();
+            won[best] += 1;
+            // Equal weights rank exactly as plain rendezvous.
+            let plain = (1..3).max_by_key(|&n| rendezvous(key, nodes[n].0)).unwrap();
+            let weighted = (1..3)
+                .max_by_key(|&n| weighted_rendezvous(key, nodes[n].0, 1))
+                .unwrap();
+            assert_eq!(plain, weighted);
+        }
+        let heavy = won[0] as f64 / 50_000.0;
+        assert!((heavy - 0.6).abs() < 0.01, "weight 3 of 5: {heavy}");
     }
 
     #[test]

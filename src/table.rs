@@ -256,6 +256,36 @@ nodes = [{ id = "b", url = "http://h:2" }]
     }
 
     #[test]
+    fn a_hot_group_spreads_by_weight() {
+        let t = table(
+            "[[pools]]\nname = \"p\"\nnodes = [{ id = \"big\", url = \"http://h:1\", weight = 3 }, \
+             { id = \"s1\", url = \"http://h:2\" }, { id = \"s2\", url = \"http://h:3\" }]\n",
+        );
+        let mut served = [0usize; 3];
+        for c in 0..3000 {
+            let body = format!(
+                r#"{{"messages": [{{"role": "system", "content": "One product's prompt."}}, {{"role": "user", "content": "conversation {c}"}}]}}"#
+            );
+            let plan = t
+                .plan("/v1/chat/completions", None, body.as_bytes())
+                .unwrap();
+            let b = &t.pools[plan.pool].balancer;
+            let target = b.target(plan.hash, plan.group);
+            assert_eq!(
+                target.group.map(|g| g.1),
+                Some(3),
+                "the only group: all nodes"
+            );
+            served[b.order(target).next().unwrap()] += 1;
+        }
+        let big = served[0] as f64 / 3000.0;
+        assert!(
+            (big - 0.6).abs() < 0.04,
+            "weight 3 of 5 takes {big}: {served:?}"
+        );
+    }
+
+    #[test]
     fn state_survives_a_rebuild() {
         let registry = Registry::default();
         let t1 = Table::build(Config::parse(TWO, "t").unwrap(), &registry);
