@@ -661,6 +661,18 @@ mod tests {
     }
 
     #[test]
+    fn a_replayed_trace_keeps_affinity() {
+        // Trace prompts are block ids; `prefix_chars` must cover as many tokens of them
+        // as of real text, or every turn of a conversation gets a new key.
+        let w = workload::synthetic("multi-turn", 1, 1.0).unwrap();
+        let t = workload::trace(&workload::to_trace(&w), 512).unwrap();
+        let run = |p| simulate(&t, &config(), &eight_engines(), p).unwrap();
+        let (lb, rr, oracle) = (run("prefixlb"), run("round_robin"), run("oracle"));
+        assert!(lb.hit_rate >= 3.0 * rr.hit_rate, "{lb:?} {rr:?}");
+        assert!(lb.hit_rate >= 0.9 * oracle.hit_rate, "{lb:?} {oracle:?}");
+    }
+
+    #[test]
     fn unknown_policies_are_errors() {
         let w = workload::synthetic("rag", 5, 0.01).unwrap();
         assert!(simulate(&w, &config(), &fleet(2), "random").is_err());

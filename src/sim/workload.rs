@@ -143,13 +143,19 @@ impl Turn {
     /// The request body a client would send.
     pub fn body(&self, model: &str) -> Vec<u8> {
         if let Some(p) = &self.trace {
-            // Traces carry block ids, not text: route them as a completions prompt of
-            // their ids, so requests sharing leading blocks share the key's text.
-            let text: Vec<String> = p.blocks.iter().map(|b| format!("{b:x}")).collect();
-            return serde_json::to_vec(
-                &serde_json::json!({"model": model, "prompt": text.join(" ")}),
-            )
-            .unwrap_or_default();
+            // Traces carry block ids, not text: route them as a completions prompt in
+            // which each block is its id padded to the block's length in characters
+            // (≈ 4 per token), so requests sharing leading blocks share the key's text
+            // and `prefix_chars` covers as many tokens as it would of real text.
+            let per_block = p.block_tokens * crate::engine_model::CHARS_PER_TOKEN;
+            let mut text = String::with_capacity(p.blocks.len() * per_block);
+            for b in &p.blocks {
+                let id = format!("{b:016x} ");
+                text.push_str(&id);
+                text.extend(std::iter::repeat_n('.', per_block.saturating_sub(id.len())));
+            }
+            return serde_json::to_vec(&serde_json::json!({"model": model, "prompt": text}))
+                .unwrap_or_default();
         }
         let messages: Vec<serde_json::Value> = self
             .messages
