@@ -152,7 +152,8 @@ impl Turn {
             for b in &p.blocks {
                 let id = format!("{b:016x} ");
                 text.push_str(&id);
-                text.extend(std::iter::repeat_n('.', per_block.saturating_sub(id.len())));
+                let pad = per_block.saturating_sub(id.len());
+                text.extend(std::iter::repeat('.').take(pad));
             }
             return serde_json::to_vec(&serde_json::json!({"model": model, "prompt": text}))
                 .unwrap_or_default();
