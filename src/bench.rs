@@ -35,11 +35,22 @@ pub struct ScriptTurn {
 
 impl Script {
     /// Scripts from a simulator workload (its generated answers are replaced by the
-    /// engines' real ones during the replay).
+    /// engines' real ones during the replay). A trace request becomes a one-turn
+    /// conversation whose user message is its prompt as text
+    /// ([`crate::sim::workload::trace_text`]).
     pub fn from_workload(w: &Workload) -> Vec<Script> {
         w.conversations
             .iter()
             .map(|c| {
+                if let Some(p) = c.turns.first().and_then(|t| t.trace.as_ref()) {
+                    let text = crate::sim::workload::trace_text(p);
+                    return Script {
+                        turns: vec![ScriptTurn {
+                            messages: vec![("user", text.into())],
+                            max_tokens: c.turns[0].output_tokens,
+                        }],
+                    };
+                }
                 let mut seen = 0;
                 let turns = c
                     .turns

@@ -101,8 +101,15 @@ enum Command {
         #[arg(long, required = true)]
         target: Vec<String>,
         /// multi-turn, shared-prefix, rag, agentic.
-        #[arg(long)]
-        workload: String,
+        #[arg(long, required_unless_present = "trace")]
+        workload: Option<String>,
+        /// A Mooncake JSON-lines trace instead: each request is sent as one user
+        /// message of its blocks as text, in trace order (pace with --rate).
+        #[arg(long, conflicts_with = "workload")]
+        trace: Option<PathBuf>,
+        /// Tokens per trace block.
+        #[arg(long, default_value_t = 512)]
+        block_tokens: usize,
         /// Requests in flight (closed loop).
         #[arg(long, default_value_t = 8)]
         concurrency: usize,
@@ -176,6 +183,32 @@ fn main() -> ExitCode {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// The workload of `simulate` and `bench`: a Mooncake trace file or a synthetic one.
+fn load_workload(
+    name: Option<&str>,
+    trace: Option<&std::path::Path>,
+    block_tokens: usize,
+    seed: u64,
+    scale: f64,
+) -> anyhow::Result<prefixlb::sim::workload::Workload> {
+    match (trace, name) {
+        (Some(path), _) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading trace {}", path.display()))?;
+            prefixlb::sim::workload::trace(&text, block_tokens).map_err(anyhow::Error::msg)
+        }
+        (None, Some(name)) => {
+            prefixlb::sim::workload::synthetic(name, seed, scale).with_context(|| {
+                format!(
+                    "unknown workload {name:?} (one of {})",
+                    prefixlb::sim::workload::NAMES.join(", ")
+                )
+            })
+        }
+        (None, None) => anyhow::bail!("give --trace FILE or --workload NAME"),
     }
 }
 
@@ -258,22 +291,13 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             let Some(config) = load(&config) else {
                 return Ok(ExitCode::from(2));
             };
-            let w = match (&trace, &workload) {
-                (Some(path), _) => {
-                    let text = std::fs::read_to_string(path)
-                        .with_context(|| format!("reading trace {}", path.display()))?;
-                    prefixlb::sim::workload::trace(&text, block_tokens)
-                        .map_err(anyhow::Error::msg)?
-                }
-                (None, Some(name)) => prefixlb::sim::workload::synthetic(name, seed, scale)
-                    .with_context(|| {
-                        format!(
-                            "unknown workload {name:?} (one of {})",
-                            prefixlb::sim::workload::NAMES.join(", ")
-                        )
-                    })?,
-                (None, None) => anyhow::bail!("give --trace FILE or --workload NAME"),
-            };
+            let w = load_workload(
+                workload.as_deref(),
+                trace.as_deref(),
+                block_tokens,
+                seed,
+                scale,
+            )?;
             if let Some(path) = write_trace {
                 std::fs::write(&path, prefixlb::sim::workload::to_trace(&w))?;
             }
@@ -317,6 +341,8 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
         Command::Bench {
             target,
             workload,
+            trace,
+            block_tokens,
             concurrency,
             rate,
             requests,
@@ -326,13 +352,13 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             scale,
             json,
         } => {
-            let w =
-                prefixlb::sim::workload::synthetic(&workload, seed, scale).with_context(|| {
-                    format!(
-                        "unknown workload {workload:?} (one of {})",
-                        prefixlb::sim::workload::NAMES.join(", ")
-                    )
-                })?;
+            let w = load_workload(
+                workload.as_deref(),
+                trace.as_deref(),
+                block_tokens,
+                seed,
+                scale,
+            )?;
             let opts = prefixlb::bench::BenchOptions {
                 targets: target,
                 model,

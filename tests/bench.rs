@@ -63,3 +63,66 @@ fn bench_reports_the_hit_rate_the_engines_measured() {
     assert!(report["ttft_p50_ms"].as_f64().unwrap() > 0.0);
     assert!(report["output_tokens_per_s"].as_f64().unwrap() > 0.0);
 }
+
+#[test]
+fn bench_replays_a_mooncake_trace() {
+    // Export a shared-prefix workload as a trace, replay it through the balancer: the
+    // groups' shared blocks are hits, as the engines count them.
+    let engines: Vec<Proc> = (0..2)
+        .map(|i| {
+            engine(
+                &format!("e{i}"),
+                &["--decode-ms-per-token", "0", "--prefill-us-per-token", "1"],
+            )
+        })
+        .collect();
+    let lb = balancer(&config(&engines.iter().collect::<Vec<_>>(), "", ""));
+    let dir = std::env::temp_dir().join(format!("prefixlb-trace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("shared.jsonl");
+    let sim = std::process::Command::new(BIN)
+        .args([
+            "simulate",
+            "--config",
+            &write_config(&config(&engines.iter().collect::<Vec<_>>(), "", "")).to_string_lossy(),
+        ])
+        .args([
+            "--workload",
+            "shared-prefix",
+            "--scale",
+            "0.1",
+            "--policies",
+            "prefixlb",
+        ])
+        .args(["--write-trace", &trace.to_string_lossy()])
+        .output()
+        .unwrap();
+    assert!(
+        sim.status.success(),
+        "{}",
+        String::from_utf8_lossy(&sim.stderr)
+    );
+    let out = std::process::Command::new(BIN)
+        .args([
+            "bench",
+            "--target",
+            &lb.url(""),
+            "--trace",
+            &trace.to_string_lossy(),
+        ])
+        .args(["--concurrency", "4", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["errors"], 0);
+    assert_eq!(report["requests"], 6 * 16);
+    let hit = report["hit_rate"].as_f64().unwrap();
+    // A request's first 4 blocks (2,048 of its ~2,180 tokens) are its group's: with
+    // the group on one engine, all but each group's first request hit them (0.94 seen).
+    assert!(hit > 0.8, "trace replay hits the groups' blocks: {hit}");
+}

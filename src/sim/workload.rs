@@ -143,20 +143,11 @@ impl Turn {
     /// The request body a client would send.
     pub fn body(&self, model: &str) -> Vec<u8> {
         if let Some(p) = &self.trace {
-            // Traces carry block ids, not text: route them as a completions prompt in
-            // which each block is its id padded to the block's length in characters
-            // (≈ 4 per token), so requests sharing leading blocks share the key's text
-            // and `prefix_chars` covers as many tokens as it would of real text.
-            let per_block = p.block_tokens * crate::engine_model::CHARS_PER_TOKEN;
-            let mut text = String::with_capacity(p.blocks.len() * per_block);
-            for b in &p.blocks {
-                let id = format!("{b:016x} ");
-                text.push_str(&id);
-                let pad = per_block.saturating_sub(id.len());
-                text.extend(std::iter::repeat('.').take(pad));
-            }
-            return serde_json::to_vec(&serde_json::json!({"model": model, "prompt": text}))
-                .unwrap_or_default();
+            // Traces carry block ids, not text: route them as a completions prompt.
+            return serde_json::to_vec(
+                &serde_json::json!({"model": model, "prompt": trace_text(p)}),
+            )
+            .unwrap_or_default();
         }
         let messages: Vec<serde_json::Value> = self
             .messages
@@ -177,6 +168,22 @@ impl Turn {
             "/v1/chat/completions"
         }
     }
+}
+
+/// A trace prompt as text: each block is its id padded to the block's length in
+/// characters (≈ 4 per token), so requests sharing leading blocks share leading text,
+/// a routing key of `prefix_chars` characters covers as many tokens as it would of
+/// real text, and an engine model counts about the trace's tokens.
+pub fn trace_text(p: &Prompt) -> String {
+    let per_block = p.block_tokens * crate::engine_model::CHARS_PER_TOKEN;
+    let mut text = String::with_capacity(p.blocks.len() * per_block);
+    for b in &p.blocks {
+        let id = format!("{b:016x} ");
+        text.push_str(&id);
+        let pad = per_block.saturating_sub(id.len());
+        text.extend(std::iter::repeat('.').take(pad));
+    }
+    text
 }
 
 /// The synthetic workloads by name.
