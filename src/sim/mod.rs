@@ -103,8 +103,9 @@ enum Policy {
     Bounded(Table),
     /// SGLang-router style: an approximate per-engine tree of what was sent there.
     CacheAware(Vec<PrefixCache>),
-    /// Sees every engine's true cache: the longest cached prefix among engines with a
-    /// free sequence slot (the engine's own bound), ties to the least loaded.
+    /// Sees every engine's true cache: among engines under prefixlb's bound
+    /// (`max_in_flight`), the longest cached prefix if over half the prompt is cached
+    /// there, else the least loaded.
     Oracle {
         cap: usize,
     },
@@ -203,7 +204,7 @@ pub fn simulate(
                 .collect(),
         ),
         "oracle" => Policy::Oracle {
-            cap: fleet.max_num_seqs,
+            cap: config.routing.max_in_flight as usize,
         },
         other => {
             return Err(format!(
