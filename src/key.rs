@@ -260,7 +260,12 @@ pub fn extract(
     header_key: Option<&[u8]>,
     spec: KeySpec,
 ) -> Result<RequestFacts, KeyError> {
-    let text = std::str::from_utf8(body);
+    // SIMD validation (simdutf8) is ~3× std's on prompt-sized bodies; std's check
+    // runs only on failure, for the error's position.
+    let text = match simdutf8::basic::from_utf8(body) {
+        Ok(text) => Ok(text),
+        Err(_) => std::str::from_utf8(body),
+    };
     let envelope = if api.requires_json() {
         if body.iter().all(u8::is_ascii_whitespace) {
             return Err(KeyError::Empty);
