@@ -26,7 +26,6 @@ const SPREAD: f64 = 2.0;
 const SHRINK_AT: f64 = 1.5;
 
 /// The recent request counts of a pool's groups, and each group's current width.
-#[derive(Debug)]
 pub struct GroupHeat {
     counts: Box<[AtomicU32]>,
     widths: Box<[AtomicU32]>,
@@ -42,6 +41,14 @@ impl Default for GroupHeat {
             total: AtomicU32::new(0),
             decay: Mutex::new(()),
         }
+    }
+}
+
+impl std::fmt::Debug for GroupHeat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GroupHeat")
+            .field("recent_requests", &self.total.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
     }
 }
 
