@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
-use prefixlb::balance::{Balancer, Walk};
+use prefixlb::balance::{Balancer, Target, Walk};
 use prefixlb::config::{Config, KeyMode};
 use prefixlb::key::{self, Api, KeySpec};
 use prefixlb::ring::{Ring, RingMember};
@@ -134,6 +134,32 @@ fn ring(c: &mut Criterion) {
         b.iter(|| {
             h = h.wrapping_add(0x9E37_79B9_7F4A_7C15);
             match b64.choose(black_box(h), &[], Instant::now()) {
+                Walk::Chosen(choice) => drop(black_box(choice)),
+                _ => unreachable!(),
+            }
+        })
+    });
+    // The same with `key = "hybrid"`: a hot group (its width counted per request: all
+    // 64 nodes, ranked by rendezvous) and a cold one (width 2, given).
+    let b64 = balancer(64, 160);
+    c.bench_function("lookup_and_reserve/64x160_hot_group", |b| {
+        b.iter(|| {
+            h = h.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let target = b64.target(black_box(h), Some(7 << 54));
+            match b64.choose(target, &[], Instant::now()) {
+                Walk::Chosen(choice) => drop(black_box(choice)),
+                _ => unreachable!(),
+            }
+        })
+    });
+    c.bench_function("lookup_and_reserve/64x160_cold_group", |b| {
+        b.iter(|| {
+            h = h.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let target = Target {
+                hash: black_box(h),
+                group: Some((9 << 54, 2)),
+            };
+            match b64.choose(target, &[], Instant::now()) {
                 Walk::Chosen(choice) => drop(black_box(choice)),
                 _ => unreachable!(),
             }
