@@ -17,28 +17,20 @@ fn bench_reports_the_hit_rate_the_engines_measured() {
         })
         .collect();
     let lb = balancer(&config(&engines.iter().collect::<Vec<_>>(), "", ""));
-    let out = std::process::Command::new(BIN)
-        .args([
-            "bench",
-            "--target",
-            &lb.url(""),
-            "--workload",
-            "multi-turn",
-            "--scale",
-            "0.25",
-            "--concurrency",
-            "6",
-            "--stream",
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let out = run_cli(&[
+        "bench",
+        "--target",
+        &lb.url(""),
+        "--workload",
+        "multi-turn",
+        "--scale",
+        "0.25",
+        "--concurrency",
+        "6",
+        "--stream",
+        "--json",
+    ]);
+    let report: Value = serde_json::from_slice(&out).unwrap();
     assert_eq!(report["errors"], 0);
     assert_eq!(report["requests"], 24 * 8);
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -76,49 +68,34 @@ fn bench_replays_a_mooncake_trace() {
             )
         })
         .collect();
-    let lb = balancer(&config(&engines.iter().collect::<Vec<_>>(), "", ""));
-    let dir = std::env::temp_dir().join(format!("prefixlb-trace-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let trace = dir.join("shared.jsonl");
-    let sim = std::process::Command::new(BIN)
-        .args([
-            "simulate",
-            "--config",
-            &write_config(&config(&engines.iter().collect::<Vec<_>>(), "", "")).to_string_lossy(),
-        ])
-        .args([
-            "--workload",
-            "shared-prefix",
-            "--scale",
-            "0.1",
-            "--policies",
-            "prefixlb",
-        ])
-        .args(["--write-trace", &trace.to_string_lossy()])
-        .output()
-        .unwrap();
-    assert!(
-        sim.status.success(),
-        "{}",
-        String::from_utf8_lossy(&sim.stderr)
-    );
-    let out = std::process::Command::new(BIN)
-        .args([
-            "bench",
-            "--target",
-            &lb.url(""),
-            "--trace",
-            &trace.to_string_lossy(),
-        ])
-        .args(["--concurrency", "4", "--json"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let text = config(&engines.iter().collect::<Vec<_>>(), "", "");
+    let lb = balancer(&text);
+    let config_path = write_config(&text);
+    let trace = config_path.with_file_name("shared.jsonl");
+    run_cli(&[
+        "simulate",
+        "--config",
+        &config_path.to_string_lossy(),
+        "--workload",
+        "shared-prefix",
+        "--scale",
+        "0.1",
+        "--policies",
+        "prefixlb",
+        "--write-trace",
+        &trace.to_string_lossy(),
+    ]);
+    let out = run_cli(&[
+        "bench",
+        "--target",
+        &lb.url(""),
+        "--trace",
+        &trace.to_string_lossy(),
+        "--concurrency",
+        "4",
+        "--json",
+    ]);
+    let report: Value = serde_json::from_slice(&out).unwrap();
     assert_eq!(report["errors"], 0);
     assert_eq!(report["requests"], 6 * 16);
     let hit = report["hit_rate"].as_f64().unwrap();

@@ -528,39 +528,28 @@ fn route_explains_offline_like_admin_explain() {
     let body = write_config(
         r#"{"model": "p", "messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "hello"}]}"#,
     );
-    let out = std::process::Command::new(BIN)
-        .args([
-            "route",
-            "--config",
-            path.to_str().unwrap(),
-            body.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let x: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let out = run_cli(&[
+        "route",
+        "--config",
+        path.to_str().unwrap(),
+        body.to_str().unwrap(),
+    ]);
+    let x: Value = serde_json::from_slice(&out).unwrap();
     assert_eq!(x["pool"], "p");
     assert_eq!(x["key"], "system\nsys\nuser\nhello\n");
     assert_eq!(x["hash"].as_str().unwrap().len(), 16);
     assert_eq!(x["successors"].as_array().unwrap().len(), 2);
     assert_eq!(x["choice"], x["successors"][0]["node"]);
 
-    let with_header = std::process::Command::new(BIN)
-        .args([
-            "route",
-            "--config",
-            path.to_str().unwrap(),
-            "--header",
-            "X-Session-Id: s1",
-            body.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    let y: Value = serde_json::from_slice(&with_header.stdout).unwrap();
+    let with_header = run_cli(&[
+        "route",
+        "--config",
+        path.to_str().unwrap(),
+        "--header",
+        "X-Session-Id: s1",
+        body.to_str().unwrap(),
+    ]);
+    let y: Value = serde_json::from_slice(&with_header).unwrap();
     assert_eq!(y["key_source"], "header");
     assert_eq!(y["key"], "s1");
 }

@@ -102,6 +102,18 @@ pub fn engine(id: &str, flags: &[&str]) -> Proc {
 static CONFIGS: AtomicUsize = AtomicUsize::new(0);
 
 /// Writes a config file for this test run and returns its path.
+/// Runs `prefixlb ARGS` to completion, asserts it succeeded (showing its stderr if
+/// not), and returns its stdout.
+pub fn run_cli(args: &[&str]) -> Vec<u8> {
+    let out = Command::new(BIN).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "prefixlb {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
+}
+
 pub fn write_config(text: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("prefixlb-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
