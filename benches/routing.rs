@@ -8,6 +8,7 @@ use std::time::Instant;
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
 use prefixlb::balance::{Balancer, Target, Walk};
 use prefixlb::config::{Config, KeyMode};
+use prefixlb::key::Grouping;
 use prefixlb::key::{self, Api, KeySpec};
 use prefixlb::ring::{Ring, RingMember};
 use prefixlb::table::{Registry, Table};
@@ -145,7 +146,7 @@ fn ring(c: &mut Criterion) {
     c.bench_function("lookup_and_reserve/64x160_hot_group", |b| {
         b.iter(|| {
             h = h.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let target = b64.target(black_box(h), Some(7 << 54));
+            let target = b64.target(black_box(h), Grouping::Group(7 << 54));
             match b64.choose(target, &[], Instant::now()) {
                 Walk::Chosen(choice) => drop(black_box(choice)),
                 _ => unreachable!(),

@@ -8,7 +8,7 @@ set -euo pipefail
 B=${B:-./target/release/prefixlb}
 CACHE=${1:-30000}
 SEEDS=(1 2 3)
-WORKLOADS=(multi-turn shared-prefix rag agentic)
+WORKLOADS=(multi-turn shared-prefix rag agentic multi-tenant)
 variants=(
   '(defaults: key = "hybrid", max_in_flight = 16)'
   'key = "conversation"'
@@ -50,7 +50,7 @@ config_with() {
   echo "$f"
 }
 
-printf "| routing | %s |\n|---|---|---|---|---|\n" "$(IFS='|'; echo "${WORKLOADS[*]}" | sed 's/|/ | /g')"
+printf "| routing | %s |\n|---|---|---|---|---|---|\n" "$(IFS='|'; echo "${WORKLOADS[*]}" | sed 's/|/ | /g')"
 for v in "${variants[@]}"; do
   f=$(config_with "$v")
   row="| \`$v\` |"

@@ -11,7 +11,7 @@ use tokio::sync::Notify;
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::breaker::{Admission, Breaker, BreakerSettings, BreakerState, Outcome};
-use crate::group::{rendezvous, weighted_rendezvous, GroupHeat};
+use crate::group::{rendezvous, weighted_rendezvous, GroupHeat, Grouping};
 use crate::ring::{Ring, RingMember, Successors};
 
 /// Runtime state of one node, keyed by node id and carried across config reloads and
@@ -345,23 +345,33 @@ impl Balancer {
         )
     }
 
-    /// The walk target of a key (and its group, if any), counting the request toward
-    /// its group's share of the traffic.
-    pub fn target(&self, hash: u64, group: Option<u64>) -> Target {
-        let nodes = self.members.len();
-        Target {
-            hash,
-            group: group.map(|g| (g, self.load.groups.observe(g, nodes))),
-        }
+    /// The walk target of a key placed by `grouping`, counting the request toward its
+    /// group's share of the traffic.
+    pub fn target(&self, hash: u64, grouping: Grouping<u64>) -> Target {
+        self.target_with(hash, grouping, |g, nodes| {
+            self.load.groups.observe(g, nodes)
+        })
     }
 
     /// [`Balancer::target`] without counting the request (for explanations).
-    pub fn peek_target(&self, hash: u64, group: Option<u64>) -> Target {
+    pub fn peek_target(&self, hash: u64, grouping: Grouping<u64>) -> Target {
+        self.target_with(hash, grouping, |g, nodes| self.load.groups.width(g, nodes))
+    }
+
+    fn target_with(
+        &self,
+        hash: u64,
+        grouping: Grouping<u64>,
+        width: impl FnOnce(u64, usize) -> usize,
+    ) -> Target {
         let nodes = self.members.len();
-        Target {
-            hash,
-            group: group.map(|g| (g, self.load.groups.width(g, nodes))),
-        }
+        let group = match grouping {
+            Grouping::Ring => None,
+            // The whole pool: the group hash is never walked.
+            Grouping::Pool => Some((0, nodes)),
+            Grouping::Group(g) => Some((g, width(g, nodes))),
+        };
+        Target { hash, group }
     }
 
     /// The nodes a target's walk visits, in order.

@@ -221,11 +221,12 @@ pub enum KeyMode {
     Conversation,
     /// The first `prefix_chars` characters of the whole prompt.
     Prefix,
-    /// The `conversation` key, placed within its prefix group: the system/developer
+    /// The `conversation` key, placed within its prefix group: a long system/developer
     /// part picks the group's nodes, and the group spreads over as many of them as
-    /// its share of the traffic calls for (see [`crate::group`]). Every turn of a
-    /// conversation lands on one node, and single-turn requests sharing a long
-    /// prompt gather where it is cached. The default: best overall in the simulator.
+    /// its share of the traffic calls for (see [`crate::group`]); a short one spreads
+    /// over the whole pool. Every turn of a conversation lands on one node, and
+    /// single-turn requests sharing a long prompt gather where it is cached. The
+    /// default: best overall in the simulator.
     Hybrid,
 }
 

@@ -5,6 +5,7 @@
 
 use serde::Serialize;
 
+use crate::key::Grouping;
 use crate::table::{PlanError, Table};
 
 /// Characters of key text shown; the rest is summarised by `key_chars`.
@@ -23,7 +24,8 @@ pub struct Explanation {
     pub key_chars: usize,
     /// `xxh3_64(pool ‖ 0x00 ‖ key, hash_seed)` in hex.
     pub hash: String,
-    /// `key = "hybrid"`: the request's prefix group (its system part).
+    /// `key = "hybrid"`: the request's prefix group (its system part), or the whole
+    /// pool for a short system part.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub group: Option<GroupInfo>,
     /// The key's successor walk, primary first.
@@ -34,8 +36,9 @@ pub struct Explanation {
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct GroupInfo {
-    /// `xxh3_64(pool ‖ 0x00 ‖ system part, hash_seed)` in hex.
-    pub hash: String,
+    /// `xxh3_64(pool ‖ 0x00 ‖ system part, hash_seed)` in hex; `null` when the system
+    /// part is too short to form a group and the key spreads over the whole pool.
+    pub hash: Option<String>,
     /// Nodes the group's conversations spread over now.
     pub width: usize,
 }
@@ -91,7 +94,7 @@ pub fn explain(
         key_chars,
         hash: format!("{:016x}", plan.hash),
         group: target.group.map(|(g, width)| GroupInfo {
-            hash: format!("{g:016x}"),
+            hash: matches!(plan.group, Grouping::Group(_)).then(|| format!("{g:016x}")),
             width,
         }),
         successors,

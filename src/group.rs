@@ -1,5 +1,6 @@
-//! Prefix groups for `key = "hybrid"`: requests that share a system prompt form a
-//! group; the group's hash picks an ordered list of nodes (its ring walk), and each
+//! Prefix groups for `key = "hybrid"`: requests that share a long system prompt form a
+//! group (a short one forms none: see [`crate::key::MIN_GROUP_BYTES`]); the group's
+//! hash picks an ordered list of nodes (its ring walk), and each
 //! conversation of the group lands on one of the first `width` of them, picked by its
 //! own hash by rendezvous hashing. `width` follows the group's share of the
 //! pool's recent requests: a system prompt that fronts all the traffic spreads its
@@ -12,6 +13,19 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use parking_lot::Mutex;
+
+/// How a key is placed. `Ring`: its ring walk (`conversation` and `prefix` keys, key
+/// headers, and APIs without a system part). `Pool`: a `hybrid` key whose system part
+/// is short or absent: every node, ranked by rendezvous with the key (a perfectly even
+/// spread, with no counting). `Group`: a `hybrid` key with a long system part: the
+/// group's first `width` nodes. `T` is the group's key length in the request's facts
+/// and its hash in a plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Grouping<T> {
+    Ring,
+    Pool,
+    Group(T),
+}
 
 /// Counter slots; groups are hashed into them (a collision only widens both groups).
 const SLOTS: usize = 1024;

@@ -68,7 +68,7 @@ enum Command {
         /// A Mooncake JSON-lines trace.
         #[arg(long, conflicts_with = "workload")]
         trace: Option<PathBuf>,
-        /// A synthetic workload: multi-turn, shared-prefix, rag, agentic.
+        /// A synthetic workload: multi-turn, shared-prefix, rag, agentic, multi-tenant.
         #[arg(long)]
         workload: Option<String>,
         /// Policies to compare (comma-separated); default all.
@@ -100,7 +100,7 @@ enum Command {
         /// Base URL, e.g. http://127.0.0.1:8080 (repeat to round-robin over several).
         #[arg(long, required = true)]
         target: Vec<String>,
-        /// multi-turn, shared-prefix, rag, agentic.
+        /// multi-turn, shared-prefix, rag, agentic, multi-tenant.
         #[arg(long, required_unless_present = "trace")]
         workload: Option<String>,
         /// A Mooncake JSON-lines trace instead: each request is sent as one user

@@ -72,8 +72,8 @@ pub struct Plan {
     pub pool: usize,
     pub facts: RequestFacts,
     pub hash: u64,
-    /// `key = "hybrid"`: the hash of the request's prefix group.
-    pub group: Option<u64>,
+    /// How the key is placed (`key = "hybrid"`: its prefix group's hash, or the pool).
+    pub group: key::Grouping<u64>,
 }
 
 /// Why a request cannot be planned: both are the client's fault.

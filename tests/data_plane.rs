@@ -118,7 +118,7 @@ async fn single_turn_requests_sharing_a_system_prompt_gather_on_its_node() {
     // key a group narrows to one node, where its prefix is cached once.
     let engines = four_engines(&["--decode-ms-per-token", "0", "--prefill-us-per-token", "0"]);
     let lb = balancer(&config(&refs(&engines), "", ""));
-    let prefix = |g: usize| format!("Few-shot prompt {g}. {}", "Example answer. ".repeat(60));
+    let prefix = |g: usize| format!("Few-shot prompt {g}. {}", "Example answer. ".repeat(80));
     let mut homes: HashMap<usize, HashSet<String>> = HashMap::new();
     for round in 0..6 {
         for g in 0..16 {

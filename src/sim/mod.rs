@@ -659,6 +659,9 @@ mod tests {
         assert!(hit(&agents, "conversation") > 1.3 * hit(&agents, "prefix"));
         assert!(hit(&shared, "hybrid") >= 0.97 * hit(&shared, "prefix"));
         assert!(hit(&agents, "hybrid") >= 0.97 * hit(&agents, "conversation"));
+        // Many tenants' one-line prompts: no groups, so no worse than `conversation`.
+        let tenants = workload::synthetic("multi-tenant", 1, 1.0).unwrap();
+        assert!(hit(&tenants, "hybrid") >= 0.97 * hit(&tenants, "conversation"));
     }
 
     #[test]

@@ -187,7 +187,13 @@ pub fn trace_text(p: &Prompt) -> String {
 }
 
 /// The synthetic workloads by name.
-pub const NAMES: [&str; 4] = ["multi-turn", "shared-prefix", "rag", "agentic"];
+pub const NAMES: [&str; 5] = [
+    "multi-turn",
+    "shared-prefix",
+    "rag",
+    "agentic",
+    "multi-tenant",
+];
 
 /// Builds a synthetic workload. `scale` multiplies its number of conversations.
 pub fn synthetic(name: &str, seed: u64, scale: f64) -> Option<Workload> {
@@ -198,6 +204,7 @@ pub fn synthetic(name: &str, seed: u64, scale: f64) -> Option<Workload> {
         "shared-prefix" => shared_prefix(&mut rng, n(64), 16),
         "rag" => rag(&mut rng, n(800)),
         "agentic" => agentic(&mut rng, n(24), 16),
+        "multi-tenant" => multi_tenant(&mut rng, n(96), 8),
         _ => return None,
     };
     Some(Workload {
@@ -221,11 +228,44 @@ fn multi_turn(rng: &mut Rng, users: usize, rounds: usize) -> Vec<Conversation> {
         prose(rng, 180)
     )
     .into();
+    chats(rng, users, rounds, |_| system.clone())
+}
+
+/// `multi-turn` behind many short system prompts: 40 tenants (~25 tokens of prompt
+/// each), users drawn Zipf (s = 1) over them, so a few tenants are hot and most cold.
+fn multi_tenant(rng: &mut Rng, users: usize, rounds: usize) -> Vec<Conversation> {
+    let tenants: Vec<Arc<str>> = (0..40)
+        .map(|t| format!("You are the assistant of tenant {t}. {}", prose(rng, 20)).into())
+        .collect();
+    let weights: Vec<f64> = (1..=tenants.len()).map(|k| 1.0 / k as f64).collect();
+    let of_user: Vec<usize> = (0..users).map(|_| zipf(rng, &weights)).collect();
+    chats(rng, users, rounds, |u| tenants[of_user[u]].clone())
+}
+
+/// An index drawn with probability proportional to `weights`.
+fn zipf(rng: &mut Rng, weights: &[f64]) -> usize {
+    let mut x = rng.unit() * weights.iter().sum::<f64>();
+    for (i, w) in weights.iter().enumerate() {
+        if x < *w {
+            return i;
+        }
+        x -= w;
+    }
+    weights.len() - 1
+}
+
+/// Multi-turn chats, user `u` behind the system prompt `system_of(u)`.
+fn chats(
+    rng: &mut Rng,
+    users: usize,
+    rounds: usize,
+    system_of: impl Fn(usize) -> Arc<str>,
+) -> Vec<Conversation> {
     (0..users)
         .map(|u| {
             let mut history = vec![Message {
                 role: "system",
-                content: system.clone(),
+                content: system_of(u),
             }];
             let mut turns = Vec::new();
             for r in 0..rounds {
@@ -299,20 +339,9 @@ fn rag(rng: &mut Rng, requests: usize) -> Vec<Conversation> {
         .map(|d| format!("[doc {d}] {}", prose(rng, 500)))
         .collect();
     let weights: Vec<f64> = (1..=docs.len()).map(|k| 1.0 / k as f64).collect();
-    let total: f64 = weights.iter().sum();
-    let zipf = |rng: &mut Rng| {
-        let mut x = rng.unit() * total;
-        for (i, w) in weights.iter().enumerate() {
-            if x < *w {
-                return i;
-            }
-            x -= w;
-        }
-        weights.len() - 1
-    };
     (0..requests)
         .map(|k| {
-            let (a, b) = (zipf(rng), zipf(rng));
+            let (a, b) = (zipf(rng, &weights), zipf(rng, &weights));
             Conversation {
                 turns: vec![Turn {
                     messages: vec![
