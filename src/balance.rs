@@ -252,7 +252,8 @@ impl From<u64> for Target {
 pub struct WalkOrder<'a> {
     /// Scored head nodes not yet yielded.
     head: Vec<(u64, usize)>,
-    rest: Successors<'a>,
+    /// The walk after the head (none when the head is the whole pool).
+    rest: Option<Successors<'a>>,
 }
 
 impl Iterator for WalkOrder<'_> {
@@ -262,7 +263,7 @@ impl Iterator for WalkOrder<'_> {
         let best = (0..self.head.len()).max_by_key(|&k| self.head[k].0);
         match best {
             Some(k) => Some(self.head.swap_remove(k).1),
-            None => self.rest.next(),
+            None => self.rest.as_mut()?.next(),
         }
     }
 }
@@ -379,7 +380,7 @@ impl Balancer {
         match target.group {
             None => WalkOrder {
                 head: Vec::new(),
-                rest: self.ring.successors(target.hash),
+                rest: Some(self.ring.successors(target.hash)),
             },
             Some((group, width)) => {
                 let score = |i: usize| {
@@ -395,12 +396,15 @@ impl Balancer {
                     // The whole pool: no need to walk the group's ring to list it.
                     return WalkOrder {
                         head: (0..self.members.len()).map(score).collect(),
-                        rest: self.ring.successors(group).exhausted(),
+                        rest: None,
                     };
                 }
                 let mut rest = self.ring.successors(group);
                 let head = rest.by_ref().take(width.max(1)).map(score).collect();
-                WalkOrder { head, rest }
+                WalkOrder {
+                    head,
+                    rest: Some(rest),
+                }
             }
         }
     }

@@ -111,14 +111,6 @@ pub struct Successors<'a> {
     yielded: usize,
 }
 
-impl Successors<'_> {
-    /// The same walk with nothing left to yield.
-    pub fn exhausted(mut self) -> Self {
-        self.yielded = self.ring.members;
-        self
-    }
-}
-
 impl Iterator for Successors<'_> {
     type Item = usize;
 

@@ -262,14 +262,17 @@ nodes = [{ id = "b", url = "http://h:2" }]
              { id = \"s1\", url = \"http://h:2\" }, { id = \"s2\", url = \"http://h:3\" }]\n",
         );
         let mut served = [0usize; 3];
+        // Long enough to be a group (not merely spread over the pool).
+        let long = "Product details. ".repeat(80);
         for c in 0..3000 {
             let body = format!(
-                r#"{{"messages": [{{"role": "system", "content": "One product's prompt."}}, {{"role": "user", "content": "conversation {c}"}}]}}"#
+                r#"{{"messages": [{{"role": "system", "content": "One product's prompt. {long}"}}, {{"role": "user", "content": "conversation {c}"}}]}}"#
             );
             let plan = t
                 .plan("/v1/chat/completions", None, body.as_bytes())
                 .unwrap();
             let b = &t.pools[plan.pool].balancer;
+            assert!(matches!(plan.group, key::Grouping::Group(_)));
             let target = b.target(plan.hash, plan.group);
             assert_eq!(
                 target.group.map(|g| g.1),
