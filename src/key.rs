@@ -6,6 +6,7 @@
 //! body's size. Pure: no I/O.
 
 use std::borrow::Cow;
+use std::ops::Range;
 
 use xxhash_rust::xxh3::Xxh3;
 
@@ -85,10 +86,10 @@ pub struct RequestFacts {
     /// The request asks for reasoning (`reasoning_effort`, `reasoning`, or
     /// `chat_template_kwargs.enable_thinking = true`).
     pub wants_reasoning: bool,
-    /// Byte range of the `model` value in the body (to rewrite it for a fallback pool).
-    pub model_span: Option<(usize, usize)>,
-    /// `stream_options.include_usage`, if the body has `stream_options`.
-    pub include_usage: Option<bool>,
+    /// `stream_options.include_usage = true`: the client asked for the usage chunk.
+    pub include_usage: bool,
+    /// Where the body may be edited (model rewrite, `stream_options`).
+    pub spans: BodySpans,
     /// The key bytes (before the pool name and seed are mixed in).
     pub key: Vec<u8>,
     /// How the key is placed; for a prefix group, how many leading bytes of the key
@@ -107,6 +108,34 @@ impl RequestFacts {
     }
 }
 
+/// Byte offsets in a request body where the balancer may edit it (see
+/// [`crate::proxy::edit`]): all relative to the original bytes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BodySpans {
+    /// The top-level object.
+    pub object: Option<ObjectSpan>,
+    /// The value of `model` (the last one, as engines read it).
+    pub model: Option<Range<usize>>,
+    /// The value of `stream_options`.
+    pub stream_options: Option<StreamOptionsSpan>,
+}
+
+/// An object's opening: the offset just after its `{`, and whether it has members.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ObjectSpan {
+    pub open: usize,
+    pub empty: bool,
+}
+
+/// `stream_options`: its value, and when it is an object, where members go and where
+/// `include_usage`'s value is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamOptionsSpan {
+    pub value: Range<usize>,
+    pub object: Option<ObjectSpan>,
+    pub include_usage: Option<Range<usize>>,
+}
+
 /// Why a body cannot be routed: the client's fault, answered with 400.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KeyError {
@@ -123,9 +152,9 @@ pub enum KeyError {
 #[derive(Default)]
 struct Envelope<'a> {
     model: Option<Cow<'a, str>>,
-    model_span: Option<(usize, usize)>,
+    spans: BodySpans,
     wants_reasoning: bool,
-    include_usage: Option<bool>,
+    include_usage: bool,
     stream: Option<bool>,
     messages: Option<Vec<Message<'a>>>,
     tools: Option<&'a str>,
@@ -148,27 +177,26 @@ fn read_envelope(text: &str) -> Result<Envelope<'_>, ScanError> {
     if sc.peek() != Some(b'{') {
         return Err(sc.error("the body must be a JSON object"));
     }
+    let mut members = 0;
+    let open = sc.offset() + 1;
     sc.object(|sc, key| {
+        members += 1;
         let raw = match &*key {
             "model" => {
                 sc.peek();
                 let start = sc.offset();
                 env.model = sc.opt_string("'model' must be a string")?;
-                env.model_span = Some((start, sc.offset()));
+                env.spans.model = Some(start..sc.offset());
                 return Ok(());
             }
             "reasoning_effort" | "reasoning" => {
                 env.wants_reasoning |= sc.value()? != "null";
                 return Ok(());
             }
-            "stream_options" if sc.peek() == Some(b'{') => {
-                let mut include = false;
-                sc.object(|sc, k| {
-                    let v = sc.value()?;
-                    include |= k == "include_usage" && v == "true";
-                    Ok(())
-                })?;
-                env.include_usage = Some(include);
+            "stream_options" => {
+                let (span, include) = read_stream_options(sc)?;
+                env.spans.stream_options = Some(span);
+                env.include_usage = include;
                 return Ok(());
             }
             "chat_template_kwargs" if sc.peek() == Some(b'{') => {
@@ -203,7 +231,47 @@ fn read_envelope(text: &str) -> Result<Envelope<'_>, ScanError> {
         Ok(())
     })?;
     sc.end()?;
+    env.spans.object = Some(ObjectSpan {
+        open,
+        empty: members == 0,
+    });
     Ok(env)
+}
+
+/// The `stream_options` value: its spans, and whether it asks for the usage chunk.
+fn read_stream_options(sc: &mut Scanner<'_>) -> Result<(StreamOptionsSpan, bool), ScanError> {
+    let start = match sc.peek() {
+        Some(_) => sc.offset(),
+        None => return Err(sc.error("expected a value")),
+    };
+    let mut span = StreamOptionsSpan {
+        value: start..start,
+        object: None,
+        include_usage: None,
+    };
+    let mut include = false;
+    if sc.peek() == Some(b'{') {
+        let mut members = 0;
+        sc.object(|sc, k| {
+            members += 1;
+            sc.peek();
+            let from = sc.offset();
+            let v = sc.value()?;
+            if k == "include_usage" {
+                include = v == "true";
+                span.include_usage = Some(from..sc.offset());
+            }
+            Ok(())
+        })?;
+        span.object = Some(ObjectSpan {
+            open: start + 1,
+            empty: members == 0,
+        });
+    } else {
+        sc.value()?;
+    }
+    span.value = start..sc.offset();
+    Ok((span, include))
 }
 
 /// An array of `{role, content}` objects (other members skipped), or `null`.
@@ -282,15 +350,15 @@ pub fn extract(
         text.ok().and_then(|t| read_envelope(t).ok())
     };
 
-    let (model, stream, wants_reasoning, model_span, include_usage) = match &envelope {
+    let (model, stream, wants_reasoning, spans, include_usage) = match &envelope {
         Some(env) => (
             env.model.as_deref().map(str::to_owned),
             env.stream == Some(true),
             env.wants_reasoning,
-            env.model_span,
+            env.spans.clone(),
             env.include_usage,
         ),
-        None => (None, false, false, None, None),
+        None => (None, false, false, BodySpans::default(), false),
     };
     if let Some(env) = &envelope {
         match api {
@@ -319,8 +387,8 @@ pub fn extract(
         model,
         stream,
         wants_reasoning,
-        model_span,
         include_usage,
+        spans,
         key,
         group,
         source,
@@ -903,8 +971,8 @@ q
         let body = br#"{"model": "qwen", "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"enable_thinking": true}}"#;
         let f = extract(Api::Chat, body, None, CONV).unwrap();
         assert!(f.wants_reasoning);
-        let (a, b) = f.model_span.unwrap();
-        assert_eq!(&body[a..b], br#""qwen""#);
+        let span = f.spans.model.unwrap();
+        assert_eq!(&body[span], br#""qwen""#);
         let f = extract(
             Api::Chat,
             br#"{"messages": [], "reasoning_effort": "high"}"#,

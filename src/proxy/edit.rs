@@ -1,0 +1,170 @@
+//! Request body edits: the `model` rewrite of a fallback pool and the
+//! `stream_options.include_usage` the balancer asks for on the client's behalf. Every
+//! edit is a splice at an offset the routing scan found in the *original* bytes
+//! ([`BodySpans`]), and all of a request's splices are applied in one pass over those
+//! bytes, so no edit can shift another's offsets. Pure: no I/O.
+
+use std::ops::Range;
+
+use bytes::{Bytes, BytesMut};
+
+use crate::key::{BodySpans, ObjectSpan};
+
+/// What to change in a body.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Edits<'a> {
+    /// Set `model` to this (added if the body has none).
+    pub model: Option<&'a str>,
+    /// Set `stream_options.include_usage` to true (adding what is missing).
+    pub include_usage: bool,
+}
+
+impl Edits<'_> {
+    pub fn is_empty(&self) -> bool {
+        self.model.is_none() && !self.include_usage
+    }
+}
+
+/// One replacement of a byte range of the original (empty range: an insertion).
+#[derive(Debug)]
+struct Splice {
+    at: Range<usize>,
+    text: String,
+}
+
+/// The body with `edits` applied. `spans` must come from scanning this very `body`.
+pub fn apply(body: &Bytes, spans: &BodySpans, edits: Edits<'_>) -> Bytes {
+    let Some(object) = spans.object.filter(|_| !edits.is_empty()) else {
+        return body.clone();
+    };
+    let mut splices: Vec<Splice> = Vec::with_capacity(3);
+    // Members added to the top-level object, as its first members.
+    let mut new_members: Vec<String> = Vec::new();
+    if let Some(model) = edits.model {
+        let quoted = serde_json::Value::from(model).to_string();
+        match &spans.model {
+            Some(span) => splices.push(Splice {
+                at: span.clone(),
+                text: quoted,
+            }),
+            None => new_members.push(format!("\"model\":{quoted}")),
+        }
+    }
+    if edits.include_usage {
+        match &spans.stream_options {
+            None => new_members.push(r#""stream_options":{"include_usage":true}"#.to_string()),
+            Some(so) => match (so.object, &so.include_usage) {
+                (_, Some(value)) => splices.push(Splice {
+                    at: value.clone(),
+                    text: "true".into(),
+                }),
+                (Some(obj), None) => {
+                    splices.push(insertion(obj, vec![r#""include_usage":true"#.to_string()]))
+                }
+                // `null` or another non-object: replaced whole.
+                (None, None) => splices.push(Splice {
+                    at: so.value.clone(),
+                    text: r#"{"include_usage":true}"#.into(),
+                }),
+            },
+        }
+    }
+    if !new_members.is_empty() {
+        splices.push(insertion(object, new_members));
+    }
+    splices.sort_by_key(|s| (s.at.start, s.at.end));
+    let grown: usize = splices.iter().map(|s| s.text.len()).sum();
+    let mut out = BytesMut::with_capacity(body.len() + grown);
+    let mut from = 0;
+    for s in &splices {
+        out.extend_from_slice(&body[from..s.at.start]);
+        out.extend_from_slice(s.text.as_bytes());
+        from = s.at.end;
+    }
+    out.extend_from_slice(&body[from..]);
+    out.freeze()
+}
+
+/// Members inserted right after an object's `{`, with the comma its other members need.
+fn insertion(object: ObjectSpan, members: Vec<String>) -> Splice {
+    let mut text = members.join(",");
+    if !object.empty {
+        text.push(',');
+    }
+    Splice {
+        at: object.open..object.open,
+        text,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::KeyMode;
+    use crate::key::{extract, Api, KeySpec};
+
+    fn edit(body: &str, model: Option<&str>, include_usage: bool) -> String {
+        let spec = KeySpec {
+            mode: KeyMode::Hybrid,
+            prefix_chars: 64,
+        };
+        let facts = extract(Api::Embeddings, body.as_bytes(), None, spec).unwrap();
+        let out = apply(
+            &Bytes::copy_from_slice(body.as_bytes()),
+            &facts.spans,
+            Edits {
+                model,
+                include_usage,
+            },
+        );
+        String::from_utf8(out.to_vec()).unwrap()
+    }
+
+    #[test]
+    fn the_fallback_stream_bug_is_gone() {
+        // The body of issue 9: both edits at once, `stream_options` absent.
+        let body = r#"{"model":"test-model","messages":[],"stream":true,"max_tokens":8}"#;
+        assert_eq!(
+            edit(body, Some("backup-model"), true),
+            r#"{"stream_options":{"include_usage":true},"model":"backup-model","messages":[],"stream":true,"max_tokens":8}"#
+        );
+    }
+
+    #[test]
+    fn each_shape_of_stream_options() {
+        assert_eq!(
+            edit(r#"{"stream_options": {}}"#, None, true),
+            r#"{"stream_options": {"include_usage":true}}"#
+        );
+        assert_eq!(
+            edit(r#"{"stream_options": {"x": 1}}"#, None, true),
+            r#"{"stream_options": {"include_usage":true,"x": 1}}"#
+        );
+        assert_eq!(
+            edit(
+                r#"{"stream_options": {"include_usage": false}}"#,
+                None,
+                true
+            ),
+            r#"{"stream_options": {"include_usage": true}}"#
+        );
+        assert_eq!(
+            edit(r#"{"stream_options": null, "a": 1}"#, None, true),
+            r#"{"stream_options": {"include_usage":true}, "a": 1}"#
+        );
+        assert_eq!(
+            edit(" { } ", Some("m"), true),
+            r#" {"model":"m","stream_options":{"include_usage":true} } "#
+        );
+    }
+
+    #[test]
+    fn no_edits_no_copy() {
+        let body = Bytes::from_static(b"{\"a\":1}");
+        let spans = BodySpans::default();
+        assert_eq!(
+            apply(&body, &spans, Edits::default()).as_ptr(),
+            body.as_ptr()
+        );
+    }
+}
