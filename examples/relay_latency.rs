@@ -16,6 +16,7 @@ use hyper_util::rt::TokioExecutor;
 use prefixlb::config::Config;
 use prefixlb::engine_model::Costs;
 use prefixlb::mock_engine::{MockConfig, MockEngine};
+use prefixlb::proxy::sse::SseScanner;
 use tokio::net::TcpListener;
 
 const TOKENS: usize = 1000;
@@ -39,19 +40,14 @@ async fn stream(addr: SocketAddr) -> Vec<u64> {
         .body(Full::new(Bytes::from(body.to_string())))
         .unwrap();
     let mut body = client.request(req).await.unwrap().into_body();
-    let (mut buf, mut out) = (String::new(), Vec::new());
+    let (mut events, mut out) = (SseScanner::default(), Vec::new());
     while let Some(frame) = body.frame().await {
         let Ok(data) = frame.unwrap().into_data() else {
             continue;
         };
         let arrived = now_us();
-        buf.push_str(&String::from_utf8_lossy(&data));
-        while let Some(end) = buf.find("\n\n") {
-            let event: String = buf.drain(..end + 2).collect();
-            let Some(json) = event.trim().strip_prefix("data: ") else {
-                continue;
-            };
-            let Ok(v) = serde_json::from_str::<serde_json::Value>(json) else {
+        for event in events.push(&data).into_iter().filter_map(|b| b.event) {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(&event.data) else {
                 continue;
             };
             if let (Some(emitted), Some(_)) = (

@@ -18,6 +18,7 @@ use parking_lot::Mutex;
 use serde::Serialize;
 use serde_json::{json, Value};
 
+use crate::proxy::sse::SseScanner;
 use crate::sim::workload::Workload;
 
 /// One conversation to replay: per turn, the messages it adds and its output budget.
@@ -378,22 +379,20 @@ pub async fn exchange(
         usage(&v["usage"], &mut reply);
         return Some(reply);
     }
-    let mut buf = String::new();
+    let mut events = SseScanner::default();
     while let Some(frame) = body.frame().await {
         let Ok(data) = frame.ok()?.into_data() else {
             continue;
         };
-        buf.push_str(&String::from_utf8_lossy(&data));
-        while let Some(end) = buf.find("\n\n") {
-            let event: String = buf.drain(..end + 2).collect();
-            let Some(payload) = event.trim().strip_prefix("data: ") else {
+        for block in events.push(&data) {
+            let Some(event) = block.event else {
                 continue;
             };
-            if payload == "[DONE]" {
+            if event.data == "[DONE]" {
                 reply.latency = sent.elapsed();
                 return Some(reply);
             }
-            let Ok(v) = serde_json::from_str::<Value>(payload) else {
+            let Ok(v) = serde_json::from_str::<Value>(&event.data) else {
                 continue;
             };
             if v.get("error").is_some() {

@@ -1,8 +1,11 @@
 //! The first-packet probe: a stream is committed to the client only once the engine
-//! has produced its first real output. Until then its headers and SSE events are held;
-//! a role-only chunk, comments and keep-alives are not output. Outcomes: success
-//! (commit), error (SSE error event or a broken body), timeout (no output within
-//! `first_token_timeout` of sending), no_content (the stream ended without output).
+//! has said something a client can use: its first generated output, a clean finish
+//! with no output (`finish_reason` set: EOS as the first token, `max_tokens: 0`), or an
+//! error that is the client's own (a 4xx in an SSE error event). Until then its head
+//! and SSE events are held (at most [`MAX_HELD_BYTES`]); a role-only chunk, comments
+//! and keep-alives are not output. Failures: error (SSE error event, broken body,
+//! too much held), timeout (nothing usable within `first_token_timeout` of sending),
+//! no_content (the stream ended with no output and no `finish_reason`).
 
 use std::time::Duration;
 
@@ -12,27 +15,45 @@ use hyper::body::Incoming;
 use serde_json::Value;
 use tokio::time::Instant;
 
+use super::sse::{SseEvent, SseScanner};
+
+/// Most bytes held before the first output; more is an engine fault (a real engine
+/// sends a role chunk or two, never a megabyte of nothing).
+pub const MAX_HELD_BYTES: usize = 1 << 20;
+
 /// Why a stream was not committed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ProbeFailure {
-    /// An SSE error event, or the body broke.
+    /// An SSE error event, a broken body, or too much held.
     Error(String),
     /// No output before the deadline.
     Timeout,
-    /// The stream ended (or said `[DONE]`) without output.
+    /// The stream ended (or said `[DONE]`) without output or a `finish_reason`.
     NoContent,
 }
 
-/// A stream that produced output: every byte received so far (the held events, the
-/// first output among them) and the rest of the body.
+/// What committed a stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Commit {
+    /// Generated output (its TTFT is a latency sample of the node).
+    Output,
+    /// A clean finish with no output: a valid answer.
+    Finished,
+    /// An error event that blames the request (a 4xx code): the client's to read.
+    ClientError,
+}
+
+/// A stream that said something usable: every byte received so far (the held events)
+/// and the rest of the body.
 pub struct Committed {
     pub held: Bytes,
     pub rest: Incoming,
-    /// Upstream send → first output event.
+    /// Upstream send → the committing event.
     pub ttft: Duration,
+    pub by: Commit,
 }
 
-/// Reads `body` until its first output event, holding everything, or fails.
+/// Reads `body` until an event commits it, holding everything, or fails.
 pub async fn first_packet(
     mut body: Incoming,
     sent: Instant,
@@ -50,103 +71,66 @@ pub async fn first_packet(
         let Ok(data) = frame.into_data() else {
             continue;
         };
+        if held.len() + data.len() > MAX_HELD_BYTES {
+            return Err(ProbeFailure::Error(format!(
+                "more than {MAX_HELD_BYTES} bytes before the first token"
+            )));
+        }
         held.extend_from_slice(&data);
-        for event in events.push(&data) {
+        let mut verdict = None;
+        events.push_with(&data, |block| {
+            if verdict.is_some() {
+                return;
+            }
+            let Some(event) = block.event else {
+                return;
+            };
             match classify(&event) {
-                Event::Output => {
-                    return Ok(Committed {
-                        held: held.freeze(),
-                        rest: body,
-                        ttft: sent.elapsed(),
-                    })
-                }
-                Event::Error(msg) => return Err(ProbeFailure::Error(msg)),
-                Event::Done => return Err(ProbeFailure::NoContent),
+                Event::Output => verdict = Some(Ok(Commit::Output)),
+                Event::ClientError => verdict = Some(Ok(Commit::ClientError)),
+                Event::Error(msg) => verdict = Some(Err(ProbeFailure::Error(msg))),
+                Event::Finished => verdict = Some(Ok(Commit::Finished)),
+                Event::Done => verdict = Some(Err(ProbeFailure::NoContent)),
                 Event::Nothing => {}
             }
+        });
+        match verdict {
+            Some(Ok(by)) => return Ok(committed(held, body, sent, by)),
+            Some(Err(failure)) => return Err(failure),
+            None => {}
         }
     }
 }
 
-/// One SSE event: its `event:` type (if any) and its data lines joined by `\n`.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct SseEvent {
-    pub kind: String,
-    pub data: String,
-}
-
-/// An incremental SSE parser: events may be split across chunks or share one; lines
-/// end in LF, CRLF or CR; comments (`:` lines) and empty keep-alives are skipped.
-#[derive(Debug, Default)]
-pub struct SseScanner {
-    line: Vec<u8>,
-    /// The previous chunk ended in CR: a leading LF belongs to it.
-    after_cr: bool,
-    current: SseEvent,
-    has_data: bool,
-}
-
-impl SseScanner {
-    /// Feeds bytes; returns the events completed by them.
-    pub fn push(&mut self, bytes: &[u8]) -> Vec<SseEvent> {
-        let mut out = Vec::new();
-        for &b in bytes {
-            if std::mem::take(&mut self.after_cr) && b == b'\n' {
-                continue;
-            }
-            match b {
-                b'\r' | b'\n' => {
-                    self.after_cr = b == b'\r';
-                    let line = std::mem::take(&mut self.line);
-                    if let Some(event) = self.line_done(&line) {
-                        out.push(event);
-                    }
-                }
-                _ => self.line.push(b),
-            }
-        }
-        out
-    }
-
-    fn line_done(&mut self, line: &[u8]) -> Option<SseEvent> {
-        if line.is_empty() {
-            // Blank line: dispatch, unless nothing was gathered (a keep-alive).
-            return std::mem::take(&mut self.has_data).then(|| std::mem::take(&mut self.current));
-        }
-        if line[0] == b':' {
-            return None;
-        }
-        let text = String::from_utf8_lossy(line);
-        let (field, value) = match text.split_once(':') {
-            Some((f, v)) => (f, v.strip_prefix(' ').unwrap_or(v)),
-            None => (&*text, ""),
-        };
-        match field {
-            "data" => {
-                if self.has_data {
-                    self.current.data.push('\n');
-                }
-                self.current.data.push_str(value);
-                self.has_data = true;
-            }
-            "event" => self.current.kind = value.to_string(),
-            _ => {}
-        }
-        None
+fn committed(held: BytesMut, rest: Incoming, sent: Instant, by: Commit) -> Committed {
+    Committed {
+        held: held.freeze(),
+        rest,
+        ttft: sent.elapsed(),
+        by,
     }
 }
 
-enum Event {
+/// What an event says.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Event {
+    /// Generated output: chat content, reasoning, tool calls, completions text,
+    /// responses-API deltas, SGLang text.
     Output,
+    /// A choice finished (`finish_reason` set) with no output in this event.
+    Finished,
+    /// An error caused by the request (4xx).
+    ClientError,
+    /// An error of the engine's.
     Error(String),
+    /// `[DONE]`.
     Done,
+    /// Nothing yet: a role-only chunk, usage, metadata.
     Nothing,
 }
 
-/// What an event says: generated output (chat content, reasoning, tool calls,
-/// completions text, responses-API deltas, SGLang text), an error, the end, or
-/// nothing yet (a role-only chunk, usage, metadata).
-fn classify(event: &SseEvent) -> Event {
+/// Classifies one SSE event.
+pub fn classify(event: &SseEvent) -> Event {
     let data = event.data.trim();
     if data == "[DONE]" {
         return Event::Done;
@@ -159,10 +143,11 @@ fn classify(event: &SseEvent) -> Event {
         };
     };
     if event.kind == "error" || v.get("error").is_some_and(|e| !e.is_null()) {
-        let msg = v["error"]["message"]
-            .as_str()
-            .or(v["error"].as_str())
-            .unwrap_or(data);
+        let e = &v["error"];
+        if is_client_error(e) {
+            return Event::ClientError;
+        }
+        let msg = e["message"].as_str().or(e.as_str()).unwrap_or(data);
         return Event::Error(msg.to_string());
     }
     let nonempty_str = |v: &Value| v.as_str().is_some_and(|s| !s.is_empty());
@@ -176,11 +161,13 @@ fn classify(event: &SseEvent) -> Event {
                 || nonempty_arr(&d["tool_calls"])
                 || nonempty_str(&c["text"])
         });
-        return if output {
-            Event::Output
-        } else {
-            Event::Nothing
-        };
+        if output {
+            return Event::Output;
+        }
+        if choices.iter().any(|c| !c["finish_reason"].is_null()) {
+            return Event::Finished;
+        }
+        return Event::Nothing;
     }
     // `/v1/responses` streams typed events; SGLang's `/generate` streams `text`.
     let typed_delta =
@@ -188,89 +175,104 @@ fn classify(event: &SseEvent) -> Event {
     if typed_delta || nonempty_str(&v["text"]) {
         return Event::Output;
     }
+    if v["meta_info"]["finish_reason"].is_object() || v["type"] == "response.completed" {
+        return Event::Finished;
+    }
     Event::Nothing
+}
+
+/// Whether an error object blames the request: a 4xx `code` (number or numeric
+/// string) or an OpenAI client error `type`. 408 and 429 are the engine's state, not
+/// the request's fault.
+fn is_client_error(e: &Value) -> bool {
+    let code = e["code"]
+        .as_u64()
+        .or_else(|| e["code"].as_str().and_then(|s| s.parse().ok()));
+    if let Some(code) = code {
+        return (400..500).contains(&code) && code != 408 && code != 429;
+    }
+    matches!(
+        e["type"].as_str(),
+        Some("invalid_request_error" | "BadRequestError" | "NotFoundError")
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn data(events: &[SseEvent]) -> Vec<&str> {
-        events.iter().map(|e| e.data.as_str()).collect()
-    }
-
-    #[test]
-    fn events_split_across_chunks_and_sharing_chunks() {
-        let mut s = SseScanner::default();
-        assert!(s.push(b"data: {\"a\"").is_empty());
-        assert_eq!(
-            data(&s.push(b":1}\n\ndata: 2\n\ndata: 3\n")),
-            vec!["{\"a\":1}", "2"]
-        );
-        assert_eq!(data(&s.push(b"\n")), vec!["3"]);
-    }
-
-    #[test]
-    fn crlf_cr_comments_keepalives_and_multiline_data() {
-        let mut s = SseScanner::default();
-        let out = s.push(b": ping\r\n\r\ndata: a\r\ndata: b\r\n\r\n\r\nevent: error\rdata: x\r");
-        assert_eq!(data(&out), vec!["a\nb"]);
-        let out = s.push(b"\n\r\n");
-        assert_eq!(
-            out,
-            vec![SseEvent {
-                kind: "error".into(),
-                data: "x".into()
-            }]
-        );
-    }
-
-    fn kind(data: &str) -> &'static str {
-        match classify(&SseEvent {
+    fn kind(data: &str) -> Event {
+        classify(&SseEvent {
             kind: String::new(),
             data: data.into(),
-        }) {
-            Event::Output => "output",
-            Event::Error(_) => "error",
-            Event::Done => "done",
-            Event::Nothing => "nothing",
-        }
+        })
     }
 
     #[test]
     fn only_generated_output_counts() {
+        use Event::*;
+        let cases = [
+            (
+                r#"{"choices":[{"delta":{"role":"assistant","content":""}}]}"#,
+                Nothing,
+            ),
+            (r#"{"choices":[{"delta":{"content":"Hi"}}]}"#, Output),
+            (
+                r#"{"choices":[{"delta":{"reasoning_content":"hmm"}}]}"#,
+                Output,
+            ),
+            (r#"{"choices":[{"delta":{"reasoning":"hmm"}}]}"#, Output),
+            (
+                r#"{"choices":[{"delta":{"tool_calls":[{"index":0}]}}]}"#,
+                Output,
+            ),
+            (r#"{"choices":[{"text":" once"}]}"#, Output),
+            (r#"{"choices":[],"usage":{"prompt_tokens":3}}"#, Nothing),
+            (
+                r#"{"type":"response.output_text.delta","delta":"x"}"#,
+                Output,
+            ),
+            (r#"{"type":"response.created"}"#, Nothing),
+            ("[DONE]", Done),
+            ("not json", Nothing),
+        ];
+        for (data, want) in cases {
+            assert_eq!(kind(data), want, "{data}");
+        }
+    }
+
+    #[test]
+    fn a_clean_finish_is_not_a_failure() {
         assert_eq!(
-            kind(r#"{"choices":[{"delta":{"role":"assistant","content":""}}]}"#),
-            "nothing"
+            kind(r#"{"choices":[{"delta":{},"finish_reason":"stop"}]}"#),
+            Event::Finished
         );
         assert_eq!(
-            kind(r#"{"choices":[{"delta":{"content":"Hi"}}]}"#),
-            "output"
+            kind(r#"{"choices":[{"delta":{"content":""},"finish_reason":null}]}"#),
+            Event::Nothing
+        );
+    }
+
+    #[test]
+    fn errors_say_whose_fault_they_are() {
+        assert_eq!(
+            kind(r#"{"error":{"message":"oom"}}"#),
+            Event::Error("oom".into())
         );
         assert_eq!(
-            kind(r#"{"choices":[{"delta":{"reasoning_content":"hmm"}}]}"#),
-            "output"
+            kind(r#"{"error":{"message":"oom","code":500}}"#),
+            Event::Error("oom".into())
         );
-        assert_eq!(
-            kind(r#"{"choices":[{"delta":{"reasoning":"hmm"}}]}"#),
-            "output"
-        );
-        assert_eq!(
-            kind(r#"{"choices":[{"delta":{"tool_calls":[{"index":0}]}}]}"#),
-            "output"
-        );
-        assert_eq!(kind(r#"{"choices":[{"text":" once"}]}"#), "output");
-        assert_eq!(
-            kind(r#"{"choices":[],"usage":{"prompt_tokens":3}}"#),
-            "nothing"
-        );
-        assert_eq!(
-            kind(r#"{"type":"response.output_text.delta","delta":"x"}"#),
-            "output"
-        );
-        assert_eq!(kind(r#"{"type":"response.created"}"#), "nothing");
-        assert_eq!(kind(r#"{"error":{"message":"oom"}}"#), "error");
-        assert_eq!(kind("[DONE]"), "done");
-        assert_eq!(kind("not json"), "nothing");
+        for client in [
+            r#"{"error":{"message":"too long","code":400}}"#,
+            r#"{"error":{"message":"too long","code":"422"}}"#,
+            r#"{"error":{"message":"bad","type":"BadRequestError"}}"#,
+        ] {
+            assert_eq!(kind(client), Event::ClientError, "{client}");
+        }
+        assert!(matches!(
+            kind(r#"{"error":{"message":"busy","code":429}}"#),
+            Event::Error(_)
+        ));
     }
 }

@@ -1,11 +1,16 @@
-//! The relayed response body: the engine's body passed through frame by frame (no
-//! buffering, no coalescing) with the node's [`Reservation`] attached, so the slot is
-//! held exactly until the stream ends, fails, or the client leaves (the body is dropped,
-//! which drops the upstream exchange and makes the engine abort the sequence).
+//! The relayed response body: the engine's body passed through frame by frame with
+//! the node's [`Reservation`] attached, so the slot is held exactly until the body
+//! ends, fails, or the client leaves (the body is dropped, which drops the upstream
+//! exchange and makes the engine abort the sequence).
 //!
-//! A committed SSE stream is also watched: if the engine breaks it, or stays silent
-//! for `idle_stream_timeout`, the client gets a final `data: {"error": …}` event and a
-//! clean end instead of a silent truncation, and the failure counts against the node.
+//! A committed SSE stream is framed by the shared [`SseScanner`]: each complete event
+//! goes to the client as soon as its last byte arrives (no coalescing), and the bytes
+//! of an unfinished event wait for the rest of it (a client cannot use half an event).
+//! So when the engine breaks the stream or stays silent for `idle_stream_timeout`, the
+//! client gets a final `data: {"error": …}` event that no half-sent event can garble,
+//! and a clean end; the node is blamed. A plain body that stalls that long is cut (the
+//! client sees the connection fail, an explicit error at the HTTP level) and the node
+//! is blamed too. Usage-only events the balancer asked for are dropped whole.
 //!
 //! On the way through, the engine's `usage` numbers are picked out of the bytes (no
 //! JSON parse), and when the body ends the request is counted and logged once.
@@ -22,19 +27,12 @@ use hyper::body::Incoming;
 use memchr::memmem::Finder;
 use tokio::time::{Instant, Sleep};
 
+use super::outcome::RequestOutcome;
+use super::sse::{Block, SseScanner};
 use crate::balance::Reservation;
 use crate::body::BodyError;
 use crate::breaker::{BreakerSettings, Outcome};
 use crate::metrics::Metrics;
-
-/// Watches a committed stream for breaks and silences.
-struct StreamWatch {
-    idle: Duration,
-    timer: Pin<Box<Sleep>>,
-    settings: Arc<BreakerSettings>,
-    /// Drop usage-only events: the balancer asked for them, the client did not.
-    strip_usage: bool,
-}
 
 /// What is known of a request when its response body ends: counted and logged once.
 pub struct Finish {
@@ -44,12 +42,14 @@ pub struct Finish {
     pub route: String,
     pub attempts: u32,
     pub status: u16,
+    /// The outcome if the body ends normally (from the status, or the probe's verdict).
+    pub outcome: RequestOutcome,
     pub started: Instant,
     pub ttft: Option<Duration>,
 }
 
 impl Finish {
-    fn complete(self, outcome: &str, usage: &UsageScan) {
+    fn complete(self, outcome: RequestOutcome, usage: &UsageScan) {
         let duration = self.started.elapsed();
         self.metrics
             .observe_request(&self.pool, &self.node, outcome, duration);
@@ -70,7 +70,7 @@ impl Finish {
             route = %self.route,
             attempts = self.attempts,
             status = self.status,
-            outcome,
+            outcome = outcome.as_str(),
             ttft_ms = self.ttft.map(|t| t.as_millis() as u64),
             duration_ms = duration.as_millis() as u64,
             prompt_tokens = usage.prompt,
@@ -80,32 +80,114 @@ impl Finish {
     }
 }
 
+/// The silence limit of a relayed body: `idle_stream_timeout` after the last frame.
+struct Idle {
+    after: Duration,
+    deadline: Instant,
+    /// Armed only when the engine first makes us wait.
+    timer: Option<Pin<Box<Sleep>>>,
+}
+
+impl Idle {
+    fn new(after: Duration) -> Self {
+        Idle {
+            after,
+            deadline: Instant::now() + after,
+            timer: None,
+        }
+    }
+
+    fn progressed(&mut self) {
+        self.deadline = Instant::now() + self.after;
+    }
+
+    /// Whether the silence has lasted too long (registers a wake-up if not).
+    fn expired(&mut self, cx: &mut Context<'_>) -> bool {
+        let deadline = self.deadline;
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        if timer.deadline() != deadline {
+            timer.as_mut().reset(deadline);
+        }
+        timer.as_mut().poll(cx).is_ready()
+    }
+}
+
+/// A committed SSE stream's framing.
+struct SseRelay {
+    scanner: SseScanner,
+    /// Drop usage-only events: the balancer asked for them, the client did not.
+    strip_usage: bool,
+}
+
+impl SseRelay {
+    /// The complete events among `data` (and bytes held before), ready to send; empty
+    /// when `data` only continued an unfinished event.
+    fn forward(&mut self, data: &Bytes) -> Bytes {
+        let strip = self.strip_usage;
+        let mut first: Option<Bytes> = None;
+        let mut joined: Option<BytesMut> = None;
+        self.scanner.push_with(data, |block| {
+            if strip && is_usage_only(&block) {
+                return;
+            }
+            match (&mut joined, first.take()) {
+                (Some(j), _) => j.extend_from_slice(&block.raw),
+                (None, None) => first = Some(block.raw),
+                (None, Some(f)) => {
+                    let mut j = BytesMut::with_capacity(f.len() + block.raw.len());
+                    j.extend_from_slice(&f);
+                    j.extend_from_slice(&block.raw);
+                    joined = Some(j);
+                }
+            }
+        });
+        match joined {
+            Some(j) => j.freeze(),
+            None => first.unwrap_or_default(),
+        }
+    }
+}
+
 pub struct RelayBody {
-    /// Bytes read before the stream was committed, sent first.
+    /// Bytes to send before reading on (the probe's held events, or the tail of a
+    /// stream that ended without its final blank line).
     held: Option<Bytes>,
     inner: Incoming,
     reservation: Option<Reservation>,
-    watch: Option<StreamWatch>,
+    idle: Idle,
+    settings: Arc<BreakerSettings>,
+    /// Set for committed SSE streams.
+    sse: Option<SseRelay>,
     finish: Option<Finish>,
     usage: UsageScan,
     ended: bool,
 }
 
 impl RelayBody {
-    /// A body passed through as it is.
-    pub fn plain(inner: Incoming, reservation: Reservation, finish: Finish) -> Self {
+    /// A body passed through as it is, cut after `idle` of silence.
+    pub fn plain(
+        inner: Incoming,
+        reservation: Reservation,
+        finish: Finish,
+        idle: Duration,
+        settings: Arc<BreakerSettings>,
+    ) -> Self {
         RelayBody {
             held: None,
             inner,
             reservation: Some(reservation),
-            watch: None,
+            idle: Idle::new(idle),
+            settings,
+            sse: None,
             finish: Some(finish),
             usage: UsageScan::default(),
             ended: false,
         }
     }
 
-    /// A committed SSE stream: `held` first, then the rest, watched.
+    /// A committed SSE stream: the complete events of `held` first, then the rest.
     pub fn stream(
         held: Bytes,
         inner: Incoming,
@@ -117,28 +199,25 @@ impl RelayBody {
     ) -> Self {
         let mut usage = UsageScan::default();
         usage.feed(&held);
-        let held = if strip_usage {
-            strip_usage_events(held)
-        } else {
-            held
+        let mut sse = SseRelay {
+            scanner: SseScanner::default(),
+            strip_usage,
         };
+        let held = sse.forward(&held);
         RelayBody {
             held: Some(held),
             inner,
             reservation: Some(reservation),
-            watch: Some(StreamWatch {
-                idle,
-                timer: Box::pin(tokio::time::sleep(idle)),
-                settings,
-                strip_usage,
-            }),
+            idle: Idle::new(idle),
+            settings,
+            sse: Some(sse),
             finish: Some(finish),
             usage,
             ended: false,
         }
     }
 
-    fn end(&mut self, outcome: &str) {
+    fn end(&mut self, outcome: RequestOutcome) {
         self.ended = true;
         self.reservation = None;
         if let Some(f) = self.finish.take() {
@@ -146,13 +225,18 @@ impl RelayBody {
         }
     }
 
-    /// Ends a watched stream with an error event; the node is blamed.
+    /// The engine failed after commit: blame it, and end the body, with an error
+    /// event for a stream or a body error for a plain response.
     fn fail(&mut self, why: String) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
-        if let (Some(r), Some(w)) = (&self.reservation, &self.watch) {
-            tracing::warn!(node = %r.node().id, reason = %why, "stream failed after commit; ending it with an error event");
-            r.node().record(Outcome::Failure, None, false, &w.settings);
+        if let Some(r) = &self.reservation {
+            tracing::warn!(node = %r.node().id, reason = %why, "response failed after commit");
+            r.node()
+                .record(Outcome::Failure, None, false, &self.settings);
         }
-        self.end("interrupted");
+        self.end(RequestOutcome::Interrupted);
+        if self.sse.is_none() {
+            return Poll::Ready(Some(Err(why.into())));
+        }
         let event = serde_json::json!({"error": {
             "message": format!("the engine failed mid-stream: {why}"),
             "type": "upstream_error",
@@ -163,12 +247,10 @@ impl RelayBody {
         ))))))
     }
 
-    fn outcome(&self) -> &'static str {
-        match self.finish.as_ref().map(|f| f.status) {
-            Some(400..=499) => "client_error",
-            Some(500..) => "error",
-            _ => "success",
-        }
+    fn outcome(&self) -> RequestOutcome {
+        self.finish
+            .as_ref()
+            .map_or(RequestOutcome::Success, |f| f.outcome)
     }
 }
 
@@ -180,71 +262,61 @@ impl Body for RelayBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
-        if let Some(held) = self.held.take() {
-            return Poll::Ready(Some(Ok(Frame::data(held))));
-        }
-        if self.ended {
-            return Poll::Ready(None);
-        }
-        match Pin::new(&mut self.inner).poll_frame(cx) {
-            Poll::Ready(Some(Ok(frame))) => {
-                let frame = match frame.into_data() {
-                    Ok(data) => {
-                        self.usage.feed(&data);
-                        let strip = self.watch.as_ref().is_some_and(|w| w.strip_usage);
-                        Frame::data(if strip {
-                            strip_usage_events(data)
-                        } else {
-                            data
-                        })
+        loop {
+            if let Some(held) = self.held.take().filter(|h| !h.is_empty()) {
+                return Poll::Ready(Some(Ok(Frame::data(held))));
+            }
+            if self.ended {
+                return Poll::Ready(None);
+            }
+            match Pin::new(&mut self.inner).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    self.idle.progressed();
+                    let frame = match frame.into_data() {
+                        Ok(data) => {
+                            self.usage.feed(&data);
+                            match &mut self.sse {
+                                Some(sse) => sse.forward(&data),
+                                None => data,
+                            }
+                        }
+                        Err(trailers) => return Poll::Ready(Some(Ok(trailers))),
+                    };
+                    // A body of known length may be dropped right after its last
+                    // byte, without ever being polled to its end: finish now.
+                    if self.inner.is_end_stream() {
+                        let outcome = self.outcome();
+                        self.end(outcome);
                     }
-                    Err(frame) => frame,
-                };
-                if let Some(w) = &mut self.watch {
-                    let next = Instant::now() + w.idle;
-                    w.timer.as_mut().reset(next);
+                    if frame.is_empty() {
+                        continue;
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(frame))));
                 }
-                // A body of known length may be dropped right after its last byte,
-                // without ever being polled to its end: finish now.
-                if self.inner.is_end_stream() {
+                Poll::Ready(Some(Err(e))) => return self.fail(format!("the body broke ({e})")),
+                Poll::Ready(None) => {
+                    // An unfinished last event is passed on as the engine sent it.
+                    self.held = self.sse.as_mut().map(|s| s.scanner.take_pending());
                     let outcome = self.outcome();
                     self.end(outcome);
                 }
-                Poll::Ready(Some(Ok(frame)))
-            }
-            Poll::Ready(Some(Err(e))) if self.watch.is_some() => {
-                self.fail(format!("the stream broke ({e})"))
-            }
-            Poll::Ready(Some(Err(e))) => {
-                // A plain body cannot carry an error event: the client sees the
-                // connection fail, which is an explicit error at the HTTP level.
-                self.end("interrupted");
-                Poll::Ready(Some(Err(Box::new(e))))
-            }
-            Poll::Ready(None) => {
-                let outcome = self.outcome();
-                self.end(outcome);
-                Poll::Ready(None)
-            }
-            Poll::Pending => {
-                let silent = match &mut self.watch {
-                    Some(w) => w.timer.as_mut().poll(cx).is_ready().then_some(w.idle),
-                    None => None,
-                };
-                match silent {
-                    Some(idle) => self.fail(format!("no data for {} ms", idle.as_millis())),
-                    None => Poll::Pending,
+                Poll::Pending => {
+                    if !self.idle.expired(cx) {
+                        return Poll::Pending;
+                    }
+                    let ms = self.idle.after.as_millis();
+                    return self.fail(format!("no data for {ms} ms"));
                 }
             }
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.ended || (self.held.is_none() && self.watch.is_none() && self.inner.is_end_stream())
+        self.ended && self.held.as_ref().map_or(true, Bytes::is_empty)
     }
 
     fn size_hint(&self) -> SizeHint {
-        if self.watch.is_some() {
+        if self.sse.is_some() {
             SizeHint::default()
         } else {
             self.inner.size_hint()
@@ -256,9 +328,24 @@ impl Drop for RelayBody {
     fn drop(&mut self) {
         // The client left before the end.
         if let Some(f) = self.finish.take() {
-            f.complete("cancelled", &self.usage);
+            f.complete(RequestOutcome::Cancelled, &self.usage);
         }
     }
+}
+
+/// Whether a block is a usage-only event (`"choices": []` with a `usage`): the chunk
+/// `stream_options.include_usage` adds at the end of a stream.
+fn is_usage_only(block: &Block) -> bool {
+    let Some(event) = &block.event else {
+        return false;
+    };
+    if USAGE.find(event.data.as_bytes()).is_none() {
+        return false;
+    }
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(&event.data) else {
+        return false;
+    };
+    v["usage"].is_object() && v["choices"].as_array().map_or(true, Vec::is_empty)
 }
 
 static PROMPT_TOKENS: LazyLock<Finder<'static>> =
@@ -326,26 +413,6 @@ fn last_number(field: &Finder<'_>, hay: &[u8]) -> Option<u64> {
         .ok()
 }
 
-/// Removes usage-only events (`"choices":[]` with a `usage`) from SSE bytes.
-fn strip_usage_events(data: Bytes) -> Bytes {
-    if USAGE.find(&data).is_none() {
-        return data;
-    }
-    let mut out = BytesMut::with_capacity(data.len());
-    let mut rest = &data[..];
-    while !rest.is_empty() {
-        let end = memchr::memmem::find(rest, b"\n\n").map_or(rest.len(), |i| i + 2);
-        let event = &rest[..end];
-        let usage_only =
-            USAGE.find(event).is_some() && memchr::memmem::find(event, b"\"choices\":[]").is_some();
-        if !usage_only {
-            out.extend_from_slice(event);
-        }
-        rest = &rest[end..];
-    }
-    out.freeze()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -362,15 +429,45 @@ mod tests {
         assert_eq!((u.prompt, u.cached), (Some(77), Some(64)));
     }
 
+    fn relay(strip_usage: bool, chunks: &[&[u8]]) -> Vec<u8> {
+        let mut sse = SseRelay {
+            scanner: SseScanner::default(),
+            strip_usage,
+        };
+        let mut out = Vec::new();
+        for c in chunks {
+            out.extend_from_slice(&sse.forward(&Bytes::copy_from_slice(c)));
+        }
+        out
+    }
+
+    const CONTENT: &str = "data: {\"choices\":[{\"delta\":{\"content\":\"usage\"}}]}\n\n";
+    const USAGE_EVENT: &str = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3}}\n\n";
+    const DONE: &str = "data: [DONE]\n\n";
+
     #[test]
     fn only_usage_only_events_are_stripped() {
-        let content = "data: {\"choices\":[{\"delta\":{\"content\":\"usage\"}}]}\n\n";
-        let usage = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3}}\n\n";
-        let done = "data: [DONE]\n\n";
-        let out = strip_usage_events(Bytes::from(format!("{content}{usage}{done}")));
-        assert_eq!(out, Bytes::from(format!("{content}{done}")));
-        let plain =
-            Bytes::from_static(b"data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\n");
-        assert_eq!(strip_usage_events(plain.clone()), plain);
+        let all = format!("{CONTENT}{USAGE_EVENT}{DONE}");
+        assert_eq!(
+            relay(true, &[all.as_bytes()]),
+            format!("{CONTENT}{DONE}").as_bytes()
+        );
+        assert_eq!(relay(false, &[all.as_bytes()]), all.as_bytes());
+    }
+
+    #[test]
+    fn a_stream_cut_at_every_byte_gives_the_client_the_same_events() {
+        let all = format!("{CONTENT}{USAGE_EVENT}{CONTENT}{DONE}");
+        let want = format!("{CONTENT}{CONTENT}{DONE}");
+        let b = all.as_bytes();
+        for i in 0..b.len() {
+            for j in i..b.len() {
+                assert_eq!(
+                    relay(true, &[&b[..i], &b[i..j], &b[j..]]),
+                    want.as_bytes(),
+                    "cut at {i} and {j}"
+                );
+            }
+        }
     }
 }
