@@ -14,6 +14,7 @@ use prometheus::{
 };
 
 use crate::breaker::BreakerState;
+use crate::proxy::outcome::{FailoverReason, RequestOutcome, Route, RouteKind};
 use crate::table::Table;
 
 /// TTFT buckets: a prefix-cache hit answers in tens of milliseconds, a cold prefill of
@@ -32,29 +33,23 @@ const QUEUE_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
 
-/// The `route` label values of `routing_decisions_total` (spill distance and fallback
-/// pool are left out of the label to keep it bounded).
-pub const ROUTES: [&str; 5] = ["primary", "spill", "shunt", "queued", "fallback"];
-/// The `reason` label values of `failovers_total`.
-pub const FAILOVER_REASONS: [&str; 5] = ["error", "http_5xx", "timeout", "no_content", "busy"];
-
 /// Every metric of the balancer.
 pub struct Metrics {
     registry: Registry,
     pub requests: IntCounterVec,
     pub request_duration: HistogramVec,
-    pub ttft: HistogramVec,
+    ttft: HistogramVec,
     in_flight: IntGaugeVec,
     node_cap: IntGaugeVec,
-    pub routing_decisions: IntCounterVec,
-    pub spill_distance: Histogram,
-    pub failovers: IntCounterVec,
+    routing_decisions: IntCounterVec,
+    spill_distance: Histogram,
+    failovers: IntCounterVec,
     breaker_state: IntGaugeVec,
     breaker_transitions: IntCounterVec,
     shunt_ratio: GaugeVec,
     node_healthy: IntGaugeVec,
     queue_depth: IntGaugeVec,
-    pub queue_wait: HistogramVec,
+    queue_wait: HistogramVec,
     pub prompt_tokens: IntCounterVec,
     pub cached_prompt_tokens: IntCounterVec,
     ring_nodes: IntGaugeVec,
@@ -143,16 +138,49 @@ impl Metrics {
         }
     }
 
-    /// Counts a finished request and logs its one line.
-    pub fn observe_request(&self, pool: &str, node: &str, outcome: &str, duration: Duration) {
+    /// Counts a finished request (node `none` when no node answered).
+    pub fn observe_request(
+        &self,
+        pool: &str,
+        node: &str,
+        outcome: RequestOutcome,
+        duration: Duration,
+    ) {
         self.requests
-            .with_label_values(&[pool, node, outcome])
+            .with_label_values(&[pool, node, outcome.as_str()])
             .inc();
         if node != "none" {
             self.request_duration
                 .with_label_values(&[pool, node])
                 .observe(duration.as_secs_f64());
         }
+    }
+
+    /// Counts where a request went, and how far along its key's walk.
+    pub fn count_decision(&self, pool: &str, route: &Route, distance: usize) {
+        self.routing_decisions
+            .with_label_values(&[pool, route.kind().as_str()])
+            .inc();
+        self.spill_distance.observe(distance as f64);
+    }
+
+    /// Counts an attempt abandoned before commit.
+    pub fn count_failover(&self, pool: &str, reason: FailoverReason) {
+        self.failovers
+            .with_label_values(&[pool, reason.as_str()])
+            .inc();
+    }
+
+    pub fn observe_ttft(&self, pool: &str, node: &str, ttft: Duration) {
+        self.ttft
+            .with_label_values(&[pool, node])
+            .observe(ttft.as_secs_f64());
+    }
+
+    pub fn observe_queue_wait(&self, pool: &str, waited: Duration) {
+        self.queue_wait
+            .with_label_values(&[pool])
+            .observe(waited.as_secs_f64());
     }
 
     /// The Prometheus text page, with snapshot-derived series refreshed first.
@@ -189,11 +217,12 @@ impl Metrics {
                 .with_label_values(&[p])
                 .set(b.load.queued() as i64);
             self.queue_wait.with_label_values(&[p]);
-            for route in ROUTES {
-                self.routing_decisions.with_label_values(&[p, route]);
+            for route in RouteKind::ALL {
+                self.routing_decisions
+                    .with_label_values(&[p, route.as_str()]);
             }
-            for reason in FAILOVER_REASONS {
-                self.failovers.with_label_values(&[p, reason]);
+            for reason in FailoverReason::ALL {
+                self.failovers.with_label_values(&[p, reason.as_str()]);
             }
             for (node, m) in pool.config.nodes.iter().zip(&b.members) {
                 let n = node.id.as_str();

@@ -4,36 +4,37 @@
 //! fallbacks) on anything that fails before a byte has gone to the client.
 
 use std::error::Error as _;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
-use http::{header, request, HeaderMap, HeaderValue, Request, Response, StatusCode, Version};
+use bytes::Bytes;
+use http::{header, HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Version};
 use http_body_util::Full;
+use hyper::body::Incoming;
 use tokio::time::Instant;
 
-use super::headers;
-use super::probe::{self, ProbeFailure};
+use super::edit::{self, Edits};
+use super::error::clip;
+use super::outcome::{FailoverReason, RequestOutcome, Route};
+use super::probe::{self, Commit, ProbeFailure};
 use super::relay::{Finish, RelayBody};
-use super::{ProxyError, UpstreamClient};
+use super::{headers, ProxyError, UpstreamClient};
 use crate::balance::{self, Balancer, Choice, NodeState, Walk};
 use crate::body::BoxBody;
 use crate::breaker::{BreakerSettings, Outcome};
-use crate::config::{RoutingConfig, WhenSaturated};
+use crate::config::{NodeConfig, RoutingConfig, WhenSaturated};
 use crate::key;
 use crate::metrics::Metrics;
 use crate::table::{Plan, Pool, Table};
 
 /// Why one attempt did not produce a response for the client.
 struct Failure {
-    /// The `reason` label of `failovers_total`.
-    reason: &'static str,
+    reason: FailoverReason,
     text: String,
 }
 
 impl Failure {
-    fn new(reason: &'static str, text: String) -> Self {
+    fn new(reason: FailoverReason, text: String) -> Self {
         Failure { reason, text }
     }
 }
@@ -64,286 +65,314 @@ impl Drop for Attempt {
     }
 }
 
-/// Where the request is going now: a pool, the body for it, and the key's walk target
-/// there.
+/// One client request on its way to the engines: what every attempt needs.
+pub(super) struct Exchange<'t> {
+    pub client: &'t UpstreamClient,
+    pub metrics: &'t Arc<Metrics>,
+    pub table: &'t Arc<Table>,
+    pub plan: Plan,
+    pub method: Method,
+    /// Path and query, as the client sent them.
+    pub path: String,
+    /// The headers for the engines (see [`headers::upstream_headers`]).
+    pub headers: HeaderMap,
+    /// The body as the client sent it; every target edits these bytes afresh.
+    pub body: Bytes,
+    pub started: Instant,
+}
+
+/// Where the request is going now: a pool, the body for it, and the key's walk there.
 struct Target<'t> {
     pool: &'t Pool,
     body: Bytes,
     walk: balance::Target,
-    /// `fallback:POOL` once the request left its own pool.
-    fallback: Option<String>,
+    /// Set once the request left its own pool.
+    fallback: bool,
 }
 
-#[allow(clippy::too_many_arguments)]
-pub(super) async fn forward(
-    client: &UpstreamClient,
-    metrics: &Arc<Metrics>,
-    table: &Arc<Table>,
-    plan: Plan,
-    parts: request::Parts,
-    body: Bytes,
-    peer: SocketAddr,
-    started: Instant,
-) -> Result<Response<BoxBody>, ProxyError> {
-    let routing = &table.config.routing;
-    let path = parts
-        .uri
-        .path_and_query()
-        .map(|p| p.as_str())
-        .unwrap_or("/");
-    let upstream_headers = headers::upstream_headers(&parts.headers, peer);
-    let stream = plan.facts.stream;
-    // Ask a stream for its usage chunk (to count cache hits) when the client did not,
-    // and hide that chunk from the client. Only the OpenAI APIs that define
-    // `stream_options` get it (SGLang's `/generate`, say, might reject the field).
-    let openai_stream = matches!(plan.api, key::Api::Chat | key::Api::Completions);
-    let strip_usage =
-        stream && openai_stream && routing.track_usage && plan.facts.include_usage.is_none();
-    let body = if strip_usage {
-        add_include_usage(&body)
-    } else {
-        body
-    };
+/// An engine's answer that goes to the client.
+enum Answer {
+    /// A stream the probe committed.
+    Stream {
+        head: http::response::Parts,
+        committed: probe::Committed,
+    },
+    /// Anything else that is not a failure: a 2xx, or a 4xx that is the client's.
+    Plain(Response<Incoming>),
+}
 
-    // The pools to try, in order: the request's own, then its fallbacks; a request
-    // asking for reasoning skips pools that do not support it.
-    let own = &table.pools[plan.pool];
-    let mut pools: std::collections::VecDeque<&Pool> = std::iter::once(own)
-        .chain(
-            own.config
-                .fallbacks
-                .iter()
-                .filter_map(|name| table.pools.iter().find(|p| p.config.name == *name)),
-        )
-        .filter(|p| !plan.facts.wants_reasoning || p.config.supports_thinking)
-        .collect();
-    let Some(first) = pools.pop_front() else {
-        return Err(ProxyError::NoNode {
-            pool: format!("{} (no pool for a reasoning request)", own.config.name),
-        });
-    };
-    let mut target = retarget(
-        table,
-        &plan,
-        &body,
-        first,
-        first.config.name != own.config.name,
-    );
+impl Exchange<'_> {
+    fn routing(&self) -> &RoutingConfig {
+        &self.table.config.routing
+    }
 
-    let mut tried = Vec::with_capacity(routing.max_attempts as usize);
-    let mut failures: Vec<Failure> = Vec::new();
-    let mut attempt = 0;
-    while attempt < routing.max_attempts {
-        let (choice, queued) = match admit(target.pool, routing, target.walk, &tried, metrics).await
-        {
-            Ok(admitted) => admitted,
-            Err(ProxyError::NoNode { .. }) if !pools.is_empty() => {
-                let next = pools.pop_front().expect("not empty");
-                tracing::debug!(from = %target.pool.config.name, to = %next.config.name, "no node available; trying the fallback pool");
-                target = retarget(table, &plan, &body, next, true);
-                tried.clear();
-                continue;
-            }
-            Err(e) if failures.is_empty() => return Err(e),
-            Err(_) => break, // nothing left to fail over to
+    /// Ask a stream for its usage chunk (to count cache hits) when the client did not,
+    /// and hide that chunk from the client. Only the OpenAI APIs that define
+    /// `stream_options` get it (SGLang's `/generate`, say, might reject the field).
+    fn strip_usage(&self) -> bool {
+        let facts = &self.plan.facts;
+        facts.stream
+            && matches!(self.plan.api, key::Api::Chat | key::Api::Completions)
+            && self.routing().track_usage
+            && !facts.include_usage
+    }
+
+    /// The pools to try, in order: the request's own, then its fallbacks; a request
+    /// asking for reasoning skips pools that do not support it.
+    fn pools(&self) -> Vec<&Pool> {
+        let table = self.table;
+        let own = &table.pools[self.plan.pool];
+        std::iter::once(own)
+            .chain(
+                own.config
+                    .fallbacks
+                    .iter()
+                    .filter_map(|name| table.pools.iter().find(|p| p.config.name == *name)),
+            )
+            .filter(|p| !self.plan.facts.wants_reasoning || p.config.supports_thinking)
+            .collect()
+    }
+
+    /// Points the request at `pool`: the key's hash there, and the body with every
+    /// edit applied in one step on the client's bytes (for a fallback pool, `model`
+    /// rewritten to the pool's first model).
+    fn target<'p>(&self, pool: &'p Pool) -> Target<'p> {
+        let name = &pool.config.name;
+        let (hash, group) = key::key_hashes(name, &self.plan.facts, self.routing().hash_seed);
+        let fallback = name != &self.table.pools[self.plan.pool].config.name;
+        let edits = Edits {
+            model: fallback.then(|| pool.config.models.first().unwrap_or(name).as_str()),
+            include_usage: self.strip_usage(),
         };
-        attempt += 1;
-        tried.push(choice.index);
-        let pool = target.pool;
-        let node = &pool.config.nodes[choice.index];
-        let uri = node.upstream_uri(path).map_err(|e| ProxyError::Upstream {
-            count: attempt,
-            attempts: format!("{}: bad upstream URI: {e}", node.id),
+        Target {
+            pool,
+            body: edit::apply(&self.body, &self.plan.facts.spans, edits),
+            walk: pool.balancer.target(hash, group),
+            fallback,
+        }
+    }
+
+    /// Admission, the exchange and failover, until an answer commits or nothing is
+    /// left to try.
+    pub async fn run(self) -> Result<Response<BoxBody>, ProxyError> {
+        let pools = self.pools();
+        let Some((first, mut rest)) = pools.split_first() else {
+            let own = &self.table.pools[self.plan.pool].config.name;
+            return Err(ProxyError::NoNode {
+                pool: format!("{own} (no pool for a reasoning request)"),
+            });
+        };
+        let mut target = self.target(first);
+        let max_attempts = self.routing().max_attempts;
+        let mut tried = Vec::with_capacity(max_attempts as usize);
+        let mut failures: Vec<Failure> = Vec::new();
+        let mut attempt = 0;
+        while attempt < max_attempts {
+            let (choice, queued) = match admit(
+                target.pool,
+                self.routing(),
+                target.walk,
+                &tried,
+                self.metrics,
+            )
+            .await
+            {
+                Ok(admitted) => admitted,
+                Err(ProxyError::NoNode { .. }) if !rest.is_empty() => {
+                    let next = rest[0];
+                    rest = &rest[1..];
+                    tracing::debug!(from = %target.pool.config.name, to = %next.config.name, "no node available; trying the fallback pool");
+                    target = self.target(next);
+                    tried.clear();
+                    continue;
+                }
+                Err(e) if failures.is_empty() => return Err(e),
+                Err(_) => break, // nothing left to fail over to
+            };
+            attempt += 1;
+            tried.push(choice.index);
+            let pool = target.pool;
+            let node = &pool.config.nodes[choice.index];
+            let health = Attempt {
+                node: choice.reservation.node().clone(),
+                probe: choice.probe,
+                settings: pool.balancer.breaker.clone(),
+                done: false,
+            };
+            let failure = match self.ask(pool, node, &target.body).await {
+                Ok(answer) => {
+                    let route = route_of(&target, queued, &choice);
+                    let ctx = Decision {
+                        pool,
+                        node,
+                        route,
+                        attempts: attempt,
+                        choice,
+                    };
+                    return Ok(self.commit(ctx, answer, health));
+                }
+                Err(f) => f,
+            };
+            self.metrics
+                .count_failover(&pool.config.name, failure.reason);
+            if failure.reason == FailoverReason::Busy {
+                health.finish(Outcome::Neutral, None);
+            } else {
+                tracing::info!(pool = %pool.config.name, reason = %failure.text, attempt, "attempt failed; failing over");
+                health.finish(Outcome::Failure, None);
+            }
+            failures.push(failure);
+        }
+        Err(final_error(&failures))
+    }
+
+    /// One attempt: sends the request to `node` and classifies what comes back.
+    async fn ask(&self, pool: &Pool, node: &NodeConfig, body: &Bytes) -> Result<Answer, Failure> {
+        let uri = node.upstream_uri(&self.path).map_err(|e| {
+            Failure::new(
+                FailoverReason::Error,
+                format!("{}: bad upstream URI: {e}", node.id),
+            )
         })?;
-        let mut req = Request::new(Full::new(target.body.clone()));
-        *req.method_mut() = parts.method.clone();
+        let mut req = Request::new(Full::new(body.clone()));
+        *req.method_mut() = self.method.clone();
         *req.uri_mut() = uri;
         *req.version_mut() = Version::HTTP_11;
-        *req.headers_mut() = upstream_headers.clone();
-
-        let health = Attempt {
-            node: choice.reservation.node().clone(),
-            probe: choice.probe,
-            settings: pool.balancer.breaker.clone(),
-            done: false,
-        };
+        *req.headers_mut() = self.headers.clone();
+        let stream = self.plan.facts.stream;
         let sent = Instant::now();
         // A stream has `first_token_timeout` for its head and first token together.
-        let head_budget = if stream {
+        let budget = if stream {
             pool.config.first_token_timeout
         } else {
-            table.config.server.request_timeout
+            self.table.config.server.request_timeout
         };
-        let finish = |route: &str, status: StatusCode, ttft: Option<Duration>| Finish {
-            metrics: metrics.clone(),
-            pool: pool.config.name.clone(),
-            node: node.id.clone(),
-            route: route.to_string(),
-            attempts: attempt,
+        let resp = match tokio::time::timeout(budget, self.client.request(req)).await {
+            Err(_) => {
+                let ms = budget.as_millis();
+                return Err(Failure::new(
+                    FailoverReason::Timeout,
+                    format!("{}: no response within {ms} ms", node.id),
+                ));
+            }
+            Ok(Err(e)) => {
+                return Err(Failure::new(
+                    FailoverReason::Error,
+                    format!("{}: {}", node.id, error_chain(&e)),
+                ))
+            }
+            Ok(Ok(resp)) => resp,
+        };
+        let status = resp.status();
+        if status == StatusCode::TOO_MANY_REQUESTS {
+            return Err(Failure::new(
+                FailoverReason::Busy,
+                format!("{}: HTTP 429", node.id),
+            ));
+        }
+        if status.is_server_error() {
+            return Err(Failure::new(
+                FailoverReason::Http5xx,
+                format!("{}: HTTP {}", node.id, status.as_u16()),
+            ));
+        }
+        if !(stream && status.is_success() && is_event_stream(resp.headers())) {
+            return Ok(Answer::Plain(resp));
+        }
+        let (head, body) = resp.into_parts();
+        let deadline = sent + pool.config.first_token_timeout;
+        match probe::first_packet(body, sent, deadline).await {
+            Ok(committed) => Ok(Answer::Stream { head, committed }),
+            Err(ProbeFailure::Timeout) => Err(Failure::new(
+                FailoverReason::Timeout,
+                format!(
+                    "{}: no first token within {} ms",
+                    node.id,
+                    pool.config.first_token_timeout.as_millis()
+                ),
+            )),
+            Err(ProbeFailure::Error(msg)) => Err(Failure::new(
+                FailoverReason::Error,
+                format!(
+                    "{}: stream error before the first token: {}",
+                    node.id,
+                    clip(&msg)
+                ),
+            )),
+            Err(ProbeFailure::NoContent) => Err(Failure::new(
+                FailoverReason::NoContent,
+                format!("{}: stream ended with no content", node.id),
+            )),
+        }
+    }
+
+    /// Sends an answer to the client: the node's health recorded, the decision
+    /// counted, the reservation handed to the relayed body.
+    fn commit(&self, c: Decision<'_>, answer: Answer, health: Attempt) -> Response<BoxBody> {
+        let idle = self.table.config.server.idle_stream_timeout;
+        let settings = c.pool.balancer.breaker.clone();
+        self.metrics
+            .count_decision(&c.pool.config.name, &c.route, c.choice.distance);
+        let finish = |status: StatusCode, ttft: Option<Duration>| Finish {
+            metrics: self.metrics.clone(),
+            pool: c.pool.config.name.clone(),
+            node: c.node.id.clone(),
+            route: c.route.label(),
+            attempts: c.attempts,
             status: status.as_u16(),
-            started,
+            outcome: RequestOutcome::of_status(status.as_u16()),
+            started: self.started,
             ttft,
         };
-        let failure = match tokio::time::timeout(head_budget, client.request(req)).await {
-            Err(_) => Failure::new(
-                "timeout",
-                format!(
-                    "{}: no response within {} ms",
-                    node.id,
-                    head_budget.as_millis()
-                ),
-            ),
-            Ok(Err(e)) => Failure::new("error", format!("{}: {}", node.id, error_chain(&e))),
-            Ok(Ok(resp)) if resp.status() == StatusCode::TOO_MANY_REQUESTS => {
-                health.finish(Outcome::Neutral, None);
-                metrics
-                    .failovers
-                    .with_label_values(&[&pool.config.name, "busy"])
-                    .inc();
-                failures.push(Failure::new("busy", format!("{}: HTTP 429", node.id)));
-                continue;
-            }
-            Ok(Ok(resp)) if resp.status().is_server_error() => Failure::new(
-                "http_5xx",
-                format!("{}: HTTP {}", node.id, resp.status().as_u16()),
-            ),
-            Ok(Ok(resp))
-                if stream && resp.status().is_success() && is_event_stream(resp.headers()) =>
-            {
-                let (mut head, body) = resp.into_parts();
-                let deadline = sent + pool.config.first_token_timeout;
-                match probe::first_packet(body, sent, deadline).await {
-                    Ok(committed) => {
-                        health.finish(Outcome::Success, Some(committed.ttft));
-                        let route = route_label(&target, queued, &choice);
-                        count_decision(metrics, pool, &route, choice.distance);
-                        metrics
-                            .ttft
-                            .with_label_values(&[&pool.config.name, &node.id])
-                            .observe(committed.ttft.as_secs_f64());
-                        let body = RelayBody::stream(
-                            committed.held,
-                            committed.rest,
-                            choice.reservation,
-                            finish(&route, head.status, Some(committed.ttft)),
-                            table.config.server.idle_stream_timeout,
-                            pool.balancer.breaker.clone(),
-                            strip_usage,
-                        );
-                        head.headers.remove(header::CONTENT_LENGTH);
-                        return Ok(respond(head, body, &node.id, &route, attempt));
-                    }
-                    Err(ProbeFailure::Timeout) => Failure::new(
-                        "timeout",
-                        format!(
-                            "{}: no first token within {} ms",
-                            node.id,
-                            pool.config.first_token_timeout.as_millis()
-                        ),
-                    ),
-                    Err(ProbeFailure::Error(msg)) => Failure::new(
-                        "error",
-                        format!("{}: stream error before the first token: {msg}", node.id),
-                    ),
-                    Err(ProbeFailure::NoContent) => Failure::new(
-                        "no_content",
-                        format!("{}: stream ended with no content", node.id),
-                    ),
+        let (head, body) = match answer {
+            Answer::Stream {
+                mut head,
+                committed,
+            } => {
+                // A client error in an SSE event is the client's to read: the node is
+                // fine, and its latency says nothing.
+                let client_error = committed.by == Commit::ClientError;
+                let ttft = (!client_error).then_some(committed.ttft);
+                health.finish(Outcome::Success, ttft);
+                if let Some(t) = ttft {
+                    self.metrics
+                        .observe_ttft(&c.pool.config.name, &c.node.id, t);
                 }
+                let mut finish = finish(head.status, ttft);
+                if client_error {
+                    finish.outcome = RequestOutcome::ClientError;
+                }
+                head.headers.remove(header::CONTENT_LENGTH);
+                let body = RelayBody::stream(
+                    committed.held,
+                    committed.rest,
+                    c.choice.reservation,
+                    finish,
+                    idle,
+                    settings,
+                    self.strip_usage(),
+                );
+                (head, body)
             }
-            Ok(Ok(resp)) => {
-                // A 2xx, or a 4xx that is the client's to read: the node is fine.
+            Answer::Plain(resp) => {
                 health.finish(Outcome::Success, None);
-                let route = route_label(&target, queued, &choice);
-                count_decision(metrics, pool, &route, choice.distance);
                 let (head, body) = resp.into_parts();
-                let body =
-                    RelayBody::plain(body, choice.reservation, finish(&route, head.status, None));
-                return Ok(respond(head, body, &node.id, &route, attempt));
+                let finish = finish(head.status, None);
+                let body = RelayBody::plain(body, c.choice.reservation, finish, idle, settings);
+                (head, body)
             }
         };
-        tracing::info!(pool = %pool.config.name, reason = %failure.text, attempt, "attempt failed; failing over");
-        metrics
-            .failovers
-            .with_label_values(&[&pool.config.name, failure.reason])
-            .inc();
-        health.finish(Outcome::Failure, None);
-        failures.push(failure);
+        respond(head, body, &c.node.id, &c.route, c.attempts)
     }
-    Err(final_error(&failures))
 }
 
-/// Points the request at `pool`: the key's hash there, and for a fallback pool the
-/// body with `model` rewritten to the pool's first model.
-fn retarget<'t>(
-    table: &Table,
-    plan: &Plan,
-    body: &Bytes,
+/// The decision being committed.
+struct Decision<'t> {
     pool: &'t Pool,
-    fallback: bool,
-) -> Target<'t> {
-    let name = &pool.config.name;
-    let (hash, group) = key::key_hashes(name, &plan.facts, table.config.routing.hash_seed);
-    let walk = pool.balancer.target(hash, group);
-    if !fallback {
-        return Target {
-            pool,
-            body: body.clone(),
-            walk,
-            fallback: None,
-        };
-    }
-    let model = pool.config.models.first().unwrap_or(name);
-    Target {
-        pool,
-        body: rewrite_model(body, plan.facts.model_span, model),
-        walk,
-        fallback: Some(format!("fallback:{name}")),
-    }
-}
-
-fn count_decision(metrics: &Metrics, pool: &Pool, route: &str, distance: usize) {
-    let kind = route.split(':').next().unwrap_or(route);
-    metrics
-        .routing_decisions
-        .with_label_values(&[&pool.config.name, kind])
-        .inc();
-    metrics.spill_distance.observe(distance as f64);
-}
-
-/// The body with `"stream_options": {"include_usage": true}` added (it had none).
-fn add_include_usage(body: &Bytes) -> Bytes {
-    insert_member(body, r#""stream_options":{"include_usage":true}"#)
-}
-
-/// The body with `member` (`"key":value`) added as the object's first member.
-fn insert_member(body: &Bytes, member: &str) -> Bytes {
-    let Some(brace) = body.iter().position(|&b| b == b'{') else {
-        return body.clone();
-    };
-    let mut out = BytesMut::with_capacity(body.len() + member.len() + 1);
-    out.extend_from_slice(&body[..=brace]);
-    out.extend_from_slice(member.as_bytes());
-    let rest = &body[brace + 1..];
-    // `{}` must not become `{"k":v,}`.
-    if rest.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'}') {
-        out.extend_from_slice(b",");
-    }
-    out.extend_from_slice(rest);
-    out.freeze()
-}
-
-/// The body with its `model` value replaced (or added, if it had none).
-fn rewrite_model(body: &Bytes, span: Option<(usize, usize)>, model: &str) -> Bytes {
-    let quoted = serde_json::Value::from(model).to_string();
-    let Some((start, end)) = span else {
-        return insert_member(body, &format!("\"model\":{quoted}"));
-    };
-    let mut out = BytesMut::with_capacity(body.len() + quoted.len());
-    out.extend_from_slice(&body[..start]);
-    out.extend_from_slice(quoted.as_bytes());
-    out.extend_from_slice(&body[end..]);
-    out.freeze()
+    node: &'t NodeConfig,
+    route: Route,
+    attempts: u32,
+    choice: Choice,
 }
 
 /// Takes a slot on the first willing node of the key's walk; when every willing node
@@ -377,10 +406,7 @@ async fn admit(
             WhenSaturated::Queue => {
                 let waited = Instant::now();
                 let admitted = wait_for_slot(b, routing, target, tried, &pool.config.name).await;
-                metrics
-                    .queue_wait
-                    .with_label_values(&[&pool.config.name])
-                    .observe(waited.elapsed().as_secs_f64());
+                metrics.observe_queue_wait(&pool.config.name, waited.elapsed());
                 admitted.map(|c| (c, true))
             }
         },
@@ -427,16 +453,14 @@ async fn wait_for_slot(
     }
 }
 
-fn route_label(target: &Target<'_>, queued: bool, choice: &Choice) -> String {
-    if let Some(f) = &target.fallback {
-        return f.clone();
+fn route_of(target: &Target<'_>, queued: bool, choice: &Choice) -> Route {
+    if target.fallback {
+        return Route::Fallback(target.pool.config.name.clone());
     }
-    match (queued, choice.shunted, choice.distance) {
-        (true, _, _) => "queued".to_string(),
-        (false, true, _) => "shunt".to_string(),
-        (false, false, 0) => "primary".to_string(),
-        (false, false, d) => format!("spill:{d}"),
+    if queued {
+        return Route::Queued;
     }
+    Route::walked(choice.distance, choice.shunted)
 }
 
 fn is_event_stream(headers: &HeaderMap) -> bool {
@@ -451,7 +475,7 @@ fn respond(
     mut head: http::response::Parts,
     body: RelayBody,
     node: &str,
-    route: &str,
+    route: &Route,
     attempts: u32,
 ) -> Response<BoxBody> {
     headers::strip_hop_by_hop(&mut head.headers);
@@ -459,7 +483,7 @@ fn respond(
     if let Ok(v) = HeaderValue::from_str(node) {
         h.insert(headers::NODE.clone(), v);
     }
-    if let Ok(v) = HeaderValue::from_str(route) {
+    if let Ok(v) = HeaderValue::from_str(&route.label()) {
         h.insert(headers::ROUTE.clone(), v);
     }
     h.insert(headers::ATTEMPTS.clone(), HeaderValue::from(attempts));
@@ -472,11 +496,11 @@ fn final_error(failures: &[Failure]) -> ProxyError {
         .map(|f| f.text.as_str())
         .collect::<Vec<_>>()
         .join("; ");
-    if failures.iter().all(|f| f.reason == "busy") {
+    if failures.iter().all(|f| f.reason == FailoverReason::Busy) {
         return ProxyError::Busy { attempts };
     }
     match failures.last() {
-        Some(f) if f.reason == "timeout" => ProxyError::UpstreamTimeout { attempts },
+        Some(f) if f.reason == FailoverReason::Timeout => ProxyError::UpstreamTimeout { attempts },
         _ => ProxyError::Upstream {
             count: failures.len() as u32,
             attempts,
@@ -494,28 +518,4 @@ fn error_chain(e: &hyper_util::client::legacy::Error) -> String {
         source = s.source();
     }
     text
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn model_is_rewritten_or_added() {
-        let body = Bytes::from_static(br#"{"model": "a", "messages": []}"#);
-        let span = Some((10, 13));
-        assert_eq!(
-            &rewrite_model(&body, span, "big/model")[..],
-            br#"{"model": "big/model", "messages": []}"#
-        );
-        let body = Bytes::from_static(br#"{"messages": []}"#);
-        assert_eq!(
-            &rewrite_model(&body, None, "m")[..],
-            br#"{"model":"m","messages": []}"#
-        );
-        assert_eq!(
-            &rewrite_model(&Bytes::from_static(b"{ }"), None, "m")[..],
-            br#"{"model":"m" }"#
-        );
-    }
 }
