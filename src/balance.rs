@@ -278,6 +278,53 @@ pub enum Walk {
     Unavailable,
 }
 
+/// What [`Balancer::peek`] finds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Peek {
+    /// The node a request would get, at this position of the walk; `shunted`: an
+    /// earlier node shunted the key here.
+    Node {
+        index: usize,
+        distance: usize,
+        shunted: bool,
+    },
+    Saturated,
+    Unavailable,
+}
+
+/// One node as the walk sees it before asking its breaker.
+enum Screen {
+    /// Tried already, unhealthy or draining.
+    Skip,
+    /// At its cap; `open`: its breaker is not open (it could serve once a slot frees).
+    Full { open: bool },
+    /// Its shunting diverts this key.
+    Shunted,
+    /// Under this cap.
+    Open(u32),
+}
+
+/// What the walk's `try_node` made of a node.
+enum Try<X> {
+    /// Its breaker refuses the key.
+    Refused,
+    /// Its last slot went to another request meanwhile.
+    Lost,
+    Taken(X),
+}
+
+/// How a walk ended.
+enum Walked<X> {
+    Taken {
+        index: usize,
+        distance: usize,
+        shunted: bool,
+        x: X,
+    },
+    Saturated,
+    Unavailable,
+}
+
 /// The admission view of one pool: its ring, members and bounds.
 #[derive(Debug)]
 pub struct Balancer {
@@ -422,68 +469,146 @@ impl Balancer {
         }
     }
 
-    /// Walks clockwise from `hash` and reserves the first node that accepts new
-    /// requests (healthy, not draining, its breaker admitting this key), was not tried
-    /// yet, is under its cap, and does not shunt this key. Shunting is a preference: a
-    /// shunted node still serves the key when no later node can.
-    pub fn choose(&self, target: impl Into<Target>, tried: &[usize], now: Instant) -> Walk {
-        let target = target.into();
-        let hash = target.hash;
+    /// What the walk sees at one node before its breaker is asked: the per-node check
+    /// shared by [`Balancer::choose`] and [`Balancer::peek`].
+    fn screen(&self, index: usize, hash: u64, tried: &[usize]) -> Screen {
+        let m = &self.members[index];
+        if tried.contains(&index) || !m.state.accepts_new() {
+            return Screen::Skip;
+        }
+        let cap = self.cap_of(m);
+        if m.state.in_flight() >= cap {
+            return Screen::Full {
+                open: m.state.breaker.state() != BreakerState::Open,
+            };
+        }
+        if m.state.breaker.shunts(hash) {
+            return Screen::Shunted;
+        }
+        Screen::Open(cap)
+    }
+
+    /// The walk itself: the first node of the target's order that passes
+    /// [`Balancer::screen`] and that `try_node` takes (`try_node(member, cap, ask)`:
+    /// `ask` says whether its breaker still has to admit the key). Shunting is a
+    /// preference: a shunted node is taken when no later node is.
+    fn walk<X>(
+        &self,
+        target: Target,
+        tried: &[usize],
+        mut try_node: impl FnMut(&Member, u32, bool) -> Try<X>,
+    ) -> Walked<X> {
         let mut any_open = false;
         let mut shunted: Option<(usize, usize)> = None;
         for (distance, index) in self.order(target).enumerate() {
             let m = &self.members[index];
-            if tried.contains(&index) || !m.state.accepts_new() {
-                continue;
-            }
-            let cap = self.cap_of(m);
-            if m.state.in_flight() >= cap {
-                any_open |= m.state.breaker.state() != BreakerState::Open;
-                continue;
-            }
-            if m.state.breaker.shunts(hash) {
-                any_open = true;
-                shunted.get_or_insert((distance, index));
-                continue;
-            }
-            let (admission, flip) = m.state.breaker.admit(hash, &self.breaker, now);
-            m.state.log_flip(flip);
-            if admission == Admission::Refuse {
-                continue;
-            }
-            any_open = true;
-            let probe = admission == Admission::Probe;
-            match self.reserve(m, cap) {
-                Some(reservation) => {
-                    return Walk::Chosen(Choice {
-                        index,
-                        distance,
-                        reservation,
-                        probe,
-                        shunted: shunted.is_some(),
-                    })
+            match self.screen(index, target.hash, tried) {
+                Screen::Skip => {}
+                Screen::Full { open } => any_open |= open,
+                Screen::Shunted => {
+                    any_open = true;
+                    shunted.get_or_insert((distance, index));
                 }
-                // Lost a race for the last slot: give the probe back.
-                None if probe => m.state.record(Outcome::Neutral, None, true, &self.breaker),
-                None => {}
+                Screen::Open(cap) => match try_node(m, cap, true) {
+                    Try::Refused => {}
+                    Try::Lost => any_open = true,
+                    Try::Taken(x) => {
+                        return Walked::Taken {
+                            index,
+                            distance,
+                            shunted: shunted.is_some(),
+                            x,
+                        }
+                    }
+                },
             }
         }
         if let Some((distance, index)) = shunted {
             let m = &self.members[index];
-            if let Some(reservation) = self.reserve(m, self.cap_of(m)) {
-                return Walk::Chosen(Choice {
+            if let Try::Taken(x) = try_node(m, self.cap_of(m), false) {
+                return Walked::Taken {
                     index,
                     distance,
-                    reservation,
-                    probe: false,
                     shunted: false,
-                });
+                    x,
+                };
             }
         }
         if any_open {
-            Walk::Saturated
+            Walked::Saturated
         } else {
-            Walk::Unavailable
+            Walked::Unavailable
+        }
+    }
+
+    /// Walks the key's order and reserves the first node that accepts new requests
+    /// (healthy, not draining, its breaker admitting this key), was not tried yet, is
+    /// under its cap, and does not shunt this key.
+    pub fn choose(&self, target: impl Into<Target>, tried: &[usize], now: Instant) -> Walk {
+        let target = target.into();
+        let walked = self.walk(target, tried, |m, cap, ask| {
+            let mut probe = false;
+            if ask {
+                let (admission, flip) = m.state.breaker.admit(target.hash, &self.breaker, now);
+                m.state.log_flip(flip);
+                if admission == Admission::Refuse {
+                    return Try::Refused;
+                }
+                probe = admission == Admission::Probe;
+            }
+            match self.reserve(m, cap) {
+                Some(reservation) => Try::Taken((reservation, probe)),
+                None => {
+                    // Lost a race for the last slot: give the probe back.
+                    if probe {
+                        m.state.record(Outcome::Neutral, None, true, &self.breaker);
+                    }
+                    Try::Lost
+                }
+            }
+        });
+        match walked {
+            Walked::Taken {
+                index,
+                distance,
+                shunted,
+                x: (reservation, probe),
+            } => Walk::Chosen(Choice {
+                index,
+                distance,
+                reservation,
+                probe,
+                shunted,
+            }),
+            Walked::Saturated => Walk::Saturated,
+            Walked::Unavailable => Walk::Unavailable,
+        }
+    }
+
+    /// The node [`Balancer::choose`] would take now, by the same checks, reserving
+    /// nothing and moving no breaker (for explanations).
+    pub fn peek(&self, target: impl Into<Target>, tried: &[usize], now: Instant) -> Peek {
+        let target = target.into();
+        let walked = self.walk(target, tried, |m, _, ask| {
+            if ask && m.state.breaker.peek(target.hash, &self.breaker, now) == Admission::Refuse {
+                Try::Refused
+            } else {
+                Try::Taken(())
+            }
+        });
+        match walked {
+            Walked::Taken {
+                index,
+                distance,
+                shunted,
+                x: (),
+            } => Peek::Node {
+                index,
+                distance,
+                shunted,
+            },
+            Walked::Saturated => Peek::Saturated,
+            Walked::Unavailable => Peek::Unavailable,
         }
     }
 
@@ -599,6 +724,82 @@ mod tests {
             Walk::Chosen(c) => c,
             other => panic!("expected a node, got {other:?}"),
         }
+    }
+
+    /// `peek` must name the node `choose` then takes, whatever state the nodes are in.
+    fn assert_peek_is_choose(b: &Balancer, keys: &[u64], now: Instant, what: &str) {
+        for &k in keys {
+            let peeked = b.peek(k, &[], now);
+            let taken = b.choose(k, &[], now);
+            let found = match &taken {
+                Walk::Chosen(c) => Peek::Node {
+                    index: c.index,
+                    distance: c.distance,
+                    shunted: c.shunted,
+                },
+                Walk::Saturated => Peek::Saturated,
+                Walk::Unavailable => Peek::Unavailable,
+            };
+            assert_eq!(peeked, found, "{what}: key {k:x}");
+            // Give a half-open probe back, so every key sees the same state.
+            if let Walk::Chosen(c) = taken {
+                if c.probe {
+                    c.reservation.node().breaker.record(
+                        Outcome::Neutral,
+                        None,
+                        true,
+                        &b.breaker,
+                        now,
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn peek_names_the_node_choose_takes_in_every_state() {
+        let b = balancer(4, 2, None);
+        let s = b.breaker.clone();
+        let keys: Vec<u64> = (0..300u64).map(|i| xxh3_64(&i.to_le_bytes())).collect();
+        let t0 = Instant::now();
+        let at = |secs: u64| t0 + Duration::from_secs(secs);
+        let n0 = &b.members[0].state.breaker;
+        assert_peek_is_choose(&b, &keys, t0, "all closed");
+        // Open: skipped until open_for is over.
+        n0.record(Outcome::Failure, None, false, &s, t0);
+        n0.record(Outcome::Failure, None, false, &s, t0);
+        assert_peek_is_choose(&b, &keys, at(1), "open");
+        // Past open_for: the next asker becomes the half-open probe.
+        assert_peek_is_choose(&b, &keys, at(31), "open, past open_for");
+        // Half-open with its probe out: refused.
+        assert!(matches!(n0.admit(0, &s, at(31)).0, Admission::Probe));
+        assert_peek_is_choose(&b, &keys, at(31), "half-open, probe taken");
+        // Recovering: each canary step admits a share of the keys.
+        n0.record(Outcome::Success, None, true, &s, at(31));
+        assert_eq!(n0.state(), BreakerState::Recovering);
+        for step in 0..4 {
+            assert_peek_is_choose(&b, &keys, at(31 + 10 * step), "recovering");
+        }
+        // Shunting (another node): a fifth of its keys go on, by P90 TTFT.
+        let n1 = &b.members[1].state.breaker;
+        for i in 0..12 {
+            let ttft = Duration::from_millis(if i < 2 { 2200 } else { 400 });
+            n1.record(Outcome::Success, Some(ttft), false, &s, at(80));
+        }
+        assert!(n1.shunt_ratio() > 0.0);
+        assert_peek_is_choose(&b, &keys, at(80), "shunting");
+        // Draining and at cap.
+        b.members[2].state.set_draining(true);
+        assert_peek_is_choose(&b, &keys, at(80), "draining");
+        let held: Vec<Choice> = (0..2)
+            .filter_map(|_| match b.choose(keys[0], &[], at(80)) {
+                Walk::Chosen(c) => Some(c),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(held.len(), 2);
+        assert_peek_is_choose(&b, &keys[..1], at(80), "at cap");
+        drop(held);
     }
 
     #[test]

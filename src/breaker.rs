@@ -228,6 +228,13 @@ fn canary_point(hash: u64) -> f64 {
     (hash & 0xFFFF) as f64 / 65536.0
 }
 
+/// The share of keys a recovering node admits `elapsed` after it started recovering;
+/// `None` once the ramp is over.
+fn canary_share(s: &BreakerSettings, elapsed: Duration) -> Option<f64> {
+    let step = elapsed.as_nanos() / s.canary_step.as_nanos().max(1);
+    s.canary_steps.get(step as usize).copied()
+}
+
 /// A key's position in [0, 65536) for shunting (other bits than the canary's).
 fn shunt_point(hash: u64) -> u32 {
     ((hash >> 16) & 0xFFFF) as u32
@@ -273,6 +280,27 @@ impl Breaker {
         Some((inner.window.quantile(0.5)?, inner.window.quantile(0.9)?))
     }
 
+    /// What [`Breaker::admit`] would answer now, changing nothing (for explanations).
+    pub fn peek(&self, hash: u64, s: &BreakerSettings, now: Instant) -> Admission {
+        if self.state() == BreakerState::Closed {
+            return Admission::Admit;
+        }
+        let inner = self.inner.lock();
+        let elapsed = now.saturating_duration_since(inner.since);
+        match inner.state {
+            BreakerState::Closed => Admission::Admit,
+            BreakerState::Open if elapsed < s.open_for => Admission::Refuse,
+            // Open past `open_for` turns half_open on the next ask.
+            BreakerState::Open => Admission::Probe,
+            BreakerState::HalfOpen if inner.probe_in_flight => Admission::Refuse,
+            BreakerState::HalfOpen => Admission::Probe,
+            BreakerState::Recovering => match canary_share(s, elapsed) {
+                Some(share) if canary_point(hash) >= share => Admission::Refuse,
+                _ => Admission::Admit,
+            },
+        }
+    }
+
     /// Asks whether the node may take a request for `hash`; returns the state it
     /// flipped to, if asking moved it (open → half_open, recovering → closed).
     pub fn admit(
@@ -300,14 +328,12 @@ impl Breaker {
                 Admission::Probe
             }
             BreakerState::Recovering => {
-                let step = (now.saturating_duration_since(inner.since).as_nanos()
-                    / s.canary_step.as_nanos().max(1)) as usize;
-                match s.canary_steps.get(step) {
+                match canary_share(s, now.saturating_duration_since(inner.since)) {
                     None => {
                         flip = self.enter(&mut inner, BreakerState::Closed, now);
                         Admission::Admit
                     }
-                    Some(&share) if canary_point(hash) < share => Admission::Admit,
+                    Some(share) if canary_point(hash) < share => Admission::Admit,
                     Some(_) => Admission::Refuse,
                 }
             }

@@ -1,11 +1,15 @@
 //! The explanation of one request's routing, as `prefixlb route` prints it and
 //! `POST /admin/explain` returns it: pool, key (shortened), hash, the key's successor
-//! walk with each node's load (for a grouped key: the group and its width), and the
-//! node that would be chosen now.
+//! walk with each node's load and state (for a grouped key: the group and its width),
+//! and the node the next request would get, found by the balancer's own side-effect
+//! free [`Balancer::peek`](crate::balance::Balancer::peek), so it is the truth.
 
 use serde::Serialize;
 
+use crate::balance::Peek;
+use crate::config::WhenSaturated;
 use crate::key::Grouping;
+use crate::proxy::outcome::Route;
 use crate::table::{PlanError, Table};
 
 /// Characters of key text shown; the rest is summarised by `key_chars`.
@@ -30,8 +34,12 @@ pub struct Explanation {
     pub group: Option<GroupInfo>,
     /// The key's successor walk, primary first.
     pub successors: Vec<Step>,
-    /// The node the walk would take now (first that accepts and is under its cap).
+    /// The node the next request would get now.
     pub choice: Option<String>,
+    /// How it would get there: `primary`, `spill:N`, `shunt`, or, with no node,
+    /// `queued` (it would wait for a slot), `saturated` (every willing node is at its
+    /// cap) or `unavailable` (no node accepts requests).
+    pub route: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -48,7 +56,12 @@ pub struct Step {
     pub node: String,
     pub in_flight: u32,
     pub cap: u32,
+    /// Healthy and not draining.
     pub accepts_new: bool,
+    /// The node's breaker state.
+    pub breaker: &'static str,
+    /// Its latency shunting diverts this key to a later node.
+    pub shunts_key: bool,
 }
 
 /// Explains how `table` would route a request with this path, key header and body.
@@ -71,13 +84,30 @@ pub fn explain(
                 in_flight: m.state.in_flight(),
                 cap: b.cap_of(m),
                 accepts_new: m.state.accepts_new(),
+                breaker: m.state.breaker.state().as_str(),
+                shunts_key: m.state.breaker.shunts(plan.hash),
             }
         })
         .collect();
-    let choice = successors
-        .iter()
-        .find(|s| s.accepts_new && s.in_flight < s.cap)
-        .map(|s| s.node.clone());
+    let queue_first =
+        table.config.routing.when_saturated == WhenSaturated::Queue && b.load.queued() > 0;
+    let (choice, route) = match b.peek(target, &[], std::time::Instant::now()) {
+        // FIFO: with requests already waiting, a new one joins them.
+        _ if queue_first => (None, "queued".to_string()),
+        Peek::Node {
+            index,
+            distance,
+            shunted,
+        } => {
+            let route = Route::walked(distance, shunted).label();
+            (Some(pool.config.nodes[index].id.clone()), route)
+        }
+        Peek::Saturated if table.config.routing.when_saturated == WhenSaturated::Queue => {
+            (None, "queued".to_string())
+        }
+        Peek::Saturated => (None, "saturated".to_string()),
+        Peek::Unavailable => (None, "unavailable".to_string()),
+    };
     let text = String::from_utf8_lossy(&plan.facts.key);
     let key_chars = text.chars().count();
     let mut key: String = text.chars().take(SHOWN_KEY_CHARS).collect();
@@ -99,5 +129,6 @@ pub fn explain(
         }),
         successors,
         choice,
+        route,
     })
 }
