@@ -1,5 +1,6 @@
 //! The admin listener (default `127.0.0.1:9091`, optional bearer token): liveness and
-//! readiness, node state, routing explanations, and drain/undrain.
+//! readiness (open without the token, for orchestrator probes), metrics, node state,
+//! routing explanations, drain/undrain and reload.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -20,24 +21,26 @@ pub async fn handle(
     _peer: SocketAddr,
 ) -> Response<BoxBody> {
     let table = proxy.table();
+    let path = req.uri().path().to_string();
+    let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
+    match (req.method(), segments.as_slice()) {
+        (&Method::GET, ["healthz"]) => return json_ok(json!({"status": "ok"})),
+        (&Method::GET, ["readyz"]) => return readyz(&proxy),
+        _ => {}
+    }
     if let Some(token) = &table.config.server.admin_token {
-        let expected = format!("Bearer {token}");
-        if req
+        let given = req
             .headers()
             .get(header::AUTHORIZATION)
-            .map(HeaderValue::as_bytes)
-            != Some(expected.as_bytes())
-        {
+            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
+        if !given.is_some_and(|g| token.matches(g)) {
             return error(
                 StatusCode::UNAUTHORIZED,
                 "missing or wrong admin token (Authorization: Bearer …)",
             );
         }
     }
-    let path = req.uri().path().to_string();
-    let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
     match (req.method(), segments.as_slice()) {
-        (&Method::GET, ["healthz"]) => json_ok(json!({"status": "ok"})),
         (&Method::GET, ["metrics"]) => {
             let mut resp = Response::new(full(proxy.metrics().render(&table)));
             resp.headers_mut().insert(
@@ -50,7 +53,6 @@ pub async fn handle(
             Ok(()) => json_ok(json!({"result": "ok"})),
             Err(e) => error(StatusCode::BAD_REQUEST, &e.to_string()),
         },
-        (&Method::GET, ["readyz"]) => readyz(&proxy),
         (&Method::GET, ["admin", "nodes"]) => json_ok(nodes(&proxy)),
         (&Method::POST, ["admin", "explain"]) => explain_request(&proxy, req).await,
         (&Method::POST, ["admin", "nodes", id, action @ ("drain" | "undrain")]) => {

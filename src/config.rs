@@ -30,6 +30,8 @@ pub struct FileConfig {
     pub breaker: BreakerSection,
     #[serde(default)]
     pub health: HealthSection,
+    #[serde(default)]
+    pub auth: AuthSection,
     /// Required: at least one pool.
     #[serde(default)]
     pub pools: Vec<PoolSection>,
@@ -43,10 +45,11 @@ pub struct ServerSection {
     pub listen: Spanned<String>,
     /// Admin listener (metrics, node state, drain). Default `"127.0.0.1:9091"`.
     pub admin_listen: Spanned<String>,
-    /// Bearer token required on the admin listener. Default: none.
-    pub admin_token: Option<String>,
+    /// Bearer token required on the admin listener (not for `/healthz`, `/readyz`).
+    /// Default: none.
+    pub admin_token: Option<Secret>,
     /// Largest request body accepted; beyond it, 413. Default 16 MiB.
-    pub max_body_bytes: u64,
+    pub max_body_bytes: Spanned<u64>,
     /// Longest wait for an engine's response head. Default `"600s"`.
     pub request_timeout: Dur,
     /// TCP connect timeout to an engine. Default `"2s"`.
@@ -55,8 +58,26 @@ pub struct ServerSection {
     pub idle_stream_timeout: Dur,
     /// How long in-flight requests may run after SIGTERM. Default `"30s"`.
     pub shutdown_grace: Dur,
-    /// Reload when the file's mtime changes. Default false.
+    /// Reload when the file's mtime changes (and then stays for a second). Default false.
     pub watch_config: bool,
+    /// Time a client has to send a request head; on a kept-alive HTTP/1.1 connection
+    /// also the longest idle wait for the next request. Default `"10s"`.
+    pub header_read_timeout: Dur,
+    /// Most request header fields (HTTP/1.1; beyond: 431). Default 100.
+    pub max_headers: Spanned<usize>,
+    /// Largest request head in bytes (HTTP/1.1 buffer, HTTP/2 header list). Default 64 KiB.
+    pub max_header_bytes: Spanned<usize>,
+    /// HTTP/2 keep-alive PING interval; a PING unanswered for as long closes the
+    /// connection. Default `"20s"`.
+    pub http2_keep_alive_interval: Dur,
+    /// Open client connections at most; past it, new ones wait in the kernel's backlog.
+    /// Default 10000.
+    pub max_connections: Spanned<usize>,
+    /// Time a client has to send its whole request body (408 after). Default `"30s"`.
+    pub body_read_timeout: Dur,
+    /// Request bytes buffered at once across all connections (queued requests
+    /// included); over it, 503 with `Retry-After`. Default 1 GiB.
+    pub max_buffered_bytes: Spanned<u64>,
 }
 
 impl Default for ServerSection {
@@ -65,12 +86,19 @@ impl Default for ServerSection {
             listen: unspanned("0.0.0.0:8080".to_string()),
             admin_listen: unspanned("127.0.0.1:9091".to_string()),
             admin_token: None,
-            max_body_bytes: 16 * 1024 * 1024,
+            max_body_bytes: unspanned(16 * 1024 * 1024),
             request_timeout: Dur::secs(600),
             connect_timeout: Dur::secs(2),
             idle_stream_timeout: Dur::secs(120),
             shutdown_grace: Dur::secs(30),
             watch_config: false,
+            header_read_timeout: Dur::secs(10),
+            max_headers: unspanned(100),
+            max_header_bytes: unspanned(64 * 1024),
+            http2_keep_alive_interval: Dur::secs(20),
+            max_connections: unspanned(10_000),
+            body_read_timeout: Dur::secs(30),
+            max_buffered_bytes: unspanned(1 << 30),
         }
     }
 }
@@ -97,7 +125,7 @@ pub struct RoutingSection {
     /// What to do when every node is at cap. Default `"queue"`.
     pub when_saturated: WhenSaturated,
     /// Waiting requests per pool before 503. Default 1024.
-    pub max_queue: usize,
+    pub max_queue: Spanned<usize>,
     /// Longest wait in the queue. Default `"30s"`.
     pub queue_timeout: Dur,
     /// Nodes tried per request (first try included). Default 3.
@@ -105,6 +133,9 @@ pub struct RoutingSection {
     /// Ask streams for their usage chunk (and hide it from clients that did not ask),
     /// to count the fleet's real prefix-cache hits. Default true.
     pub track_usage: bool,
+    /// Paths forwarded besides the OpenAI APIs and `/generate` (e.g.
+    /// `"/v1/rerank"`); any other path is answered 404. Default none.
+    pub extra_paths: Spanned<Vec<String>>,
 }
 
 impl Default for RoutingSection {
@@ -118,10 +149,11 @@ impl Default for RoutingSection {
             max_in_flight: unspanned(16),
             load_factor: None,
             when_saturated: WhenSaturated::Queue,
-            max_queue: 1024,
+            max_queue: unspanned(1024),
             queue_timeout: Dur::secs(30),
             max_attempts: unspanned(3),
             track_usage: true,
+            extra_paths: unspanned(Vec::new()),
         }
     }
 }
@@ -139,7 +171,7 @@ pub struct BreakerSection {
     /// Share of slow streams in the window that opens the breaker. Default 0.5.
     pub slow_ratio: Spanned<f64>,
     /// Streams the window needs before it may open the breaker or shunt. Default 10.
-    pub min_samples: usize,
+    pub min_samples: Spanned<usize>,
     /// How far back TTFT samples count. Default `"60s"`.
     pub window: Dur,
     /// Shares of a recovering node's keys admitted, one step per `canary_step`.
@@ -167,7 +199,7 @@ impl Default for BreakerSection {
             open_for: Dur(d.open_for),
             slow_ttft: Dur(d.slow_ttft),
             slow_ratio: unspanned(d.slow_ratio),
-            min_samples: d.min_samples,
+            min_samples: unspanned(d.min_samples),
             window: Dur(d.window),
             canary_steps: unspanned(d.canary_steps),
             canary_step: Dur(d.canary_step),
@@ -195,9 +227,23 @@ pub struct HealthSection {
     /// Time a check may take. Default `"2s"`.
     pub timeout: Dur,
     /// Consecutive failed checks that mark a node down. Default 2.
-    pub unhealthy_after: u32,
+    pub unhealthy_after: Spanned<u32>,
     /// Consecutive passed checks that mark it up again. Default 1.
-    pub healthy_after: u32,
+    pub healthy_after: Spanned<u32>,
+}
+
+/// `[auth]`: optional API keys for the client listener.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AuthSection {
+    /// A file of accepted keys, one per line (`#` comments and blank lines ignored),
+    /// relative to the config file; re-read on every reload. Default: none.
+    pub api_keys_file: Option<Spanned<String>>,
+    /// An environment variable holding accepted keys (separated by commas, spaces or
+    /// newlines). Default: none.
+    pub api_keys_env: Option<Spanned<String>>,
+    /// Remove the client's `Authorization` header before forwarding. Default false.
+    pub strip: bool,
 }
 
 impl Default for HealthSection {
@@ -206,8 +252,8 @@ impl Default for HealthSection {
             path: "/health".into(),
             interval: Dur::secs(5),
             timeout: Dur::secs(2),
-            unhealthy_after: 2,
-            healthy_after: 1,
+            unhealthy_after: unspanned(2),
+            healthy_after: unspanned(1),
         }
     }
 }
@@ -338,7 +384,12 @@ impl<'de> Deserialize<'de> for Dur {
     }
 }
 
-/// Parses `"250ms"`, `"30s"`, `"1.5s"`, `"2m"`, `"1h"`, `"100us"`.
+/// The longest duration any setting takes: far beyond any sensible timeout, and far
+/// from the point where adding it to a clock reading would overflow.
+pub const MAX_DURATION: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// Parses `"250ms"`, `"30s"`, `"1.5s"`, `"2m"`, `"1h"`, `"100us"` (at most
+/// [`MAX_DURATION`]).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let split = s
@@ -360,7 +411,39 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
             ))
         }
     };
-    Ok(Duration::from_secs_f64(secs))
+    match Duration::try_from_secs_f64(secs) {
+        Ok(d) if d <= MAX_DURATION => Ok(d),
+        _ => Err(format!("duration {s:?} is longer than the limit of 7 days")),
+    }
+}
+
+/// A secret (a token or an API key): compared in constant time, never printed.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(s: impl Into<String>) -> Secret {
+        Secret(s.into())
+    }
+
+    /// The secret's bytes, for comparison.
+    pub fn expose(&self) -> &[u8] {
+        self.0.as_bytes()
+    }
+
+    /// Whether `candidate` equals this secret, in time that does not depend on where
+    /// they differ (only on their lengths).
+    pub fn matches(&self, candidate: &[u8]) -> bool {
+        use subtle::ConstantTimeEq;
+        self.expose().ct_eq(candidate).into()
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(<redacted>)")
+    }
 }
 
 // ---------------------------------------------------------------------------------
@@ -374,7 +457,31 @@ pub struct Config {
     pub routing: RoutingConfig,
     pub breaker: BreakerSettings,
     pub health: HealthConfig,
+    pub auth: AuthConfig,
     pub pools: Vec<PoolConfig>,
+}
+
+/// Accepted API keys of the client listener (none: no check).
+#[derive(Debug, Clone, Default)]
+pub struct AuthConfig {
+    pub keys: Vec<Secret>,
+    pub strip: bool,
+}
+
+impl AuthConfig {
+    /// Whether an `Authorization` header value carries an accepted key. Every key is
+    /// compared (no early exit), each in constant time.
+    pub fn admits(&self, authorization: Option<&[u8]>) -> bool {
+        if self.keys.is_empty() {
+            return true;
+        }
+        let Some(token) = authorization.and_then(|v| v.strip_prefix(b"Bearer ")) else {
+            return false;
+        };
+        self.keys
+            .iter()
+            .fold(false, |ok, key| key.matches(token) | ok)
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -390,13 +497,20 @@ pub struct HealthConfig {
 pub struct ServerConfig {
     pub listen: SocketAddr,
     pub admin_listen: SocketAddr,
-    pub admin_token: Option<String>,
+    pub admin_token: Option<Secret>,
     pub max_body_bytes: usize,
     pub request_timeout: Duration,
     pub connect_timeout: Duration,
     pub idle_stream_timeout: Duration,
     pub shutdown_grace: Duration,
     pub watch_config: bool,
+    pub header_read_timeout: Duration,
+    pub max_headers: usize,
+    pub max_header_bytes: usize,
+    pub http2_keep_alive_interval: Duration,
+    pub max_connections: usize,
+    pub body_read_timeout: Duration,
+    pub max_buffered_bytes: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -414,6 +528,7 @@ pub struct RoutingConfig {
     pub queue_timeout: Duration,
     pub max_attempts: u32,
     pub track_usage: bool,
+    pub extra_paths: Vec<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -494,7 +609,8 @@ impl Config {
         };
         let raw: FileConfig =
             toml::from_str(text).map_err(|e| at(e.span(), e.message().trim().to_string()))?;
-        validate(raw).map_err(|(span, msg)| at(span, msg))
+        let dir = Path::new(file).parent().unwrap_or(Path::new(""));
+        validate(raw, dir).map_err(|(span, msg)| at(span, msg))
     }
 }
 
@@ -509,11 +625,36 @@ fn invalid<T>(span: Range<usize>, msg: impl Into<String>) -> Result<T, Invalid> 
     Err((span, msg.into()))
 }
 
-fn validate(raw: FileConfig) -> Result<Config, Invalid> {
+/// `value` if it lies in `range`, else an error at its span.
+fn within<T>(
+    value: &Spanned<T>,
+    range: std::ops::RangeInclusive<T>,
+    key: &str,
+) -> Result<T, Invalid>
+where
+    T: PartialOrd + Copy + fmt::Display,
+{
+    let v = *value.get_ref();
+    if range.contains(&v) {
+        Ok(v)
+    } else {
+        invalid(
+            value.span(),
+            format!(
+                "{key} {v} is out of range {}..={}",
+                range.start(),
+                range.end()
+            ),
+        )
+    }
+}
+
+fn validate(raw: FileConfig, dir: &Path) -> Result<Config, Invalid> {
     let server = validate_server(raw.server)?;
     let routing = validate_routing(raw.routing)?;
     let breaker = validate_breaker(raw.breaker)?;
     let health = validate_health(raw.health)?;
+    let auth = validate_auth(raw.auth, dir)?;
     if raw.pools.is_empty() {
         return invalid(
             0..0,
@@ -620,15 +761,67 @@ fn validate(raw: FileConfig) -> Result<Config, Invalid> {
         routing,
         breaker,
         health,
+        auth,
         pools,
     })
 }
 
-fn validate_breaker(b: BreakerSection) -> Result<BreakerSettings, Invalid> {
-    if *b.failure_threshold.get_ref() == 0 {
+fn validate_auth(a: AuthSection, dir: &Path) -> Result<AuthConfig, Invalid> {
+    let mut keys = Vec::new();
+    let mut configured = None;
+    if let Some(file) = &a.api_keys_file {
+        let path = dir.join(file.get_ref());
+        let text = std::fs::read_to_string(&path).or_else(|e| {
+            invalid(
+                file.span(),
+                format!("api_keys_file {}: {e}", path.display()),
+            )
+        })?;
+        keys.extend(
+            text.lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                .map(Secret::new),
+        );
+        configured = Some(file.span());
+    }
+    if let Some(var) = &a.api_keys_env {
+        let value = std::env::var(var.get_ref()).or_else(|_| {
+            invalid(
+                var.span(),
+                format!(
+                    "api_keys_env: environment variable {} is not set",
+                    var.get_ref()
+                ),
+            )
+        })?;
+        keys.extend(
+            value
+                .split(|c: char| c == ',' || c.is_whitespace())
+                .filter(|k| !k.is_empty())
+                .map(Secret::new),
+        );
+        configured = Some(var.span());
+    }
+    if let (Some(span), true) = (configured, keys.is_empty()) {
         return invalid(
-            b.failure_threshold.span(),
-            "failure_threshold must be at least 1",
+            span,
+            "[auth] names no API keys: every request would be refused",
+        );
+    }
+    Ok(AuthConfig {
+        keys,
+        strip: a.strip,
+    })
+}
+
+fn validate_breaker(b: BreakerSection) -> Result<BreakerSettings, Invalid> {
+    let failure_threshold = within(&b.failure_threshold, 1..=1000, "failure_threshold")?;
+    let min_samples = within(&b.min_samples, 1..=512, "min_samples")?;
+    if b.canary_steps.get_ref().len() > 64 || b.shunt_steps.get_ref().len() > 16 {
+        return invalid(
+            b.canary_steps.span(),
+            "at most 64 canary_steps and 16 shunt_steps",
         );
     }
     let ratio = *b.slow_ratio.get_ref();
@@ -668,11 +861,11 @@ fn validate_breaker(b: BreakerSection) -> Result<BreakerSettings, Invalid> {
         );
     }
     Ok(BreakerSettings {
-        failure_threshold: *b.failure_threshold.get_ref(),
+        failure_threshold,
         open_for: b.open_for.0,
         slow_ttft: b.slow_ttft.0,
         slow_ratio: ratio,
-        min_samples: b.min_samples.max(1),
+        min_samples,
         window: b.window.0,
         canary_steps: steps.clone(),
         canary_step: b.canary_step.0,
@@ -703,8 +896,8 @@ fn validate_health(h: HealthSection) -> Result<HealthConfig, Invalid> {
         path: h.path,
         interval: h.interval.0,
         timeout: h.timeout.0,
-        unhealthy_after: h.unhealthy_after.max(1),
-        healthy_after: h.healthy_after.max(1),
+        unhealthy_after: within(&h.unhealthy_after, 1..=1000, "unhealthy_after")?,
+        healthy_after: within(&h.healthy_after, 1..=1000, "healthy_after")?,
     })
 }
 
@@ -720,16 +913,43 @@ fn validate_server(s: ServerSection) -> Result<ServerConfig, Invalid> {
             )
         })
     };
+    const GIB: u64 = 1 << 30;
+    let max_body_bytes = within(&s.max_body_bytes, 1..=GIB, "max_body_bytes")?;
+    let max_buffered_bytes = within(&s.max_buffered_bytes, 1..=1024 * GIB, "max_buffered_bytes")?;
+    if max_buffered_bytes < max_body_bytes {
+        return invalid(
+            s.max_buffered_bytes.span(),
+            format!("max_buffered_bytes {max_buffered_bytes} is below max_body_bytes {max_body_bytes}: no body that size could be read"),
+        );
+    }
+    let positive = [
+        (s.request_timeout, "request_timeout"),
+        (s.connect_timeout, "connect_timeout"),
+        (s.idle_stream_timeout, "idle_stream_timeout"),
+        (s.header_read_timeout, "header_read_timeout"),
+        (s.http2_keep_alive_interval, "http2_keep_alive_interval"),
+        (s.body_read_timeout, "body_read_timeout"),
+    ];
+    if let Some((_, key)) = positive.iter().find(|(d, _)| d.0.is_zero()) {
+        return invalid(0..0, format!("server.{key} must be longer than 0"));
+    }
     Ok(ServerConfig {
         listen: addr(&s.listen, "listen")?,
         admin_listen: addr(&s.admin_listen, "admin_listen")?,
-        admin_token: s.admin_token.filter(|t| !t.is_empty()),
-        max_body_bytes: s.max_body_bytes.min(usize::MAX as u64) as usize,
+        admin_token: s.admin_token.filter(|t| !t.expose().is_empty()),
+        max_body_bytes: max_body_bytes as usize,
         request_timeout: s.request_timeout.0,
         connect_timeout: s.connect_timeout.0,
         idle_stream_timeout: s.idle_stream_timeout.0,
         shutdown_grace: s.shutdown_grace.0,
         watch_config: s.watch_config,
+        header_read_timeout: s.header_read_timeout.0,
+        max_headers: within(&s.max_headers, 1..=10_000, "max_headers")?,
+        max_header_bytes: within(&s.max_header_bytes, 8192..=16 << 20, "max_header_bytes")?,
+        http2_keep_alive_interval: s.http2_keep_alive_interval.0,
+        max_connections: within(&s.max_connections, 1..=1_000_000, "max_connections")?,
+        body_read_timeout: s.body_read_timeout.0,
+        max_buffered_bytes: max_buffered_bytes as usize,
     })
 }
 
@@ -741,21 +961,18 @@ fn validate_routing(r: RoutingSection) -> Result<RoutingConfig, Invalid> {
                 format!("key_header {:?} is not a valid header name", r.key_header),
             )
         })?;
-    if *r.prefix_chars.get_ref() == 0 {
-        return invalid(r.prefix_chars.span(), "prefix_chars must be at least 1");
-    }
-    let vnodes = *r.vnodes.get_ref();
-    if !(1..=10_000).contains(&vnodes) {
-        return invalid(
-            r.vnodes.span(),
-            format!("vnodes {vnodes} is out of range 1..=10000"),
-        );
-    }
-    if *r.max_in_flight.get_ref() == 0 {
-        return invalid(r.max_in_flight.span(), "max_in_flight must be at least 1");
-    }
-    if *r.max_attempts.get_ref() == 0 {
-        return invalid(r.max_attempts.span(), "max_attempts must be at least 1");
+    let prefix_chars = within(&r.prefix_chars, 1..=1 << 20, "prefix_chars")?;
+    let vnodes = within(&r.vnodes, 1..=10_000, "vnodes")?;
+    let max_in_flight = within(&r.max_in_flight, 1..=100_000, "max_in_flight")?;
+    let max_attempts = within(&r.max_attempts, 1..=16, "max_attempts")?;
+    let max_queue = within(&r.max_queue, 0..=1_000_000, "max_queue")?;
+    for p in r.extra_paths.get_ref() {
+        if !p.starts_with('/') || p.contains(['?', '#']) {
+            return invalid(
+                r.extra_paths.span(),
+                format!("extra_paths entry {p:?} must be a path like \"/v1/rerank\""),
+            );
+        }
     }
     let load_factor = match r.load_factor {
         Some(lf) if !(*lf.get_ref() >= 1.0 && lf.get_ref().is_finite()) => {
@@ -769,17 +986,18 @@ fn validate_routing(r: RoutingSection) -> Result<RoutingConfig, Invalid> {
     };
     Ok(RoutingConfig {
         key: r.key,
-        prefix_chars: *r.prefix_chars.get_ref(),
+        prefix_chars,
         key_header,
         hash_seed: r.hash_seed,
         vnodes,
-        max_in_flight: *r.max_in_flight.get_ref(),
+        max_in_flight,
         load_factor,
         when_saturated: r.when_saturated,
-        max_queue: r.max_queue,
+        max_queue,
         queue_timeout: r.queue_timeout.0,
-        max_attempts: *r.max_attempts.get_ref(),
+        max_attempts,
         track_usage: r.track_usage,
+        extra_paths: r.extra_paths.into_inner(),
     })
 }
 
@@ -890,6 +1108,80 @@ nodes = [{ id = "a", url = "http://127.0.0.1:8001" }]
 
         let lf = err("[routing]\nload_factor=0.5\n[[pools]]\nname=\"p\"\nnodes=[{id=\"a\",url=\"http://h:1\"}]\n");
         assert_eq!(lf.line, 2);
+    }
+
+    #[test]
+    fn secrets_never_print() {
+        let c = Config::parse(
+            &format!("[server]\nadmin_token = \"tok-3f9a\"\n{MIN}"),
+            "t.toml",
+        )
+        .unwrap();
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("tok-3f9a"), "{shown}");
+        assert!(c.server.admin_token.unwrap().matches(b"tok-3f9a"));
+    }
+
+    #[test]
+    fn values_are_bounded_where_they_are_written() {
+        for (line, key) in [
+            ("[server]\nrequest_timeout = \"1e999s\"", "unit"),
+            (
+                "[server]\nrequest_timeout = \"99999999999999999999999s\"",
+                "limit",
+            ),
+            ("[server]\nconnect_timeout = \"8d\"", "unit"),
+            (
+                "[server]\nmax_body_bytes = 99999999999999",
+                "max_body_bytes",
+            ),
+            ("[server]\nmax_connections = 0", "max_connections"),
+            ("[routing]\nmax_attempts = 100", "max_attempts"),
+            ("[routing]\nprefix_chars = 9999999999", "prefix_chars"),
+            ("[breaker]\nmin_samples = 100000", "min_samples"),
+            ("[health]\nunhealthy_after = 0", "unhealthy_after"),
+            ("[routing]\nextra_paths = [\"v1/x\"]", "extra_paths"),
+        ] {
+            let e = err(&format!("{line}\n{MIN}"));
+            assert_eq!(e.line, 2, "{line}: {e}");
+            assert!(e.message.contains(key), "{line}: {e}");
+        }
+        assert_eq!(
+            parse_duration("168h").unwrap(),
+            MAX_DURATION,
+            "7 days is the limit"
+        );
+        assert!(parse_duration("169h").is_err());
+    }
+
+    #[test]
+    fn api_keys_come_from_a_file_and_the_environment() {
+        let dir = std::env::temp_dir().join(format!("prefixlb-keys-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("keys"), "# comment\n  k1  \n\nk2\n").unwrap();
+        std::env::set_var("PREFIXLB_UNIT_KEYS", "k3,k4 k5");
+        let text = format!(
+            "[auth]\napi_keys_file = \"keys\"\napi_keys_env = \"PREFIXLB_UNIT_KEYS\"\n{MIN}"
+        );
+        let file = dir.join("c.toml");
+        let c = Config::parse(&text, file.to_str().unwrap()).unwrap();
+        assert_eq!(c.auth.keys.len(), 5);
+        for k in ["k1", "k2", "k3", "k5"] {
+            assert!(c.auth.admits(Some(format!("Bearer {k}").as_bytes())), "{k}");
+        }
+        assert!(!c.auth.admits(Some(b"Bearer k6")));
+        assert!(!c.auth.admits(Some(b"k1")), "the Bearer scheme is required");
+        assert!(!c.auth.admits(None));
+        assert!(
+            Config::parse(MIN, "t").unwrap().auth.admits(None),
+            "no keys: open"
+        );
+        let missing = err(&format!("[auth]\napi_keys_file = \"nope\"\n{MIN}"));
+        assert_eq!(missing.line, 2);
+        let unset = err(&format!(
+            "[auth]\napi_keys_env = \"PREFIXLB_UNSET_VAR_1\"\n{MIN}"
+        ));
+        assert!(unset.message.contains("not set"), "{unset}");
     }
 
     #[test]

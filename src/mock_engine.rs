@@ -61,8 +61,11 @@ pub enum FaultMode {
     Stall,
     /// Add `ttft_ms` before the first token.
     Slow,
-    /// End the stream with no content.
+    /// End the stream with no content and no `finish_reason` (a broken engine).
     Empty,
+    /// Answer a stream with a 400 inside it: an SSE error event with code 400 after the
+    /// role chunk (how SGLang reports some bad requests).
+    ClientError,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize, serde::Serialize, Default)]
@@ -85,6 +88,8 @@ pub struct MockEngine {
     running: AtomicU64,
     peak_running: AtomicU64,
     requests: AtomicU64,
+    /// Every HTTP request received, whatever its path.
+    http_requests: AtomicU64,
     cancelled: AtomicU64,
     prompt_tokens: AtomicU64,
     cached_tokens: AtomicU64,
@@ -143,6 +148,7 @@ impl MockEngine {
             running: AtomicU64::new(0),
             peak_running: AtomicU64::new(0),
             requests: AtomicU64::new(0),
+            http_requests: AtomicU64::new(0),
             cancelled: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
             cached_tokens: AtomicU64::new(0),
@@ -164,12 +170,16 @@ impl MockEngine {
             },
             shutdown,
             Duration::from_secs(1),
+            crate::server::ConnLimits::default(),
         )
         .await;
     }
 
     async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<BoxBody> {
         let path = req.uri().path().to_string();
+        if !matches!(path.as_str(), "/metrics" | "/health" | "/mock/fault") {
+            self.http_requests.fetch_add(1, Ordering::Relaxed);
+        }
         let mut resp = match (req.method(), path.as_str()) {
             (&Method::GET, "/health") => match self.fault.lock().mode {
                 FaultMode::Error => text(StatusCode::SERVICE_UNAVAILABLE, "unhealthy"),
@@ -230,6 +240,12 @@ impl MockEngine {
         let fault = *self.fault.lock();
         if fault.mode == FaultMode::Error {
             return error(StatusCode::INTERNAL_SERVER_ERROR, "injected fault: error");
+        }
+        if fault.mode == FaultMode::ClientError && !job.stream {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "injected fault: this request is invalid",
+            );
         }
 
         if job.stream {
@@ -322,7 +338,16 @@ impl MockEngine {
                 tx.closed().await;
                 return self.cancel();
             }
-            FaultMode::Empty => 0,
+            FaultMode::Empty => {
+                let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+                return;
+            }
+            FaultMode::ClientError => {
+                let event = json!({"error": {"message": "injected fault: this request is invalid", "type": "BadRequestError", "code": 400}});
+                let _ = tx.send(Bytes::from(format!("data: {event}\n\n"))).await;
+                let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+                return;
+            }
             _ => job.max_tokens,
         };
         let first = plan.first_token() + slow_extra(fault);
@@ -419,6 +444,12 @@ impl MockEngine {
                 "counter",
                 "Generation requests received.",
                 self.requests.load(Ordering::Relaxed),
+            ),
+            g(
+                "mock_engine_http_requests_total",
+                "counter",
+                "HTTP requests received on any path but /metrics, /health and /mock/fault.",
+                self.http_requests.load(Ordering::Relaxed),
             ),
             g(
                 "mock_engine_cancelled_total",

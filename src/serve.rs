@@ -46,6 +46,14 @@ pub async fn run_on(
     shutdown: impl Future<Output = ()>,
 ) {
     let grace = config.server.shutdown_grace;
+    let limits = server::ConnLimits::of(&config.server);
+    let admin_addr = admin_listener.local_addr().ok();
+    if config.server.admin_token.is_none() && admin_addr.is_some_and(|a| !a.ip().is_loopback()) {
+        tracing::warn!(
+            admin_listen = ?admin_addr,
+            "the admin listener is not on loopback and has no admin_token: anyone who can reach it can drain nodes and reload the config"
+        );
+    }
     let proxy = Proxy::new(config, source);
 
     // Admin and health checks outlive the client listener: /readyz says 503 while
@@ -62,6 +70,7 @@ pub async fn run_on(
                 let _ = admin_stop.wait_for(|stop| *stop).await;
             },
             std::time::Duration::from_secs(1),
+            server::ConnLimits::default(),
         ))
     };
 
@@ -79,6 +88,7 @@ pub async fn run_on(
         move |req, peer| handler_proxy.clone().handle(req, peer),
         stopping,
         grace,
+        limits,
     )
     .await;
     let _ = admin_stop_tx.send(true);
@@ -88,14 +98,17 @@ pub async fn run_on(
     tracing::info!("stopped");
 }
 
-/// Reloads the config on SIGHUP, and on a change of the file's mtime when
-/// `server.watch_config` is on (polled every second: no watcher dependency needed).
+/// Reloads the config on SIGHUP, and when `server.watch_config` is on, on a change of
+/// the file's mtime that has held for one poll (polled every second: no watcher
+/// dependency needed), so a file still being written is not applied half-way.
 async fn reload_triggers(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
     let Some(path) = proxy.source().map(PathBuf::from) else {
         return;
     };
     let mtime = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    let mut seen = mtime(&path);
+    // The mtime last applied, and the one seen at the previous poll.
+    let mut applied = mtime(&path);
+    let mut previous = applied;
     #[cfg(unix)]
     let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
     loop {
@@ -110,25 +123,31 @@ async fn reload_triggers(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
         };
         #[cfg(not(unix))]
         let sighup = std::future::pending::<()>();
-        tokio::select! {
-            _ = sighup => {
-                tracing::info!("SIGHUP: reloading the config");
-                let _ = proxy.reload();
-                seen = mtime(&path);
-            }
-            _ = tokio::time::sleep(Duration::from_secs(1)) => {
-                if proxy.table().config.server.watch_config {
-                    let now = mtime(&path);
-                    if now != seen {
-                        seen = now;
-                        tracing::info!("config file changed: reloading");
-                        let _ = proxy.reload();
-                    }
-                }
-            }
+        let hup = tokio::select! {
+            _ = sighup => true,
+            _ = tokio::time::sleep(Duration::from_secs(1)) => false,
             _ = stop.wait_for(|s| *s) => return,
+        };
+        let now = mtime(&path);
+        if hup {
+            tracing::info!("SIGHUP: reloading the config");
+        } else if !(proxy.table().config.server.watch_config && now != applied && now == previous) {
+            previous = now;
+            continue;
+        } else {
+            tracing::info!("config file changed: reloading");
         }
+        applied = now;
+        previous = now;
+        spawn_reload(&proxy).await;
     }
+}
+
+/// Runs a reload (file I/O and a table build) off the async workers.
+async fn spawn_reload(proxy: &Arc<Proxy>) {
+    let proxy = proxy.clone();
+    // The outcome is logged and counted by `reload`.
+    let _ = tokio::task::spawn_blocking(move || proxy.reload()).await;
 }
 
 async fn bind(addr: SocketAddr, key: &str) -> std::io::Result<TcpListener> {

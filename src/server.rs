@@ -1,21 +1,95 @@
 //! The HTTP accept loop shared by the balancer, the admin listener and `mock-engine`:
-//! hyper-util's `auto` server (HTTP/1.1 and h2c), back-off after accept errors, and a
-//! graceful shutdown that lets open connections finish within a grace period.
+//! hyper-util's `auto` server (HTTP/1.1 and h2c) with the limits a public port needs
+//! ([`ConnLimits`]), back-off after accept errors, and a graceful shutdown that lets
+//! open connections finish within a grace period.
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::io;
 use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use hyper::body::Incoming;
+use hyper::rt::{Read, ReadBufCursor, Write};
 use hyper::service::service_fn;
 use hyper::{Request, Response};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tokio::time::Sleep;
 
 use crate::body::BoxBody;
+use crate::config::ServerConfig;
+
+/// Per-listener connection limits.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnLimits {
+    /// Time to receive a request head. It also bounds a new connection's first bytes
+    /// (before the protocol is known) and, on a kept-alive HTTP/1.1 connection, the
+    /// idle wait for the next request (hyper starts the timer when it goes idle).
+    pub header_read_timeout: Duration,
+    /// Most HTTP/1.1 header fields (beyond: 431).
+    pub max_headers: usize,
+    /// Largest request head: HTTP/1.1 read buffer, HTTP/2 header list.
+    pub max_header_bytes: usize,
+    /// HTTP/2 keep-alive PING interval, and the time to answer one.
+    pub http2_keep_alive_interval: Duration,
+    /// Open connections at most; past it, new ones wait in the kernel's backlog.
+    pub max_connections: usize,
+    /// A response write the client does not take for this long closes the connection
+    /// (so a client that stops reading cannot hold a node's slot).
+    pub write_stall_timeout: Duration,
+}
+
+impl Default for ConnLimits {
+    fn default() -> Self {
+        ConnLimits {
+            header_read_timeout: Duration::from_secs(10),
+            max_headers: 100,
+            max_header_bytes: 64 * 1024,
+            http2_keep_alive_interval: Duration::from_secs(20),
+            max_connections: 10_000,
+            write_stall_timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+impl ConnLimits {
+    /// The balancer listener's limits from `[server]`.
+    pub fn of(s: &ServerConfig) -> ConnLimits {
+        ConnLimits {
+            header_read_timeout: s.header_read_timeout,
+            max_headers: s.max_headers,
+            max_header_bytes: s.max_header_bytes,
+            http2_keep_alive_interval: s.http2_keep_alive_interval,
+            max_connections: s.max_connections,
+            write_stall_timeout: s.idle_stream_timeout,
+        }
+    }
+
+    fn builder(&self) -> auto::Builder<TokioExecutor> {
+        let mut builder = auto::Builder::new(TokioExecutor::new());
+        builder
+            .http1()
+            .timer(TokioTimer::new())
+            .header_read_timeout(self.header_read_timeout)
+            .max_headers(self.max_headers)
+            .max_buf_size(self.max_header_bytes.max(8192));
+        builder
+            .http2()
+            .timer(TokioTimer::new())
+            .keep_alive_interval(self.http2_keep_alive_interval)
+            .keep_alive_timeout(self.http2_keep_alive_interval)
+            .max_header_list_size(self.max_header_bytes.min(u32::MAX as usize) as u32);
+        builder
+    }
+}
 
 /// Serves `handler` on `listener` until `shutdown` resolves, then waits up to `grace`
 /// for open connections (and their streams) to finish.
@@ -24,44 +98,72 @@ pub async fn serve<H, F>(
     handler: H,
     shutdown: impl Future<Output = ()>,
     grace: Duration,
+    limits: ConnLimits,
 ) where
     H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<BoxBody>> + Send + 'static,
 {
-    let builder = auto::Builder::new(TokioExecutor::new());
+    let builder = limits.builder();
     let graceful = GracefulShutdown::new();
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
     let mut shutdown = std::pin::pin!(shutdown);
     let mut backoff = Duration::from_millis(5);
     loop {
-        tokio::select! {
-            accepted = listener.accept() => {
-                let (stream, peer) = match accepted {
-                    Ok(conn) => conn,
-                    Err(e) => {
-                        // Typically EMFILE: wait for descriptors to free instead of spinning.
-                        tracing::warn!(error = %e, "accept failed; backing off {backoff:?}");
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff * 2).min(Duration::from_secs(1));
-                        continue;
-                    }
-                };
-                backoff = Duration::from_millis(5);
-                let _ = stream.set_nodelay(true);
-                let handler = handler.clone();
-                let service = service_fn(move |req| {
-                    let response = handler(req, peer);
-                    async move { Ok::<_, Infallible>(response.await) }
-                });
-                let conn = builder.serve_connection(TokioIo::new(stream), service).into_owned();
-                let conn = graceful.watch(conn);
-                tokio::spawn(async move {
-                    if let Err(e) = conn.await {
-                        tracing::debug!(%peer, error = %e, "connection ended with an error");
-                    }
-                });
-            }
+        // At the connection cap, stop accepting: new clients wait in the backlog.
+        let slot = tokio::select! {
+            slot = slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
             _ = &mut shutdown => break,
-        }
+        };
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(conn) => conn,
+                Err(e) => {
+                    // Typically EMFILE: wait for descriptors to free instead of spinning.
+                    tracing::warn!(error = %e, "accept failed; backing off {backoff:?}");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        backoff = Duration::from_millis(5);
+        let _ = stream.set_nodelay(true);
+        let handler = handler.clone();
+        let asked = Arc::new(AtomicBool::new(false));
+        let service = {
+            let asked = asked.clone();
+            service_fn(move |req| {
+                asked.store(true, Ordering::Relaxed);
+                let response = handler(req, peer);
+                async move { Ok::<_, Infallible>(response.await) }
+            })
+        };
+        let io = WriteWatch::new(TokioIo::new(stream), limits.write_stall_timeout);
+        let conn = builder.serve_connection(io, service).into_owned();
+        let conn = graceful.watch(conn);
+        let first_request = limits.header_read_timeout;
+        tokio::spawn(async move {
+            let _slot = slot;
+            let mut conn = std::pin::pin!(conn);
+            // hyper's header timer starts only once it knows the protocol; bound the
+            // bytes before that (and an h2 client that never asks) here.
+            let ended = tokio::select! {
+                ended = conn.as_mut() => Some(ended),
+                _ = tokio::time::sleep(first_request) => None,
+            };
+            let ended = match ended {
+                Some(ended) => ended,
+                None if !asked.load(Ordering::Relaxed) => {
+                    tracing::debug!(%peer, "no request within header_read_timeout; closing");
+                    return;
+                }
+                None => conn.await,
+            };
+            if let Err(e) = ended {
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            }
+        });
     }
     drop(listener);
     tokio::select! {
@@ -69,6 +171,88 @@ pub async fn serve<H, F>(
         _ = tokio::time::sleep(grace) => {
             tracing::warn!("shutdown grace of {grace:?} ran out; closing the remaining connections");
         }
+    }
+}
+
+/// A client connection whose writes fail once the client has taken nothing for
+/// `stall` while we had bytes to send: hyper then closes the connection, which drops
+/// the response body (and so the upstream exchange and the node's slot).
+struct WriteWatch {
+    inner: TokioIo<TcpStream>,
+    stall: Duration,
+    /// Armed when a write first has to wait.
+    waiting: Option<Pin<Box<Sleep>>>,
+}
+
+impl WriteWatch {
+    fn new(inner: TokioIo<TcpStream>, stall: Duration) -> Self {
+        WriteWatch {
+            inner,
+            stall,
+            waiting: None,
+        }
+    }
+
+    /// Passes a write's result on, turning a wait longer than `stall` into an error.
+    fn watch<T>(&mut self, cx: &mut Context<'_>, poll: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+        if poll.is_ready() {
+            self.waiting = None;
+            return poll;
+        }
+        let stall = self.stall;
+        let timer = self
+            .waiting
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(stall)));
+        if timer.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("the client took no response bytes for {stall:?}"),
+            )));
+        }
+        Poll::Pending
+    }
+}
+
+impl Read for WriteWatch {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: ReadBufCursor<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl Write for WriteWatch {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let poll = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.watch(cx, poll)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let poll = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.watch(cx, poll)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let poll = Pin::new(&mut self.inner).poll_flush(cx);
+        self.watch(cx, poll)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
 

@@ -59,7 +59,10 @@ pub struct Table {
 /// Why no pool can take a request.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PoolError {
-    #[error("The model `{model}` does not exist. Available models: {available}")]
+    #[error(
+        "The model `{}` does not exist. Available models: {available}",
+        crate::proxy::clip(model)
+    )]
     UnknownModel { model: String, available: String },
     #[error("'model' is required: this balancer serves several pools ({available})")]
     ModelRequired { available: String },

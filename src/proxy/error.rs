@@ -1,6 +1,6 @@
 //! The proxy's one error type and its mapping to an OpenAI-style JSON response
-//! (`{"error": {"message", "type", "code"}}`) with the right status. Each error says
-//! whether the node is to blame (counts against it) or the client is.
+//! (`{"error": {"message", "type", "code"}}`) with the right status. Text that came
+//! from a client or an engine is [`clip`]ped before it is echoed or logged.
 
 use http::{header, HeaderValue, Response, StatusCode};
 use serde_json::json;
@@ -22,6 +22,14 @@ pub enum ProxyError {
     UnsupportedMediaType(String),
     #[error("method {method} is not allowed on {path}; use POST")]
     MethodNotAllowed { method: String, path: String },
+    #[error("invalid URL ({method} {path}): this balancer serves /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings, /generate and /v1/models")]
+    UnknownPath { method: String, path: String },
+    #[error("missing or invalid API key (send Authorization: Bearer <key>)")]
+    Unauthorized,
+    #[error("the request body did not arrive within {after_ms} ms (server.body_read_timeout)")]
+    BodyTimeout { after_ms: u128 },
+    #[error("the balancer is holding its limit of request bytes (server.max_buffered_bytes); retry shortly")]
+    BufferFull,
     #[error("all nodes of pool `{pool}` are at their in-flight cap")]
     Saturated { pool: String },
     #[error("the queue of pool `{pool}` is full ({max} requests waiting)")]
@@ -45,6 +53,9 @@ impl ProxyError {
                 StatusCode::NOT_FOUND
             }
             ProxyError::Plan(_) | ProxyError::BodyRead(_) => StatusCode::BAD_REQUEST,
+            ProxyError::UnknownPath { .. } => StatusCode::NOT_FOUND,
+            ProxyError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ProxyError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
@@ -52,6 +63,7 @@ impl ProxyError {
             | ProxyError::QueueFull { .. }
             | ProxyError::QueueTimeout { .. }
             | ProxyError::NoNode { .. }
+            | ProxyError::BufferFull
             | ProxyError::Busy { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
             ProxyError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
@@ -79,6 +91,10 @@ impl ProxyError {
             ProxyError::BodyTooLarge { .. } => "request_too_large",
             ProxyError::UnsupportedMediaType(_) => "unsupported_media_type",
             ProxyError::MethodNotAllowed { .. } => "method_not_allowed",
+            ProxyError::UnknownPath { .. } => "unknown_url",
+            ProxyError::Unauthorized => "invalid_api_key",
+            ProxyError::BodyTimeout { .. } => "body_read_timeout",
+            ProxyError::BufferFull => "buffer_full",
             ProxyError::Saturated { .. } => "saturated",
             ProxyError::QueueFull { .. } => "queue_full",
             ProxyError::QueueTimeout { .. } => "queue_timeout",
@@ -93,6 +109,23 @@ impl ProxyError {
     pub fn retry_after(&self) -> Option<u32> {
         (self.status() == StatusCode::SERVICE_UNAVAILABLE).then_some(1)
     }
+}
+
+/// Most characters of client- or engine-controlled text echoed in an error or a log.
+pub const CLIP_CHARS: usize = 256;
+
+/// Client- or engine-controlled text made safe to echo: at most [`CLIP_CHARS`]
+/// characters (then `…`), control characters, quotes and backslashes escaped.
+pub fn clip(text: &str) -> String {
+    let mut out = String::with_capacity(text.len().min(CLIP_CHARS + 8));
+    let mut chars = text.chars();
+    for c in chars.by_ref().take(CLIP_CHARS) {
+        out.extend(c.escape_debug());
+    }
+    if chars.next().is_some() {
+        out.push('…');
+    }
+    out
 }
 
 impl From<ProxyError> for Response<BoxBody> {
@@ -159,6 +192,23 @@ mod tests {
                 None,
             ),
             (
+                ProxyError::UnknownPath {
+                    method: "POST".into(),
+                    path: "/flush_cache".into(),
+                },
+                404,
+                "unknown_url",
+                None,
+            ),
+            (ProxyError::Unauthorized, 401, "invalid_api_key", None),
+            (
+                ProxyError::BodyTimeout { after_ms: 30_000 },
+                408,
+                "body_read_timeout",
+                None,
+            ),
+            (ProxyError::BufferFull, 503, "buffer_full", Some("1")),
+            (
                 ProxyError::Saturated { pool: "p".into() },
                 503,
                 "saturated",
@@ -188,5 +238,13 @@ mod tests {
             assert!(body["error"]["type"].is_string());
             assert_eq!(r.as_deref(), retry);
         }
+    }
+
+    #[test]
+    fn clipped_text_is_short_and_escaped() {
+        assert_eq!(clip("gpt-5"), "gpt-5");
+        assert_eq!(clip("a\nb\"c\u{7}"), "a\\nb\\\"c\\u{7}");
+        let long = "x".repeat(1000);
+        assert_eq!(clip(&long).chars().count(), CLIP_CHARS + 1);
     }
 }

@@ -1,6 +1,6 @@
 //! Header rules: hop-by-hop headers are stripped in both directions (RFC 9110 §7.6.1),
 //! the client's address is appended to `x-forwarded-for`, and everything else (the
-//! client's `Authorization` included) passes through unchanged.
+//! client's `Authorization` included, unless `auth.strip`) passes through unchanged.
 
 use std::net::SocketAddr;
 
@@ -41,13 +41,17 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 }
 
 /// The headers sent to an engine: the client's, minus hop-by-hop, `host` (the client
-/// sets it from the engine URL) and `content-length` (set from the body), plus the
-/// client's address in `x-forwarded-for`.
-pub fn upstream_headers(client: &HeaderMap, peer: SocketAddr) -> HeaderMap {
+/// sets it from the engine URL), `content-length` (set from the body) and, with
+/// `strip_auth` (`auth.strip`), `authorization`; plus the client's address in
+/// `x-forwarded-for`.
+pub fn upstream_headers(client: &HeaderMap, peer: SocketAddr, strip_auth: bool) -> HeaderMap {
     let mut headers = client.clone();
     strip_hop_by_hop(&mut headers);
     headers.remove(header::HOST);
     headers.remove(header::CONTENT_LENGTH);
+    if strip_auth {
+        headers.remove(header::AUTHORIZATION);
+    }
     let ip = peer.ip().to_string();
     let forwarded = match client.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
         Some(prior) if !prior.is_empty() => format!("{prior}, {ip}"),
@@ -79,7 +83,7 @@ mod tests {
         h.insert(header::HOST, HeaderValue::from_static("lb"));
         h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("5"));
         h.insert("x-forwarded-for", HeaderValue::from_static("10.0.0.1"));
-        let out = upstream_headers(&h, "127.0.0.1:5000".parse().unwrap());
+        let out = upstream_headers(&h, "127.0.0.1:5000".parse().unwrap(), false);
         assert!(out.get(header::CONNECTION).is_none());
         assert!(out.get("x-secret").is_none());
         assert!(out.get(header::TRANSFER_ENCODING).is_none());
@@ -87,5 +91,7 @@ mod tests {
         assert!(out.get(header::CONTENT_LENGTH).is_none());
         assert_eq!(out[header::AUTHORIZATION], "Bearer k");
         assert_eq!(out["x-forwarded-for"], "10.0.0.1, 127.0.0.1");
+        let stripped = upstream_headers(&h, "127.0.0.1:5000".parse().unwrap(), true);
+        assert!(stripped.get(header::AUTHORIZATION).is_none());
     }
 }

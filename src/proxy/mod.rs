@@ -3,11 +3,15 @@
 //! and failover. Requests the balancer answers itself (`GET /v1/models`, `GET /health`)
 //! and every error end here as complete responses.
 
+pub mod edit;
 mod error;
 mod forward;
 pub mod headers;
+pub mod ingress;
+pub mod outcome;
 mod probe;
 mod relay;
+pub mod sse;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -18,21 +22,24 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
+use parking_lot::Mutex;
 use serde_json::json;
 use tokio::time::Instant;
 
-pub use error::ProxyError;
+pub use error::{clip, ProxyError};
 
 use crate::body::{full, BoxBody};
 use crate::config::{Config, ConfigError};
 use crate::key::Api;
 use crate::metrics::Metrics;
 use crate::table::{Registry, Table};
+use ingress::{BodyLimits, ByteBudget};
+use outcome::RequestOutcome;
 
 /// The upstream HTTP client: pooled keep-alive connections to the engines.
 pub type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
@@ -44,8 +51,12 @@ pub struct Proxy {
     registry: Registry,
     client: UpstreamClient,
     metrics: Arc<Metrics>,
+    /// Request bytes held across all connections (`max_buffered_bytes`).
+    budget: Arc<ByteBudget>,
     /// The config file, for reloads (none for in-process configs).
     source: Option<PathBuf>,
+    /// Reloads run one at a time, whatever triggered them.
+    reloading: Mutex<()>,
     stopping: AtomicBool,
 }
 
@@ -59,7 +70,9 @@ impl Proxy {
             registry,
             client,
             metrics: Arc::new(Metrics::new()),
+            budget: Arc::default(),
             source,
+            reloading: Mutex::new(()),
             stopping: AtomicBool::new(false),
         })
     }
@@ -73,9 +86,16 @@ impl Proxy {
         self.source.as_deref()
     }
 
+    /// Request bytes buffered now, across all connections.
+    pub fn buffered_bytes(&self) -> usize {
+        self.budget.used()
+    }
+
     /// Re-reads the config file: parse, validate, build a new snapshot (node state
     /// carried over by id), swap it in. An invalid file keeps the running config.
+    /// Concurrent reloads (SIGHUP, the file watch, `/admin/reload`) run one at a time.
     pub fn reload(&self) -> Result<(), ConfigError> {
+        let _one_at_a_time = self.reloading.lock();
         let result = self.try_reload();
         let label = if result.is_ok() { "ok" } else { "error" };
         self.metrics
@@ -101,8 +121,31 @@ impl Proxy {
         let config = Config::load(path)?;
         let old = self.table();
         let (was, now) = (&old.config.server, &config.server);
-        if was.listen != now.listen || was.admin_listen != now.admin_listen {
-            tracing::warn!("server.listen / server.admin_listen changed: that needs a restart; the rest is applied");
+        let restart_only = [
+            ("listen", was.listen != now.listen),
+            ("admin_listen", was.admin_listen != now.admin_listen),
+            (
+                "header_read_timeout",
+                was.header_read_timeout != now.header_read_timeout,
+            ),
+            ("max_headers", was.max_headers != now.max_headers),
+            (
+                "max_header_bytes",
+                was.max_header_bytes != now.max_header_bytes,
+            ),
+            (
+                "http2_keep_alive_interval",
+                was.http2_keep_alive_interval != now.http2_keep_alive_interval,
+            ),
+            (
+                "max_connections",
+                was.max_connections != now.max_connections,
+            ),
+        ];
+        for (key, changed) in restart_only {
+            if changed {
+                tracing::warn!("server.{key} changed: that takes a restart; the rest is applied");
+            }
         }
         self.install(config);
         Ok(())
@@ -146,11 +189,7 @@ impl Proxy {
             Ok(resp) => resp,
             Err(e) => {
                 let pool = pool.unwrap_or("none");
-                let outcome = match e.status().as_u16() {
-                    503 => "rejected",
-                    400..=499 => "client_error",
-                    _ => "error",
-                };
+                let outcome = RequestOutcome::of_status(e.status().as_u16());
                 self.metrics
                     .observe_request(pool, "none", outcome, started.elapsed());
                 tracing::info!(
@@ -175,51 +214,77 @@ impl Proxy {
         pool: &mut Option<&'t str>,
     ) -> Result<Response<BoxBody>, ProxyError> {
         let path = req.uri().path();
-        if req.method() == Method::GET {
-            match path {
-                "/v1/models" => return Ok(models(table)),
-                "/health" => return Ok(Response::new(full("ok"))),
-                _ => {}
-            }
+        let method = req.method();
+        if method == Method::GET && path == "/health" {
+            return Ok(Response::new(full("ok")));
+        }
+        // Before anything is read or revealed.
+        let auth = &table.config.auth;
+        if !auth.admits(
+            req.headers()
+                .get(header::AUTHORIZATION)
+                .map(HeaderValue::as_bytes),
+        ) {
+            return Err(ProxyError::Unauthorized);
+        }
+        if path == "/v1/models" {
+            return match *method {
+                Method::GET => Ok(models(table)),
+                _ => Err(method_not_allowed(method, path)),
+            };
         }
         let api = Api::from_path(path);
+        if api == Api::Other && !table.config.routing.extra_paths.iter().any(|p| p == path) {
+            return Err(ProxyError::UnknownPath {
+                method: clip(method.as_str()),
+                path: clip(path),
+            });
+        }
         if api.requires_json() {
-            if req.method() != Method::POST {
-                return Err(ProxyError::MethodNotAllowed {
-                    method: req.method().to_string(),
-                    path: path.to_string(),
-                });
+            if method != Method::POST {
+                return Err(method_not_allowed(method, path));
             }
-            check_json_content_type(req.headers())?;
+            ingress::check_json_content_type(req.headers())?;
         }
-        let limit = table.config.server.max_body_bytes;
-        let declared = req
-            .headers()
-            .get(header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-        if declared.is_some_and(|n| n > limit as u64) {
-            discard_body(req.into_body(), limit).await;
-            return Err(ProxyError::BodyTooLarge { limit });
-        }
+        let server = &table.config.server;
+        let limits = BodyLimits {
+            max_bytes: server.max_body_bytes,
+            timeout: server.body_read_timeout,
+            budget: server.max_buffered_bytes,
+        };
         let (parts, body) = req.into_parts();
-        let body = read_body(body, limit, declared.unwrap_or(0) as usize).await?;
+        // Held until this function returns: through the queue and every attempt.
+        let mut claim = self.budget.claim();
+        let body = ingress::read_body(body, &parts.headers, limits, &mut claim).await?;
         let header_key = parts
             .headers
             .get(&table.config.routing.key_header)
             .map(HeaderValue::as_bytes);
         let plan = table.plan(parts.uri.path(), header_key, &body)?;
         *pool = Some(&table.pools[plan.pool].config.name);
-        forward::forward(
-            &self.client,
-            &self.metrics,
+        let exchange = forward::Exchange {
+            client: &self.client,
+            metrics: &self.metrics,
             table,
             plan,
-            parts,
+            method: parts.method.clone(),
+            path: parts
+                .uri
+                .path_and_query()
+                .map_or("/", |p| p.as_str())
+                .to_string(),
+            headers: headers::upstream_headers(&parts.headers, peer, auth.strip),
             body,
-            peer,
             started,
-        )
-        .await
+        };
+        exchange.run().await
+    }
+}
+
+fn method_not_allowed(method: &Method, path: &str) -> ProxyError {
+    ProxyError::MethodNotAllowed {
+        method: clip(method.as_str()),
+        path: clip(path),
     }
 }
 
@@ -231,53 +296,6 @@ fn upstream_client(connect_timeout: Duration) -> UpstreamClient {
         .pool_timer(TokioTimer::new())
         .pool_idle_timeout(Duration::from_secs(90))
         .build(connector)
-}
-
-/// JSON APIs take `application/json` (or a `+json` type); a missing content-type is
-/// accepted, as engines do.
-fn check_json_content_type(headers: &http::HeaderMap) -> Result<(), ProxyError> {
-    let Some(ct) = headers.get(header::CONTENT_TYPE) else {
-        return Ok(());
-    };
-    let ct = ct.to_str().unwrap_or("").to_ascii_lowercase();
-    let essence = ct.split(';').next().unwrap_or("").trim();
-    if essence == "application/json" || essence.ends_with("+json") {
-        Ok(())
-    } else {
-        Err(ProxyError::UnsupportedMediaType(essence.to_string()))
-    }
-}
-
-/// Reads a body of at most `limit` bytes into one buffer (sized by `content-length`).
-async fn read_body(mut body: Incoming, limit: usize, declared: usize) -> Result<Bytes, ProxyError> {
-    let mut buf = bytes::BytesMut::with_capacity(declared.min(limit));
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| ProxyError::BodyRead(e.to_string()))?;
-        if let Ok(data) = frame.into_data() {
-            if buf.len() + data.len() > limit {
-                discard_body(body, limit).await;
-                return Err(ProxyError::BodyTooLarge { limit });
-            }
-            buf.extend_from_slice(&data);
-        }
-    }
-    Ok(buf.freeze())
-}
-
-/// Reads and drops the rest of an oversized body (up to 4 × the limit, for at most
-/// 10 s) so that the client, still sending, can read our 413 instead of a broken pipe.
-async fn discard_body(mut body: Incoming, limit: usize) {
-    let cap = limit.saturating_mul(4);
-    let drain = async {
-        let mut seen = 0usize;
-        while let Some(Ok(frame)) = body.frame().await {
-            seen += frame.data_ref().map_or(0, Bytes::len);
-            if seen > cap {
-                break;
-            }
-        }
-    };
-    let _ = tokio::time::timeout(Duration::from_secs(10), drain).await;
 }
 
 /// `GET /v1/models`, answered from the pools.
