@@ -63,11 +63,16 @@ impl Proc {
 
 /// Starts a process and reads its "listening on http://ADDR [(admin http://ADDR)]" line.
 fn spawn(args: &[&str]) -> Proc {
+    spawn_with(args, "warn", Stdio::inherit(), &[])
+}
+
+fn spawn_with(args: &[&str], log: &str, stderr: Stdio, env: &[(&str, &str)]) -> Proc {
     let mut child = Command::new(BIN)
         .args(args)
-        .env("RUST_LOG", "warn")
+        .env("RUST_LOG", log)
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(stderr)
         .spawn()
         .expect("spawning prefixlb");
     let stdout = child.stdout.take().unwrap();
@@ -136,6 +141,21 @@ pub fn balancer(config_text: &str) -> Proc {
 /// Starts `prefixlb serve` on a config file (which a test may edit and reload).
 pub fn balancer_from_file(path: &std::path::Path) -> Proc {
     spawn(&["serve", "--config", path.to_str().unwrap()])
+}
+
+/// Starts `prefixlb serve` with its log (`RUST_LOG` = `log`) written to a file, and
+/// extra environment variables; returns the process and the log's path.
+pub fn balancer_logged(config_text: &str, log: &str, env: &[(&str, &str)]) -> (Proc, PathBuf) {
+    let config = write_config(config_text);
+    let log_path = config.with_extension("log");
+    let file = std::fs::File::create(&log_path).unwrap();
+    let lb = spawn_with(
+        &["serve", "--config", config.to_str().unwrap()],
+        log,
+        Stdio::from(file),
+        env,
+    );
+    (lb, log_path)
 }
 
 pub fn client() -> Client<HttpConnector, Full<Bytes>> {
@@ -352,4 +372,82 @@ pub async fn stream_chat(lb: &Proc, session: &str, max_tokens: u32) -> Reply {
         &[("x-session-id", session)],
     )
     .await
+}
+
+/// A fake engine on a real socket that answers every connection with `script`: it
+/// reads the request head (and a body of its content-length), then writes each
+/// `(bytes, pause_after)` step. For engine misbehaviour `mock-engine` does not do.
+pub async fn scripted_engine(script: Vec<(Vec<u8>, Duration)>) -> SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let script = std::sync::Arc::new(script);
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            let script = script.clone();
+            tokio::spawn(async move {
+                let mut seen = Vec::new();
+                let mut buf = [0u8; 4096];
+                // The head, then the body it announces.
+                let body_len = loop {
+                    let Ok(n) = sock.read(&mut buf).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    seen.extend_from_slice(&buf[..n]);
+                    if let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head = String::from_utf8_lossy(&seen[..end]).to_ascii_lowercase();
+                        let len: usize = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse().ok())
+                            .unwrap_or(0);
+                        break end + 4 + len;
+                    }
+                };
+                while seen.len() < body_len {
+                    let Ok(n) = sock.read(&mut buf).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    seen.extend_from_slice(&buf[..n]);
+                }
+                for (bytes, pause) in script.iter() {
+                    if sock.write_all(bytes).await.is_err() {
+                        return;
+                    }
+                    tokio::time::sleep(*pause).await;
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// A config whose one pool `mock` has nodes at these addresses (ids n0, n1, …).
+pub fn config_at(addrs: &[SocketAddr], sections: &str) -> String {
+    let nodes: Vec<String> = addrs
+        .iter()
+        .enumerate()
+        .map(|(i, a)| format!("[[pools.nodes]]\nid = \"n{i}\"\nurl = \"http://{a}\"\n"))
+        .collect();
+    format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{sections}\n[[pools]]\nname = \"mock\"\nmodels = [\"mock\"]\n{}",
+        nodes.join("")
+    )
+}
+
+/// The breaker state of every node, from `/admin/nodes`.
+pub async fn breaker_states(lb: &Proc) -> Vec<String> {
+    let nodes = get_json(&lb.admin_url("/admin/nodes")).await;
+    nodes["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["state"].as_str().unwrap().to_string())
+        .collect()
 }
