@@ -6,12 +6,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
-use prefixlb::balance::{Balancer, Target, Walk};
 use prefixlb::config::{Config, KeyMode};
-use prefixlb::key::Grouping;
-use prefixlb::key::{self, Api, KeySpec};
-use prefixlb::ring::{Ring, RingMember};
-use prefixlb::table::{Registry, Table};
+use prefixlb::routing::key::Grouping;
+use prefixlb::routing::key::{self, Api, KeySpec};
+use prefixlb::routing::ring::{Ring, RingMember};
+use prefixlb::routing::table::{Registry, Table};
+use prefixlb::routing::walk::{Balancer, Target, Walk};
 
 /// Chat prose: a newline or quote (a JSON escape) every ~70 characters.
 const PROSE: &str = "Prefix caching lets an engine skip prefill for tokens it has already seen. \

@@ -14,9 +14,9 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use prefixlb::config::Config;
-use prefixlb::engine_model::Costs;
-use prefixlb::mock_engine::{MockConfig, MockEngine};
 use prefixlb::proxy::sse::SseScanner;
+use prefixlb::tools::engine_model::Costs;
+use prefixlb::tools::mock_engine::{MockConfig, MockEngine};
 use tokio::net::TcpListener;
 
 const TOKENS: usize = 1000;
@@ -89,7 +89,7 @@ async fn main() {
         "relay_latency",
     )
     .unwrap();
-    tokio::spawn(prefixlb::serve::run_on(
+    tokio::spawn(prefixlb::server::serve::run_on(
         lb_listener,
         admin,
         config,

@@ -3,28 +3,18 @@
 //! Requests are placed on a consistent-hash ring by an xxh3 hash of their prompt
 //! prefix, so the engine that already holds a prefix in its KV cache serves it;
 //! bounded loads cap each engine's in-flight requests and spill clockwise.
+//!
+//! The layers: [`config`] (the TOML file, validated), [`routing`] (the pure core),
+//! [`proxy`] (the data plane), [`server`] (the process and control plane), and, with
+//! the `tools` feature, [`tools`] (simulator, load generator, demo, engine emulator).
 
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
 
-pub mod admin;
-pub mod balance;
-pub mod bench;
-pub mod body;
-pub mod breaker;
+pub mod clip;
 pub mod config;
-pub mod demo;
-pub mod engine_model;
-pub mod explain;
-pub mod group;
-pub mod health;
-pub mod json_scan;
-pub mod key;
-pub mod metrics;
-pub mod mock_engine;
 pub mod proxy;
-pub mod ring;
-pub mod serve;
+pub mod routing;
 pub mod server;
-pub mod sim;
-pub mod table;
+#[cfg(feature = "tools")]
+pub mod tools;

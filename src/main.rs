@@ -1,18 +1,16 @@
-//! The `prefixlb` command line: `serve`, `check`, `route` and `mock-engine`.
+//! The `prefixlb` command line: one function per subcommand. `serve`, `check` and
+//! `route` are the balancer's; `simulate`, `bench`, `demo` and `mock-engine` come with
+//! the `tools` feature (on by default).
 
 use std::io::Read;
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Duration;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use prefixlb::config::Config;
-use prefixlb::engine_model::Costs;
-use prefixlb::mock_engine::{MockConfig, MockEngine};
-use prefixlb::table::{Registry, Table};
+use prefixlb::routing::table::{Registry, Table};
 
 #[derive(Parser)]
 #[command(
@@ -37,31 +35,250 @@ enum LogFormat {
 #[derive(Subcommand)]
 enum Command {
     /// Run the balancer.
-    Serve {
-        #[arg(long)]
-        config: PathBuf,
-    },
+    Serve(ConfigArg),
     /// Validate a config; print pools, nodes and ring stats. Exit 2 on a bad config.
-    Check {
-        #[arg(long)]
-        config: PathBuf,
-    },
+    Check(ConfigArg),
     /// Explain offline how one request would be routed (JSON).
-    Route {
-        #[arg(long)]
-        config: PathBuf,
-        /// Request path.
-        #[arg(long, default_value = "/v1/chat/completions")]
-        path: String,
-        /// A request header, `name:value` (repeatable).
-        #[arg(long = "header", value_name = "K:V")]
-        headers: Vec<String>,
-        /// The request body file, or `-` for stdin.
-        #[arg(default_value = "-")]
-        body: String,
-    },
+    Route(RouteArgs),
     /// Simulate a fleet in virtual time and compare routing policies.
-    Simulate {
+    #[cfg(feature = "tools")]
+    Simulate(tools::SimulateArgs),
+    /// Load-test an OpenAI-compatible endpoint with a replayed workload.
+    #[cfg(feature = "tools")]
+    Bench(tools::BenchArgs),
+    /// Start emulated engines and the balancer in this process, drive a multi-turn
+    /// workload through real HTTP with round-robin and with prefixlb, print the comparison.
+    #[cfg(feature = "tools")]
+    Demo,
+    /// Run an OpenAI-compatible engine emulator with a prefix-cache latency model.
+    #[cfg(feature = "tools")]
+    MockEngine(tools::MockEngineArgs),
+}
+
+#[derive(Args)]
+struct ConfigArg {
+    #[arg(long)]
+    config: PathBuf,
+}
+
+#[derive(Args)]
+struct RouteArgs {
+    #[arg(long)]
+    config: PathBuf,
+    /// Request path.
+    #[arg(long, default_value = "/v1/chat/completions")]
+    path: String,
+    /// A request header, `name:value` (repeatable).
+    #[arg(long = "header", value_name = "K:V")]
+    headers: Vec<String>,
+    /// The request body file, or `-` for stdin.
+    #[arg(default_value = "-")]
+    body: String,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.log_format, default_log_level(&cli.command));
+    let result = match cli.command {
+        Command::Serve(a) => serve(a),
+        Command::Check(a) => check(a),
+        Command::Route(a) => route(a),
+        #[cfg(feature = "tools")]
+        Command::Simulate(a) => tools::simulate(a),
+        #[cfg(feature = "tools")]
+        Command::Bench(a) => tools::bench(a),
+        #[cfg(feature = "tools")]
+        Command::Demo => tools::demo(),
+        #[cfg(feature = "tools")]
+        Command::MockEngine(a) => tools::mock_engine(a),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The demo prints a report; its in-process servers only speak up on trouble.
+fn default_log_level(command: &Command) -> &'static str {
+    #[cfg(feature = "tools")]
+    if matches!(command, Command::Demo) {
+        return "warn";
+    }
+    let _ = command;
+    "info"
+}
+
+fn serve(a: ConfigArg) -> anyhow::Result<ExitCode> {
+    let Some(config) = load(&a.config) else {
+        return Ok(ExitCode::from(2));
+    };
+    runtime()?.block_on(prefixlb::server::serve::run(
+        config,
+        a.config,
+        prefixlb::server::listener::termination(),
+    ))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn check(a: ConfigArg) -> anyhow::Result<ExitCode> {
+    let Some(config) = load(&a.config) else {
+        return Ok(ExitCode::from(2));
+    };
+    emit(check_report(&a.config, config))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn route(a: RouteArgs) -> anyhow::Result<ExitCode> {
+    let Some(config) = load(&a.config) else {
+        return Ok(ExitCode::from(2));
+    };
+    let key_header = config.routing.key_header.clone();
+    let body = read_body(&a.body)?;
+    let mut header_key = None;
+    for h in &a.headers {
+        let (k, v) = h
+            .split_once(':')
+            .with_context(|| format!("--header {h:?} is not name:value"))?;
+        if k.trim().eq_ignore_ascii_case(key_header.as_str()) {
+            header_key = Some(v.trim().as_bytes().to_vec());
+        }
+    }
+    let table = Table::build(config, &Registry::default());
+    match prefixlb::routing::explain::explain(&table, &a.path, header_key.as_deref(), &body) {
+        Ok(x) => {
+            emit(format!("{}\n", serde_json::to_string_pretty(&x)?))?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            Ok(ExitCode::from(2))
+        }
+    }
+}
+
+/// Writes a command's report to stdout; a reader that went away (`| head`) is not an
+/// error.
+fn emit(text: impl std::fmt::Display) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match write!(out, "{text}").and_then(|()| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        written => Ok(written?),
+    }
+}
+
+/// Loads a config, printing `file:line:col: message` on failure.
+fn load(path: &Path) -> Option<Config> {
+    match Config::load(path) {
+        Ok(c) => Some(c),
+        Err(e) => {
+            eprintln!("{e}");
+            None
+        }
+    }
+}
+
+fn check_report(path: &Path, config: Config) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let r = &config.routing;
+    let _ = writeln!(
+        out,
+        "{}: ok\nrouting: key={} prefix_chars={} vnodes={} max_in_flight={} load_factor={} when_saturated={} max_attempts={}",
+        path.display(),
+        r.key.as_str(),
+        r.prefix_chars,
+        r.vnodes,
+        r.max_in_flight,
+        r.load_factor.map(|c| c.to_string()).unwrap_or_else(|| "none".into()),
+        r.when_saturated.as_str(),
+        r.max_attempts
+    );
+    let table = Table::build(config, &Registry::default());
+    for pool in &table.pools {
+        let b = &pool.balancer;
+        let own = b.ring().ownership();
+        let default = if pool.config.default {
+            " [default]"
+        } else {
+            ""
+        };
+        let _ = writeln!(
+            out,
+            "pool {} (models: {}){default}: {} nodes, {} ring points",
+            pool.config.name,
+            pool.config.models.join(", "),
+            b.ring().len(),
+            b.ring().points()
+        );
+        for (n, share) in b.nodes().iter().zip(own) {
+            let _ = writeln!(
+                out,
+                "  node {:<16} {:<32} weight {:<3} cap {:<4} key share {:5.1}%",
+                n.id(),
+                n.url().to_string(),
+                n.weight(),
+                n.cap(),
+                share * 100.0
+            );
+        }
+    }
+    out
+}
+
+fn read_body(arg: &str) -> anyhow::Result<Vec<u8>> {
+    if arg == "-" {
+        let mut buf = Vec::new();
+        std::io::stdin()
+            .read_to_end(&mut buf)
+            .context("reading the body from stdin")?;
+        Ok(buf)
+    } else {
+        std::fs::read(arg).with_context(|| format!("reading body file {arg}"))
+    }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")
+}
+
+fn init_logging(format: LogFormat, default_level: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+/// The subcommands of the `tools` feature.
+#[cfg(feature = "tools")]
+mod tools {
+    use std::net::SocketAddr;
+    use std::path::{Path, PathBuf};
+    use std::process::ExitCode;
+    use std::time::Duration;
+
+    use anyhow::Context;
+    use clap::Args;
+
+    use super::{emit, load, runtime};
+    use prefixlb::tools::engine_model::Costs;
+    use prefixlb::tools::mock_engine::{MockConfig, MockEngine};
+    use prefixlb::tools::workload::{self, Workload};
+    use prefixlb::tools::{bench as load_test, demo as demo_run, sim};
+
+    #[derive(Args)]
+    pub struct SimulateArgs {
         /// Routing settings for the `prefixlb` policy (and the pool's model name).
         #[arg(long)]
         config: PathBuf,
@@ -94,9 +311,10 @@ enum Command {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
-    },
-    /// Load-test an OpenAI-compatible endpoint with a replayed workload.
-    Bench {
+    }
+
+    #[derive(Args)]
+    pub struct BenchArgs {
         /// Base URL, e.g. http://127.0.0.1:8080 (repeat to round-robin over several).
         #[arg(long, required = true)]
         target: Vec<String>,
@@ -133,12 +351,10 @@ enum Command {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
-    },
-    /// Start emulated engines and the balancer in this process, drive a multi-turn
-    /// workload through real HTTP with round-robin and with prefixlb, print the comparison.
-    Demo,
-    /// Run an OpenAI-compatible engine emulator with a prefix-cache latency model.
-    MockEngine {
+    }
+
+    #[derive(Args)]
+    pub struct MockEngineArgs {
         #[arg(long)]
         listen: SocketAddr,
         #[arg(long, default_value = "mock")]
@@ -165,350 +381,138 @@ enum Command {
         /// vLLM's. 0 = unlimited.
         #[arg(long, default_value_t = 0)]
         max_model_len: usize,
-    },
-}
-
-fn main() -> ExitCode {
-    let cli = Cli::parse();
-    // The demo prints a report; its in-process servers only speak up on trouble.
-    let default_level = if matches!(cli.command, Command::Demo) {
-        "warn"
-    } else {
-        "info"
-    };
-    init_logging(cli.log_format, default_level);
-    match run(cli.command) {
-        Ok(code) => code,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
-        }
     }
-}
 
-/// The workload of `simulate` and `bench`: a Mooncake trace file or a synthetic one.
-fn load_workload(
-    name: Option<&str>,
-    trace: Option<&std::path::Path>,
-    block_tokens: usize,
-    seed: u64,
-    scale: f64,
-) -> anyhow::Result<prefixlb::sim::workload::Workload> {
-    match (trace, name) {
-        (Some(path), _) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading trace {}", path.display()))?;
-            prefixlb::sim::workload::trace(&text, block_tokens).map_err(anyhow::Error::msg)
-        }
-        (None, Some(name)) => {
-            prefixlb::sim::workload::synthetic(name, seed, scale).with_context(|| {
+    /// The workload of `simulate` and `bench`: a Mooncake trace file or a synthetic one.
+    fn load_workload(
+        name: Option<&str>,
+        trace: Option<&Path>,
+        block_tokens: usize,
+        seed: u64,
+        scale: f64,
+    ) -> anyhow::Result<Workload> {
+        match (trace, name) {
+            (Some(path), _) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading trace {}", path.display()))?;
+                workload::trace(&text, block_tokens).map_err(anyhow::Error::msg)
+            }
+            (None, Some(name)) => workload::synthetic(name, seed, scale).with_context(|| {
                 format!(
                     "unknown workload {name:?} (one of {})",
-                    prefixlb::sim::workload::NAMES.join(", ")
+                    workload::NAMES.join(", ")
                 )
-            })
-        }
-        (None, None) => anyhow::bail!("give --trace FILE or --workload NAME"),
-    }
-}
-
-/// Writes a command's report to stdout; a reader that went away (`| head`) is not an
-/// error.
-fn emit(text: impl std::fmt::Display) -> anyhow::Result<()> {
-    use std::io::Write;
-    let mut out = std::io::stdout().lock();
-    match write!(out, "{text}").and_then(|()| out.flush()) {
-        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
-        written => Ok(written?),
-    }
-}
-
-fn run(command: Command) -> anyhow::Result<ExitCode> {
-    match command {
-        Command::Serve { config: path } => {
-            let Some(config) = load(&path) else {
-                return Ok(ExitCode::from(2));
-            };
-            runtime()?.block_on(prefixlb::serve::run(
-                config,
-                path,
-                prefixlb::server::termination(),
-            ))?;
-            Ok(ExitCode::SUCCESS)
-        }
-        Command::Check { config: path } => {
-            let Some(config) = load(&path) else {
-                return Ok(ExitCode::from(2));
-            };
-            emit(check_report(&path, config))?;
-            Ok(ExitCode::SUCCESS)
-        }
-        Command::Route {
-            config,
-            path,
-            headers,
-            body,
-        } => {
-            let Some(config) = load(&config) else {
-                return Ok(ExitCode::from(2));
-            };
-            let key_header = config.routing.key_header.clone();
-            let body = read_body(&body)?;
-            let mut header_key = None;
-            for h in &headers {
-                let (k, v) = h
-                    .split_once(':')
-                    .with_context(|| format!("--header {h:?} is not name:value"))?;
-                if k.trim().eq_ignore_ascii_case(key_header.as_str()) {
-                    header_key = Some(v.trim().as_bytes().to_vec());
-                }
-            }
-            let table = Table::build(config, &Registry::default());
-            match prefixlb::explain::explain(&table, &path, header_key.as_deref(), &body) {
-                Ok(x) => {
-                    emit(format!("{}\n", serde_json::to_string_pretty(&x)?))?;
-                    Ok(ExitCode::SUCCESS)
-                }
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    Ok(ExitCode::from(2))
-                }
-            }
-        }
-        Command::Simulate {
-            config,
-            trace,
-            workload,
-            policies,
-            nodes,
-            cache_tokens,
-            block_tokens,
-            seed,
-            scale,
-            write_trace,
-            json,
-        } => {
-            let Some(config) = load(&config) else {
-                return Ok(ExitCode::from(2));
-            };
-            let w = load_workload(
-                workload.as_deref(),
-                trace.as_deref(),
-                block_tokens,
-                seed,
-                scale,
-            )?;
-            if let Some(path) = write_trace {
-                std::fs::write(&path, prefixlb::sim::workload::to_trace(&w))?;
-            }
-            let fleet = prefixlb::sim::Fleet {
-                nodes: nodes.unwrap_or(config.pools[0].nodes.len()).max(1),
-                cache_tokens,
-                costs: Costs::default(),
-                max_num_seqs: 64,
-            };
-            let policies: Vec<String> = if policies.is_empty() {
-                prefixlb::sim::POLICIES
-                    .iter()
-                    .map(|p| p.to_string())
-                    .collect()
-            } else {
-                policies
-            };
-            let mut reports = Vec::new();
-            for p in &policies {
-                reports.push(
-                    prefixlb::sim::simulate(&w, &config, &fleet, p).map_err(anyhow::Error::msg)?,
-                );
-            }
-            if json {
-                emit(format!(
-                    "{}\n",
-                    serde_json::to_string_pretty(&serde_json::json!({ "policies": reports }))?
-                ))?;
-            } else {
-                emit(format!(
-                    "workload {} ({} requests) on {} engines, {} cached tokens each\n\n",
-                    w.name,
-                    w.requests(),
-                    fleet.nodes,
-                    fleet.cache_tokens
-                ))?;
-                emit(prefixlb::sim::table(&reports))?;
-            }
-            Ok(ExitCode::SUCCESS)
-        }
-        Command::Bench {
-            target,
-            workload,
-            trace,
-            block_tokens,
-            concurrency,
-            rate,
-            requests,
-            stream,
-            model,
-            seed,
-            scale,
-            json,
-        } => {
-            let w = load_workload(
-                workload.as_deref(),
-                trace.as_deref(),
-                block_tokens,
-                seed,
-                scale,
-            )?;
-            let opts = prefixlb::bench::BenchOptions {
-                targets: target,
-                model,
-                concurrency,
-                rate,
-                requests,
-                stream,
-                progress: !json,
-            };
-            let scripts = prefixlb::bench::Script::from_workload(&w);
-            let report = runtime()?.block_on(prefixlb::bench::run(scripts, &opts));
-            if json {
-                emit(format!("{}\n", serde_json::to_string_pretty(&report)?))?;
-            } else {
-                emit(report.table())?;
-            }
-            Ok(ExitCode::SUCCESS)
-        }
-        Command::Demo => {
-            let report = runtime()?.block_on(prefixlb::demo::run())?;
-            emit(report)?;
-            Ok(ExitCode::SUCCESS)
-        }
-        Command::MockEngine {
-            listen,
-            id,
-            model,
-            prefill_us_per_token,
-            decode_ms_per_token,
-            batch_slowdown,
-            cache_tokens,
-            max_num_seqs,
-            max_model_len,
-        } => {
-            let config = MockConfig {
-                id: id.clone(),
-                model,
-                costs: Costs {
-                    prefill_per_token: Duration::from_micros(prefill_us_per_token),
-                    decode_per_token: Duration::from_millis(decode_ms_per_token),
-                    batch_slowdown,
-                },
-                cache_tokens,
-                max_num_seqs,
-                max_model_len,
-            };
-            runtime()?.block_on(async move {
-                let listener = tokio::net::TcpListener::bind(listen)
-                    .await
-                    .with_context(|| format!("cannot bind {listen}"))?;
-                println!(
-                    "mock-engine {id} listening on http://{}",
-                    listener.local_addr()?
-                );
-                MockEngine::new(config)
-                    .serve(listener, prefixlb::server::termination())
-                    .await;
-                anyhow::Ok(())
-            })?;
-            Ok(ExitCode::SUCCESS)
+            }),
+            (None, None) => anyhow::bail!("give --trace FILE or --workload NAME"),
         }
     }
-}
 
-/// Loads a config, printing `file:line:col: message` on failure.
-fn load(path: &Path) -> Option<Config> {
-    match Config::load(path) {
-        Ok(c) => Some(c),
-        Err(e) => {
-            eprintln!("{e}");
-            None
+    pub fn simulate(a: SimulateArgs) -> anyhow::Result<ExitCode> {
+        let Some(config) = load(&a.config) else {
+            return Ok(ExitCode::from(2));
+        };
+        let w = load_workload(
+            a.workload.as_deref(),
+            a.trace.as_deref(),
+            a.block_tokens,
+            a.seed,
+            a.scale,
+        )?;
+        if let Some(path) = a.write_trace {
+            std::fs::write(&path, workload::to_trace(&w))?;
         }
+        let fleet = sim::Fleet {
+            nodes: a.nodes.unwrap_or(config.pools[0].nodes.len()).max(1),
+            cache_tokens: a.cache_tokens,
+            costs: Costs::default(),
+            max_num_seqs: 64,
+        };
+        let policies: Vec<String> = if a.policies.is_empty() {
+            sim::POLICIES.iter().map(|p| p.to_string()).collect()
+        } else {
+            a.policies
+        };
+        let reports = policies
+            .iter()
+            .map(|p| sim::simulate(&w, &config, &fleet, p).map_err(anyhow::Error::msg))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        if a.json {
+            let json = serde_json::json!({ "policies": reports });
+            return emit(format!("{}\n", serde_json::to_string_pretty(&json)?))
+                .map(|()| ExitCode::SUCCESS);
+        }
+        emit(format!(
+            "workload {} ({} requests) on {} engines, {} cached tokens each\n\n",
+            w.name,
+            w.requests(),
+            fleet.nodes,
+            fleet.cache_tokens
+        ))?;
+        emit(sim::table(&reports))?;
+        Ok(ExitCode::SUCCESS)
     }
-}
 
-fn check_report(path: &Path, config: Config) -> String {
-    use std::fmt::Write;
-    let mut out = String::new();
-    let r = &config.routing;
-    let _ = writeln!(
-        out,
-        "{}: ok\nrouting: key={} prefix_chars={} vnodes={} max_in_flight={} load_factor={} when_saturated={} max_attempts={}",
-        path.display(),
-        r.key.as_str(),
-        r.prefix_chars,
-        r.vnodes,
-        r.max_in_flight,
-        r.load_factor.map(|c| c.to_string()).unwrap_or_else(|| "none".into()),
-        r.when_saturated.as_str(),
-        r.max_attempts
-    );
-    let table = Table::build(config, &Registry::default());
-    for pool in &table.pools {
-        let ring = &pool.balancer.ring;
-        let own = ring.ownership();
-        let _ = writeln!(
-            out,
-            "pool {} (models: {}){}: {} nodes, {} ring points",
-            pool.config.name,
-            pool.config.models.join(", "),
-            if pool.config.default {
-                " [default]"
-            } else {
-                ""
+    pub fn bench(a: BenchArgs) -> anyhow::Result<ExitCode> {
+        let w = load_workload(
+            a.workload.as_deref(),
+            a.trace.as_deref(),
+            a.block_tokens,
+            a.seed,
+            a.scale,
+        )?;
+        let opts = load_test::BenchOptions {
+            targets: a.target,
+            model: a.model,
+            concurrency: a.concurrency,
+            rate: a.rate,
+            requests: a.requests,
+            stream: a.stream,
+            progress: !a.json,
+        };
+        let scripts = load_test::Script::from_workload(&w);
+        let report = runtime()?.block_on(load_test::run(scripts, &opts));
+        if a.json {
+            emit(format!("{}\n", serde_json::to_string_pretty(&report)?))?;
+        } else {
+            emit(report.table())?;
+        }
+        Ok(ExitCode::SUCCESS)
+    }
+
+    pub fn demo() -> anyhow::Result<ExitCode> {
+        let report = runtime()?.block_on(demo_run::run())?;
+        emit(report)?;
+        Ok(ExitCode::SUCCESS)
+    }
+
+    pub fn mock_engine(a: MockEngineArgs) -> anyhow::Result<ExitCode> {
+        let config = MockConfig {
+            id: a.id.clone(),
+            model: a.model,
+            costs: Costs {
+                prefill_per_token: Duration::from_micros(a.prefill_us_per_token),
+                decode_per_token: Duration::from_millis(a.decode_ms_per_token),
+                batch_slowdown: a.batch_slowdown,
             },
-            ring.len(),
-            ring.points()
-        );
-        for (i, n) in pool.config.nodes.iter().enumerate() {
-            let _ = writeln!(
-                out,
-                "  node {:<16} {:<32} weight {:<3} cap {:<4} key share {:5.1}%",
-                n.id,
-                n.url.to_string(),
-                n.weight,
-                pool.balancer.members[i].cap,
-                own[i] * 100.0
+            cache_tokens: a.cache_tokens,
+            max_num_seqs: a.max_num_seqs,
+            max_model_len: a.max_model_len,
+        };
+        let listen = a.listen;
+        runtime()?.block_on(async move {
+            let listener = tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("cannot bind {listen}"))?;
+            println!(
+                "mock-engine {} listening on http://{}",
+                a.id,
+                listener.local_addr()?
             );
-        }
-    }
-    out
-}
-
-fn read_body(arg: &str) -> anyhow::Result<Vec<u8>> {
-    if arg == "-" {
-        let mut buf = Vec::new();
-        std::io::stdin()
-            .read_to_end(&mut buf)
-            .context("reading the body from stdin")?;
-        Ok(buf)
-    } else {
-        std::fs::read(arg).with_context(|| format!("reading body file {arg}"))
-    }
-}
-
-fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the tokio runtime")
-}
-
-fn init_logging(format: LogFormat, default_level: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
+            MockEngine::new(config)
+                .serve(listener, prefixlb::server::listener::termination())
+                .await;
+            anyhow::Ok(())
+        })?;
+        Ok(ExitCode::SUCCESS)
     }
 }

@@ -10,9 +10,9 @@ use std::collections::HashSet;
 use serde_json::{json, Value};
 
 use prefixlb::config::KeyMode;
-use prefixlb::json_scan::Scanner;
-use prefixlb::key::{extract, Api, KeySpec};
 use prefixlb::proxy::edit::{apply, Edits};
+use prefixlb::routing::json_scan::Scanner;
+use prefixlb::routing::key::{extract, Api, KeySpec};
 
 /// A JSON string literal for `s`, escaping some characters that need no escape (as
 /// `\uXXXX`, surrogate pairs included, or `\/`) when `fancy` says so.

@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use prefixlb::demo::{compare, report, DemoOptions};
-use prefixlb::engine_model::Costs;
+use prefixlb::tools::demo::{compare, report, DemoOptions};
+use prefixlb::tools::engine_model::Costs;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefix_affinity_beats_round_robin_on_cache_hits() {

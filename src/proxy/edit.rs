@@ -8,7 +8,7 @@ use std::ops::Range;
 
 use bytes::{Bytes, BytesMut};
 
-use crate::key::{BodySpans, ObjectSpan};
+use crate::routing::key::{BodySpans, ObjectSpan};
 
 /// What to change in a body.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -101,7 +101,7 @@ fn insertion(object: ObjectSpan, members: Vec<String>) -> Splice {
 mod tests {
     use super::*;
     use crate::config::KeyMode;
-    use crate::key::{extract, Api, KeySpec};
+    use crate::routing::key::{extract, Api, KeySpec};
 
     fn edit(body: &str, model: Option<&str>, include_usage: bool) -> String {
         let spec = KeySpec {

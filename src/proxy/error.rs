@@ -5,9 +5,9 @@
 use http::{header, HeaderValue, Response, StatusCode};
 use serde_json::json;
 
-use crate::body::{full, BoxBody};
-use crate::key::KeyError;
-use crate::table::{PlanError, PoolError};
+use super::body::{full, BoxBody};
+use crate::routing::key::KeyError;
+use crate::routing::table::{PlanError, PoolError};
 
 /// Everything that can end a request before an engine's response reaches the client.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -109,23 +109,6 @@ impl ProxyError {
     pub fn retry_after(&self) -> Option<u32> {
         (self.status() == StatusCode::SERVICE_UNAVAILABLE).then_some(1)
     }
-}
-
-/// Most characters of client- or engine-controlled text echoed in an error or a log.
-pub const CLIP_CHARS: usize = 256;
-
-/// Client- or engine-controlled text made safe to echo: at most [`CLIP_CHARS`]
-/// characters (then `…`), control characters, quotes and backslashes escaped.
-pub fn clip(text: &str) -> String {
-    let mut out = String::with_capacity(text.len().min(CLIP_CHARS + 8));
-    let mut chars = text.chars();
-    for c in chars.by_ref().take(CLIP_CHARS) {
-        out.extend(c.escape_debug());
-    }
-    if chars.next().is_some() {
-        out.push('…');
-    }
-    out
 }
 
 impl From<ProxyError> for Response<BoxBody> {
@@ -238,13 +221,5 @@ mod tests {
             assert!(body["error"]["type"].is_string());
             assert_eq!(r.as_deref(), retry);
         }
-    }
-
-    #[test]
-    fn clipped_text_is_short_and_escaped() {
-        assert_eq!(clip("gpt-5"), "gpt-5");
-        assert_eq!(clip("a\nb\"c\u{7}"), "a\\nb\\\"c\\u{7}");
-        let long = "x".repeat(1000);
-        assert_eq!(clip(&long).chars().count(), CLIP_CHARS + 1);
     }
 }

@@ -13,19 +13,23 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use tokio::time::Instant;
 
+use super::admission;
+use super::body::BoxBody;
 use super::edit::{self, Edits};
-use super::error::clip;
-use super::outcome::{FailoverReason, RequestOutcome, Route};
+use super::outcome::{FailoverReason, RequestOutcome};
 use super::probe::{self, Commit, ProbeFailure};
 use super::relay::{Finish, RelayBody};
 use super::{headers, ProxyError, UpstreamClient};
-use crate::balance::{self, Balancer, Choice, NodeState, Walk};
-use crate::body::BoxBody;
-use crate::breaker::{BreakerSettings, Outcome};
-use crate::config::{NodeConfig, RoutingConfig, WhenSaturated};
-use crate::key;
-use crate::metrics::Metrics;
-use crate::table::{Plan, Pool, Table};
+use crate::clip::clip;
+use crate::config::RoutingConfig;
+use crate::routing::breaker::{BreakerSettings, Outcome};
+use crate::routing::key;
+use crate::routing::node::Node;
+use crate::routing::node::NodeState;
+use crate::routing::route::Route;
+use crate::routing::table::{Plan, Pool, Table};
+use crate::routing::walk::{self, Choice};
+use crate::server::metrics::Metrics;
 
 /// Why one attempt did not produce a response for the client.
 struct Failure {
@@ -85,7 +89,7 @@ pub(super) struct Exchange<'t> {
 struct Target<'t> {
     pool: &'t Pool,
     body: Bytes,
-    walk: balance::Target,
+    walk: walk::Target,
     /// Set once the request left its own pool.
     fallback: bool,
 }
@@ -168,7 +172,7 @@ impl Exchange<'_> {
         let mut failures: Vec<Failure> = Vec::new();
         let mut attempt = 0;
         while attempt < max_attempts {
-            let (choice, queued) = match admit(
+            let (choice, queued) = match admission::admit(
                 target.pool,
                 self.routing(),
                 target.walk,
@@ -192,11 +196,11 @@ impl Exchange<'_> {
             attempt += 1;
             tried.push(choice.index);
             let pool = target.pool;
-            let node = &pool.config.nodes[choice.index];
+            let node = pool.balancer.node(choice.index);
             let health = Attempt {
                 node: choice.reservation.node().clone(),
                 probe: choice.probe,
-                settings: pool.balancer.breaker.clone(),
+                settings: pool.balancer.settings().clone(),
                 done: false,
             };
             let failure = match self.ask(pool, node, &target.body).await {
@@ -227,11 +231,11 @@ impl Exchange<'_> {
     }
 
     /// One attempt: sends the request to `node` and classifies what comes back.
-    async fn ask(&self, pool: &Pool, node: &NodeConfig, body: &Bytes) -> Result<Answer, Failure> {
+    async fn ask(&self, pool: &Pool, node: &Node, body: &Bytes) -> Result<Answer, Failure> {
         let uri = node.upstream_uri(&self.path).map_err(|e| {
             Failure::new(
                 FailoverReason::Error,
-                format!("{}: bad upstream URI: {e}", node.id),
+                format!("{}: bad upstream URI: {e}", node.id()),
             )
         })?;
         let mut req = Request::new(Full::new(body.clone()));
@@ -252,13 +256,13 @@ impl Exchange<'_> {
                 let ms = budget.as_millis();
                 return Err(Failure::new(
                     FailoverReason::Timeout,
-                    format!("{}: no response within {ms} ms", node.id),
+                    format!("{}: no response within {ms} ms", node.id()),
                 ));
             }
             Ok(Err(e)) => {
                 return Err(Failure::new(
                     FailoverReason::Error,
-                    format!("{}: {}", node.id, error_chain(&e)),
+                    format!("{}: {}", node.id(), error_chain(&e)),
                 ))
             }
             Ok(Ok(resp)) => resp,
@@ -267,13 +271,13 @@ impl Exchange<'_> {
         if status == StatusCode::TOO_MANY_REQUESTS {
             return Err(Failure::new(
                 FailoverReason::Busy,
-                format!("{}: HTTP 429", node.id),
+                format!("{}: HTTP 429", node.id()),
             ));
         }
         if status.is_server_error() {
             return Err(Failure::new(
                 FailoverReason::Http5xx,
-                format!("{}: HTTP {}", node.id, status.as_u16()),
+                format!("{}: HTTP {}", node.id(), status.as_u16()),
             ));
         }
         if !(stream && status.is_success() && is_event_stream(resp.headers())) {
@@ -287,7 +291,7 @@ impl Exchange<'_> {
                 FailoverReason::Timeout,
                 format!(
                     "{}: no first token within {} ms",
-                    node.id,
+                    node.id(),
                     pool.config.first_token_timeout.as_millis()
                 ),
             )),
@@ -295,13 +299,13 @@ impl Exchange<'_> {
                 FailoverReason::Error,
                 format!(
                     "{}: stream error before the first token: {}",
-                    node.id,
+                    node.id(),
                     clip(&msg)
                 ),
             )),
             Err(ProbeFailure::NoContent) => Err(Failure::new(
                 FailoverReason::NoContent,
-                format!("{}: stream ended with no content", node.id),
+                format!("{}: stream ended with no content", node.id()),
             )),
         }
     }
@@ -310,13 +314,13 @@ impl Exchange<'_> {
     /// counted, the reservation handed to the relayed body.
     fn commit(&self, c: Decision<'_>, answer: Answer, health: Attempt) -> Response<BoxBody> {
         let idle = self.table.config.server.idle_stream_timeout;
-        let settings = c.pool.balancer.breaker.clone();
+        let settings = c.pool.balancer.settings().clone();
         self.metrics
             .count_decision(&c.pool.config.name, &c.route, c.choice.distance);
         let finish = |status: StatusCode, ttft: Option<Duration>| Finish {
             metrics: self.metrics.clone(),
             pool: c.pool.config.name.clone(),
-            node: c.node.id.clone(),
+            node: c.node.id().to_string(),
             route: c.route.label(),
             attempts: c.attempts,
             status: status.as_u16(),
@@ -336,7 +340,7 @@ impl Exchange<'_> {
                 health.finish(Outcome::Success, ttft);
                 if let Some(t) = ttft {
                     self.metrics
-                        .observe_ttft(&c.pool.config.name, &c.node.id, t);
+                        .observe_ttft(&c.pool.config.name, c.node.id(), t);
                 }
                 let mut finish = finish(head.status, ttft);
                 if client_error {
@@ -362,95 +366,17 @@ impl Exchange<'_> {
                 (head, body)
             }
         };
-        respond(head, body, &c.node.id, &c.route, c.attempts)
+        respond(head, body, c.node.id(), &c.route, c.attempts)
     }
 }
 
 /// The decision being committed.
 struct Decision<'t> {
     pool: &'t Pool,
-    node: &'t NodeConfig,
+    node: &'t Node,
     route: Route,
     attempts: u32,
     choice: Choice,
-}
-
-/// Takes a slot on the first willing node of the key's walk; when every willing node
-/// is at cap, applies `routing.when_saturated`. Returns whether the request queued.
-async fn admit(
-    pool: &Pool,
-    routing: &RoutingConfig,
-    target: balance::Target,
-    tried: &[usize],
-    metrics: &Metrics,
-) -> Result<(Choice, bool), ProxyError> {
-    let b = &pool.balancer;
-    let name = || pool.config.name.clone();
-    // FIFO: a new request does not overtake the ones already waiting.
-    let queue_first =
-        routing.when_saturated == WhenSaturated::Queue && tried.is_empty() && b.load.queued() > 0;
-    let walk = if queue_first {
-        Walk::Saturated
-    } else {
-        b.choose(target, tried, std::time::Instant::now())
-    };
-    match walk {
-        Walk::Chosen(c) => Ok((c, false)),
-        Walk::Unavailable => Err(ProxyError::NoNode { pool: name() }),
-        Walk::Saturated => match routing.when_saturated {
-            WhenSaturated::Reject => Err(ProxyError::Saturated { pool: name() }),
-            WhenSaturated::LeastLoaded => b
-                .choose_least_loaded(target, tried)
-                .map(|c| (c, false))
-                .ok_or_else(|| ProxyError::NoNode { pool: name() }),
-            WhenSaturated::Queue => {
-                let waited = Instant::now();
-                let admitted = wait_for_slot(b, routing, target, tried, &pool.config.name).await;
-                metrics.observe_queue_wait(&pool.config.name, waited.elapsed());
-                admitted.map(|c| (c, true))
-            }
-        },
-    }
-}
-
-/// Waits in the pool's FIFO (bounded by `max_queue` and `queue_timeout`), re-running
-/// the walk each time a slot frees, so the key still lands on its nearest free node.
-async fn wait_for_slot(
-    b: &Balancer,
-    routing: &RoutingConfig,
-    target: balance::Target,
-    tried: &[usize],
-    pool: &str,
-) -> Result<Choice, ProxyError> {
-    let _ticket = b
-        .load
-        .enqueue(routing.max_queue)
-        .ok_or_else(|| ProxyError::QueueFull {
-            pool: pool.to_string(),
-            max: routing.max_queue,
-        })?;
-    let started = Instant::now();
-    let deadline = started + routing.queue_timeout;
-    loop {
-        // Register for the wake-up before looking, so a slot freed in between is not missed.
-        let mut freed = std::pin::pin!(b.load.freed().notified());
-        freed.as_mut().enable();
-        match b.choose(target, tried, std::time::Instant::now()) {
-            Walk::Chosen(c) => return Ok(c),
-            Walk::Unavailable => {
-                return Err(ProxyError::NoNode {
-                    pool: pool.to_string(),
-                })
-            }
-            Walk::Saturated => {}
-        }
-        if tokio::time::timeout_at(deadline, freed).await.is_err() {
-            return Err(ProxyError::QueueTimeout {
-                pool: pool.to_string(),
-                waited_ms: started.elapsed().as_millis(),
-            });
-        }
-    }
 }
 
 fn route_of(target: &Target<'_>, queued: bool, choice: &Choice) -> Route {

@@ -13,8 +13,8 @@ use http::header;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
-use super::error::clip;
 use super::ProxyError;
+use crate::clip::clip;
 
 /// The largest buffer allocated before the body's bytes have arrived.
 const INITIAL_BUFFER: usize = 64 * 1024;

@@ -3,6 +3,8 @@
 //! and failover. Requests the balancer answers itself (`GET /v1/models`, `GET /health`)
 //! and every error end here as complete responses.
 
+mod admission;
+pub mod body;
 pub mod edit;
 mod error;
 mod forward;
@@ -31,13 +33,14 @@ use parking_lot::Mutex;
 use serde_json::json;
 use tokio::time::Instant;
 
-pub use error::{clip, ProxyError};
+pub use error::ProxyError;
 
-use crate::body::{full, BoxBody};
+use crate::clip::clip;
 use crate::config::{Config, ConfigError};
-use crate::key::Api;
-use crate::metrics::Metrics;
-use crate::table::{Registry, Table};
+use crate::routing::key::Api;
+use crate::routing::table::{Registry, Table};
+use crate::server::metrics::Metrics;
+use body::{full, BoxBody};
 use ingress::{BodyLimits, ByteBudget};
 use outcome::RequestOutcome;
 

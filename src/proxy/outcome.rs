@@ -1,84 +1,7 @@
-//! The data plane's vocabulary for what happened to a request: where it was routed,
-//! why an attempt was abandoned, and how the request ended. Each has one spelling
-//! (`as_str`), used by the response headers, the logs and the metric labels; the
-//! metrics' label lists are these enums' `ALL`.
-
-/// Where a request was sent (`x-prefixlb-route`, `routing_decisions_total{route}`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Route {
-    /// The key's first node.
-    Primary,
-    /// The N-th node of the key's walk (the nodes before it were full or unwilling).
-    Spill(usize),
-    /// Diverted by latency shunting to the key's next node.
-    Shunt,
-    /// Waited in the pool's queue for a slot.
-    Queued,
-    /// Sent to this fallback pool.
-    Fallback(String),
-}
-
-impl Route {
-    /// The route of a node found at `distance` along the key's walk (`shunted`: an
-    /// earlier node's shunting sent the key on).
-    pub fn walked(distance: usize, shunted: bool) -> Route {
-        match (shunted, distance) {
-            (true, _) => Route::Shunt,
-            (false, 0) => Route::Primary,
-            (false, d) => Route::Spill(d),
-        }
-    }
-
-    /// The metric label (bounded: no distance, no pool name).
-    pub fn kind(&self) -> RouteKind {
-        match self {
-            Route::Primary => RouteKind::Primary,
-            Route::Spill(_) => RouteKind::Spill,
-            Route::Shunt => RouteKind::Shunt,
-            Route::Queued => RouteKind::Queued,
-            Route::Fallback(_) => RouteKind::Fallback,
-        }
-    }
-
-    /// The header value: `primary`, `spill:N`, `shunt`, `queued`, `fallback:POOL`.
-    pub fn label(&self) -> String {
-        match self {
-            Route::Spill(n) => format!("spill:{n}"),
-            Route::Fallback(pool) => format!("fallback:{pool}"),
-            other => other.kind().as_str().to_string(),
-        }
-    }
-}
-
-/// [`Route`] without its detail: the `route` label of `routing_decisions_total`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RouteKind {
-    Primary,
-    Spill,
-    Shunt,
-    Queued,
-    Fallback,
-}
-
-impl RouteKind {
-    pub const ALL: [RouteKind; 5] = [
-        RouteKind::Primary,
-        RouteKind::Spill,
-        RouteKind::Shunt,
-        RouteKind::Queued,
-        RouteKind::Fallback,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RouteKind::Primary => "primary",
-            RouteKind::Spill => "spill",
-            RouteKind::Shunt => "shunt",
-            RouteKind::Queued => "queued",
-            RouteKind::Fallback => "fallback",
-        }
-    }
-}
+//! The data plane's vocabulary for what happened to a request: why an attempt was
+//! abandoned, and how the request ended (where it was routed is
+//! [`Route`](crate::routing::route::Route)). Each has one spelling (`as_str`), used by
+//! the logs and the metric labels; the metrics' label lists are these enums' `ALL`.
 
 /// Why an attempt was abandoned before commit (`failovers_total{reason}`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -168,10 +91,8 @@ mod tests {
 
     #[test]
     fn labels() {
-        assert_eq!(Route::Spill(2).label(), "spill:2");
-        assert_eq!(Route::Fallback("big".into()).label(), "fallback:big");
-        assert_eq!(Route::Queued.label(), "queued");
-        assert_eq!(Route::Spill(3).kind().as_str(), "spill");
         assert_eq!(RequestOutcome::of_status(404).as_str(), "client_error");
+        assert_eq!(RequestOutcome::of_status(503).as_str(), "rejected");
+        assert_eq!(FailoverReason::Http5xx.as_str(), "http_5xx");
     }
 }

@@ -27,12 +27,12 @@ use hyper::body::Incoming;
 use memchr::memmem::Finder;
 use tokio::time::{Instant, Sleep};
 
+use super::body::BodyError;
 use super::outcome::RequestOutcome;
 use super::sse::{Block, SseScanner};
-use crate::balance::Reservation;
-use crate::body::BodyError;
-use crate::breaker::{BreakerSettings, Outcome};
-use crate::metrics::Metrics;
+use crate::routing::breaker::{BreakerSettings, Outcome};
+use crate::routing::node::Reservation;
+use crate::server::metrics::Metrics;
 
 /// What is known of a request when its response body ends: counted and logged once.
 pub struct Finish {

@@ -2,15 +2,15 @@
 //! `POST /admin/explain` returns it: pool, key (shortened), hash, the key's successor
 //! walk with each node's load and state (for a grouped key: the group and its width),
 //! and the node the next request would get, found by the balancer's own side-effect
-//! free [`Balancer::peek`](crate::balance::Balancer::peek), so it is the truth.
+//! free [`Balancer::peek`](crate::routing::walk::Balancer::peek), so it is the truth.
 
 use serde::Serialize;
 
-use crate::balance::Peek;
+use super::route::Route;
 use crate::config::WhenSaturated;
-use crate::key::Grouping;
-use crate::proxy::outcome::Route;
-use crate::table::{PlanError, Table};
+use crate::routing::key::Grouping;
+use crate::routing::table::{PlanError, Table};
+use crate::routing::walk::Peek;
 
 /// Characters of key text shown; the rest is summarised by `key_chars`.
 const SHOWN_KEY_CHARS: usize = 160;
@@ -78,19 +78,20 @@ pub fn explain(
     let successors: Vec<Step> = b
         .order(target)
         .map(|i| {
-            let m = &b.members[i];
+            let n = b.node(i);
+            let state = n.state();
             Step {
-                node: pool.config.nodes[i].id.clone(),
-                in_flight: m.state.in_flight(),
-                cap: b.cap_of(m),
-                accepts_new: m.state.accepts_new(),
-                breaker: m.state.breaker.state().as_str(),
-                shunts_key: m.state.breaker.shunts(plan.hash),
+                node: n.id().to_string(),
+                in_flight: state.in_flight(),
+                cap: b.cap_of(n),
+                accepts_new: state.accepts_new(),
+                breaker: state.breaker.state().as_str(),
+                shunts_key: state.breaker.shunts(plan.hash),
             }
         })
         .collect();
     let queue_first =
-        table.config.routing.when_saturated == WhenSaturated::Queue && b.load.queued() > 0;
+        table.config.routing.when_saturated == WhenSaturated::Queue && b.load().queued() > 0;
     let (choice, route) = match b.peek(target, &[], std::time::Instant::now()) {
         // FIFO: with requests already waiting, a new one joins them.
         _ if queue_first => (None, "queued".to_string()),
@@ -100,7 +101,7 @@ pub fn explain(
             shunted,
         } => {
             let route = Route::walked(distance, shunted).label();
-            (Some(pool.config.nodes[index].id.clone()), route)
+            (Some(b.node(index).id().to_string()), route)
         }
         Peek::Saturated if table.config.routing.when_saturated == WhenSaturated::Queue => {
             (None, "queued".to_string())

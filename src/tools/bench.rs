@@ -19,7 +19,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use crate::proxy::sse::SseScanner;
-use crate::sim::workload::Workload;
+use crate::tools::workload::Workload;
 
 /// One conversation to replay: per turn, the messages it adds and its output budget.
 #[derive(Debug, Clone)]
@@ -38,13 +38,13 @@ impl Script {
     /// Scripts from a simulator workload (its generated answers are replaced by the
     /// engines' real ones during the replay). A trace request becomes a one-turn
     /// conversation whose user message is its prompt as text
-    /// ([`crate::sim::workload::trace_text`]).
+    /// ([`crate::tools::workload::trace_text`]).
     pub fn from_workload(w: &Workload) -> Vec<Script> {
         w.conversations
             .iter()
             .map(|c| {
                 if let Some(p) = c.turns.first().and_then(|t| t.trace.as_ref()) {
-                    let text = crate::sim::workload::trace_text(p);
+                    let text = crate::tools::workload::trace_text(p);
                     return Script {
                         turns: vec![ScriptTurn {
                             messages: vec![("user", text.into())],

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 
-use crate::engine_model::Prompt;
+use crate::tools::engine_model::Prompt;
 
 /// A small seeded generator (xorshift64*): the same seed gives the same workload.
 #[derive(Debug, Clone)]
@@ -175,7 +175,7 @@ impl Turn {
 /// a routing key of `prefix_chars` characters covers as many tokens as it would of
 /// real text, and an engine model counts about the trace's tokens.
 pub fn trace_text(p: &Prompt) -> String {
-    let per_block = p.block_tokens * crate::engine_model::CHARS_PER_TOKEN;
+    let per_block = p.block_tokens * crate::tools::engine_model::CHARS_PER_TOKEN;
     let mut text = String::with_capacity(p.blocks.len() * per_block);
     for b in &p.blocks {
         let id = format!("{b:016x} ");

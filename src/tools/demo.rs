@@ -11,10 +11,10 @@ use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::bench::{BenchOptions, BenchReport, Script, ScriptTurn};
 use crate::config::Config;
-use crate::engine_model::Costs;
-use crate::mock_engine::{MockConfig, MockEngine};
+use crate::tools::bench::{BenchOptions, BenchReport, Script, ScriptTurn};
+use crate::tools::engine_model::Costs;
+use crate::tools::mock_engine::{MockConfig, MockEngine};
 
 /// The demo's shape; `Default` is what `prefixlb demo` runs.
 #[derive(Debug, Clone)]
@@ -67,7 +67,7 @@ pub async fn compare(opts: &DemoOptions) -> std::io::Result<(BenchReport, BenchR
     let addr = listener.local_addr()?;
     let config = balancer_config(&engines);
     let (lb_stop_tx, mut lb_stop) = watch::channel(false);
-    let lb = tokio::spawn(crate::serve::run_on(
+    let lb = tokio::spawn(crate::server::serve::run_on(
         listener,
         admin,
         config,
@@ -185,7 +185,7 @@ async fn drive(targets: Vec<String>, opts: &DemoOptions) -> BenchReport {
         stream: true,
         progress: false,
     };
-    crate::bench::run(scripts, &bench).await
+    crate::tools::bench::run(scripts, &bench).await
 }
 
 /// The demo's printed report.

@@ -10,9 +10,9 @@ use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use serde_json::{json, Value};
 
-use crate::body::{full, BoxBody};
-use crate::explain::explain;
+use crate::proxy::body::{full, BoxBody};
 use crate::proxy::Proxy;
+use crate::routing::explain::explain;
 
 /// Handles one admin request.
 pub async fn handle(
@@ -70,8 +70,8 @@ fn readyz(proxy: &Proxy) -> Response<BoxBody> {
     let open = table
         .pools
         .iter()
-        .flat_map(|p| p.balancer.members.iter())
-        .filter(|m| m.state.accepts_new())
+        .flat_map(|p| p.balancer.nodes())
+        .filter(|n| n.state().accepts_new())
         .count();
     if proxy.is_stopping() {
         error(StatusCode::SERVICE_UNAVAILABLE, "shutting down")
@@ -88,32 +88,29 @@ fn nodes(proxy: &Proxy) -> Value {
         .pools
         .iter()
         .flat_map(|pool| {
-            pool.config
-                .nodes
-                .iter()
-                .zip(&pool.balancer.members)
-                .map(move |(n, m)| {
-                    let ttft = m
-                        .state
-                        .breaker
-                        .ttft_quantiles(&pool.balancer.breaker, std::time::Instant::now());
-                    let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
-                    json!({
-                        "id": n.id,
-                        "pool": pool.config.name,
-                        "url": n.url.to_string(),
-                        "weight": n.weight,
-                        "state": m.state.breaker.state().as_str(),
-                    "in_flight": m.state.in_flight(),
-                        "cap": pool.balancer.cap_of(m),
-                        "healthy": m.state.is_healthy(),
-                        "draining": m.state.is_draining(),
+            let b = &pool.balancer;
+            b.nodes().iter().map(move |n| {
+                let state = n.state();
+                let ttft = state
+                    .breaker
+                    .ttft_quantiles(b.settings(), std::time::Instant::now());
+                let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
+                json!({
+                    "id": n.id(),
+                    "pool": pool.config.name,
+                    "url": n.url().to_string(),
+                    "weight": n.weight(),
+                    "state": state.breaker.state().as_str(),
+                    "in_flight": state.in_flight(),
+                    "cap": b.cap_of(n),
+                    "healthy": state.is_healthy(),
+                    "draining": state.is_draining(),
                     "ttft_p50_ms": ttft.map(|t| ms(t.0)),
                     "ttft_p90_ms": ttft.map(|t| ms(t.1)),
-                    "shunt_ratio": m.state.breaker.shunt_ratio(),
-                        "source": "static",
-                    })
+                    "shunt_ratio": state.breaker.shunt_ratio(),
+                    "source": n.source().as_str(),
                 })
+            })
         })
         .collect();
     json!({ "nodes": list })
@@ -151,10 +148,10 @@ async fn explain_request(proxy: &Proxy, req: Request<Incoming>) -> Response<BoxB
 
 fn drain(proxy: &Proxy, id: &str, draining: bool) -> Response<BoxBody> {
     let table = proxy.table();
-    let Some((p, n)) = table.find_node(id) else {
+    let Some((_, node)) = table.find_node(id) else {
         return error(StatusCode::NOT_FOUND, &format!("no node {id:?}"));
     };
-    let state = &table.pools[p].balancer.members[n].state;
+    let state = node.state();
     if state.set_draining(draining) {
         tracing::info!(node = id, draining, "drain state changed");
     }

@@ -1,16 +1,19 @@
 //! `prefixlb mock-engine`: an OpenAI-compatible engine emulator for tests, demos and
 //! benchmarks. It streams SSE the way vLLM does (a role-only first chunk, one chunk per
 //! token, an optional usage chunk, `data: [DONE]`), sleeps for the times the
-//! [`engine_model`](crate::engine_model) computes, exports vLLM's metric names, and
+//! [`engine_model`](crate::tools::engine_model) computes, exports vLLM's metric names, and
 //! takes runtime faults on `POST /mock/fault`.
 
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http::{header, Method, Request, Response, StatusCode};
+use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use parking_lot::Mutex;
@@ -19,8 +22,8 @@ use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, Semaphore};
 
-use crate::body::{full, BoxBody, ChannelBody};
-use crate::engine_model::{Costs, EngineModel, Prompt, BLOCK_TOKENS};
+use crate::proxy::body::{full, BodyError, BoxBody};
+use crate::tools::engine_model::{Costs, EngineModel, Prompt, BLOCK_TOKENS};
 
 /// `mock-engine` settings (the subcommand's flags).
 #[derive(Debug, Clone)]
@@ -162,7 +165,7 @@ impl MockEngine {
         shutdown: impl std::future::Future<Output = ()>,
     ) {
         let engine = self;
-        crate::server::serve(
+        crate::server::listener::serve(
             listener,
             move |req, _peer: SocketAddr| {
                 let engine = engine.clone();
@@ -170,7 +173,7 @@ impl MockEngine {
             },
             shutdown,
             Duration::from_secs(1),
-            crate::server::ConnLimits::default(),
+            crate::server::listener::ConnLimits::default(),
         )
         .await;
     }
@@ -299,7 +302,7 @@ impl MockEngine {
     }
 
     /// Admits a prompt to the model now: cache lookup, prefill-lane wait, prefill time.
-    fn prefill(&self, prompt: &Prompt) -> crate::engine_model::PrefillPlan {
+    fn prefill(&self, prompt: &Prompt) -> crate::tools::engine_model::PrefillPlan {
         self.model.lock().prefill(prompt, self.epoch.elapsed())
     }
 
@@ -585,4 +588,37 @@ fn error(status: StatusCode, msg: &str) -> Response<BoxBody> {
         status,
         &json!({"error": {"message": msg, "type": "mock_engine_error", "code": status.as_u16()}}),
     )
+}
+
+/// A body fed by a channel: each message is sent as one frame as soon as it arrives.
+/// The sender sees `send` fail once the receiver (the connection) is gone, which is how
+/// a producer learns that its client disconnected.
+pub struct ChannelBody {
+    rx: mpsc::Receiver<Bytes>,
+}
+
+impl ChannelBody {
+    /// A body and its sender; `depth` chunks may be queued before `send` waits.
+    pub fn new(depth: usize) -> (mpsc::Sender<Bytes>, ChannelBody) {
+        let (tx, rx) = mpsc::channel(depth);
+        (tx, ChannelBody { rx })
+    }
+}
+
+impl Body for ChannelBody {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        self.rx
+            .poll_recv(cx)
+            .map(|chunk| chunk.map(|b| Ok(Frame::data(b))))
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::default()
+    }
 }

@@ -1,18 +1,18 @@
-//! The routing table: one immutable snapshot of pools, rings and node handles, built
-//! from a validated [`Config`] and swapped whole. Node and pool runtime state lives in
-//! the [`Registry`], keyed by id, so in-flight counts (and later breakers) survive every
-//! rebuild. Also the pure "which pool, which key, which hash" step shared by the proxy,
-//! `prefixlb route` and `/admin/explain`.
+//! The routing table: one immutable snapshot of pools, their nodes and rings, built
+//! from a validated [`Config`] and swapped whole. Node and pool runtime state (in-flight
+//! counts, breakers, queues, group counters) lives in the [`Registry`], keyed by id, so
+//! it survives every rebuild. Also the pure "which pool, which key, which hash" step
+//! shared by the proxy, `prefixlb route`, `/admin/explain` and the simulator.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::balance::{Balancer, Member, NodeState, PoolLoad};
+use super::key::{self, Api, KeyError, KeySpec, RequestFacts};
+use super::node::{Node, NodeSource, NodeState, PoolLoad};
+use super::walk::Balancer;
 use crate::config::{Config, PoolConfig};
-use crate::key::{self, Api, KeyError, KeySpec, RequestFacts};
-use crate::ring::{Ring, RingMember};
 
 /// Runtime state by id, carried into every new table.
 #[derive(Debug, Default)]
@@ -43,7 +43,7 @@ impl Registry {
 #[derive(Debug)]
 pub struct Pool {
     pub config: PoolConfig,
-    /// Ring and members, indexed like `config.nodes`.
+    /// The pool's nodes, their ring and bounds.
     pub balancer: Balancer,
 }
 
@@ -61,7 +61,7 @@ pub struct Table {
 pub enum PoolError {
     #[error(
         "The model `{}` does not exist. Available models: {available}",
-        crate::proxy::clip(model)
+        crate::clip::clip(model)
     )]
     UnknownModel { model: String, available: String },
     #[error("'model' is required: this balancer serves several pools ({available})")]
@@ -105,29 +105,19 @@ impl Table {
                 if p.default {
                     default_pool = Some(i);
                 }
-                let ring_members: Vec<RingMember> = p
+                let nodes = p
                     .nodes
                     .iter()
-                    .map(|n| RingMember {
-                        id: n.id.clone(),
-                        weight: n.weight,
+                    .map(|n| {
+                        let cap = config.routing.max_in_flight.saturating_mul(n.weight);
+                        Node::new(n.clone(), NodeSource::Static, cap, registry.node(&n.id))
                     })
                     .collect();
-                let members = p
-                    .nodes
-                    .iter()
-                    .map(|n| Member {
-                        state: registry.node(&n.id),
-                        weight: n.weight,
-                        cap: config.routing.max_in_flight.saturating_mul(n.weight),
-                    })
-                    .collect();
-                let ring = Ring::build(&ring_members, config.routing.vnodes);
                 Pool {
                     config: p.clone(),
                     balancer: Balancer::new(
-                        ring,
-                        members,
+                        nodes,
+                        config.routing.vnodes,
                         registry.pool(&p.name),
                         config.routing.load_factor,
                         breaker.clone(),
@@ -204,14 +194,11 @@ impl Table {
         })
     }
 
-    /// Finds a node by id: (pool index, node index).
-    pub fn find_node(&self, id: &str) -> Option<(usize, usize)> {
-        self.pools.iter().enumerate().find_map(|(p, pool)| {
-            pool.config
-                .nodes
-                .iter()
-                .position(|n| n.id == id)
-                .map(|n| (p, n))
+    /// Finds a node by id, with its pool.
+    pub fn find_node(&self, id: &str) -> Option<(&Pool, &Node)> {
+        self.pools.iter().find_map(|pool| {
+            let node = pool.balancer.nodes().iter().find(|n| n.id() == id)?;
+            Some((pool, node))
         })
     }
 }
@@ -299,15 +286,15 @@ nodes = [{ id = "b", url = "http://h:2" }]
             .balancer
             .choose(1, &[], std::time::Instant::now())
         {
-            crate::balance::Walk::Chosen(c) => c,
+            super::super::walk::Walk::Chosen(c) => c,
             w => panic!("{w:?}"),
         };
         let t2 = Table::build(
             Config::parse(&TWO.replace("h:1", "h:9"), "t").unwrap(),
             &registry,
         );
-        assert_eq!(t2.pools[0].balancer.members[0].state.in_flight(), 1);
+        assert_eq!(t2.pools[0].balancer.node(0).state().in_flight(), 1);
         drop(held);
-        assert_eq!(t2.pools[0].balancer.members[0].state.in_flight(), 0);
+        assert_eq!(t2.pools[0].balancer.node(0).state().in_flight(), 0);
     }
 }

@@ -13,9 +13,10 @@ use prometheus::{
     Registry, TextEncoder,
 };
 
-use crate::breaker::BreakerState;
-use crate::proxy::outcome::{FailoverReason, RequestOutcome, Route, RouteKind};
-use crate::table::Table;
+use crate::proxy::outcome::{FailoverReason, RequestOutcome};
+use crate::routing::breaker::BreakerState;
+use crate::routing::route::{Route, RouteKind};
+use crate::routing::table::Table;
 
 /// TTFT buckets: a prefix-cache hit answers in tens of milliseconds, a cold prefill of
 /// a long prompt in seconds, a queued or swapping engine in tens of seconds, and a
@@ -212,10 +213,10 @@ impl Metrics {
             let b = &pool.balancer;
             self.ring_nodes
                 .with_label_values(&[p])
-                .set(b.ring.len() as i64);
+                .set(b.ring().len() as i64);
             self.queue_depth
                 .with_label_values(&[p])
-                .set(b.load.queued() as i64);
+                .set(b.load().queued() as i64);
             self.queue_wait.with_label_values(&[p]);
             for route in RouteKind::ALL {
                 self.routing_decisions
@@ -224,15 +225,15 @@ impl Metrics {
             for reason in FailoverReason::ALL {
                 self.failovers.with_label_values(&[p, reason.as_str()]);
             }
-            for (node, m) in pool.config.nodes.iter().zip(&b.members) {
-                let n = node.id.as_str();
-                let state = &m.state;
+            for node in b.nodes() {
+                let n = node.id();
+                let state = node.state();
                 self.in_flight
                     .with_label_values(&[n])
                     .set(state.in_flight() as i64);
                 self.node_cap
                     .with_label_values(&[n])
-                    .set(b.cap_of(m) as i64);
+                    .set(b.cap_of(node) as i64);
                 self.breaker_state
                     .with_label_values(&[n])
                     .set(state.breaker.state() as i64);

@@ -24,8 +24,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio::time::Sleep;
 
-use crate::body::BoxBody;
 use crate::config::ServerConfig;
+use crate::proxy::body::BoxBody;
 
 /// Per-listener connection limits.
 #[derive(Debug, Clone, Copy)]

@@ -14,67 +14,14 @@
 //!   threshold, that share of the node's keys (again by key-hash bits) goes to the
 //!   key's next node.
 
-use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-/// One shunting stage: at P90 TTFT ≥ `p90`, divert `divert` of the node's keys.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct ShuntStep {
-    pub p90: Duration,
-    pub divert: f64,
-}
+use super::ttft_window::TtftWindow;
 
-/// `[breaker]` settings (validated).
-#[derive(Debug, Clone, PartialEq)]
-pub struct BreakerSettings {
-    /// Consecutive failures that open the breaker. Default 2.
-    pub failure_threshold: u32,
-    /// How long an open breaker refuses traffic. Default 30 s.
-    pub open_for: Duration,
-    /// A stream slower than this to its first token is slow. Default 3 s.
-    pub slow_ttft: Duration,
-    /// Share of slow streams in the window that opens the breaker. Default 0.5.
-    pub slow_ratio: f64,
-    /// Streams the window must hold before it may open the breaker or shunt. Default 10.
-    pub min_samples: usize,
-    /// How far back TTFT samples count. Default 60 s.
-    pub window: Duration,
-    /// Shares of keys admitted while recovering, one per `canary_step`. Default
-    /// `[0.1, 0.3, 0.7, 1.0]`.
-    pub canary_steps: Vec<f64>,
-    /// Duration of each canary step. Default 10 s.
-    pub canary_step: Duration,
-    /// Shunting stages, ascending. Default 2 s → 20 %, 2.5 s → 50 %.
-    pub shunt_steps: Vec<ShuntStep>,
-}
-
-impl Default for BreakerSettings {
-    fn default() -> Self {
-        BreakerSettings {
-            failure_threshold: 2,
-            open_for: Duration::from_secs(30),
-            slow_ttft: Duration::from_secs(3),
-            slow_ratio: 0.5,
-            min_samples: 10,
-            window: Duration::from_secs(60),
-            canary_steps: vec![0.1, 0.3, 0.7, 1.0],
-            canary_step: Duration::from_secs(10),
-            shunt_steps: vec![
-                ShuntStep {
-                    p90: Duration::from_secs(2),
-                    divert: 0.2,
-                },
-                ShuntStep {
-                    p90: Duration::from_millis(2500),
-                    divert: 0.5,
-                },
-            ],
-        }
-    }
-}
+pub use crate::config::{BreakerSettings, ShuntStep};
 
 /// The breaker's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -142,85 +89,6 @@ struct Inner {
     consecutive_failures: u32,
     probe_in_flight: bool,
     window: TtftWindow,
-}
-
-/// Most samples kept, whatever the window: bounds memory and P90 work.
-const MAX_SAMPLES: usize = 512;
-
-/// TTFTs of recent successful streams, in arrival order and sorted, so that a
-/// quantile or the slow share costs a short walk, not a sort, on every request.
-#[derive(Debug, Default)]
-struct TtftWindow {
-    by_time: VecDeque<(Instant, Duration)>,
-    sorted: BTreeMap<Duration, u32>,
-}
-
-impl TtftWindow {
-    fn len(&self) -> usize {
-        self.by_time.len()
-    }
-
-    fn push(&mut self, at: Instant, ttft: Duration) {
-        self.by_time.push_back((at, ttft));
-        *self.sorted.entry(ttft).or_insert(0) += 1;
-        if self.by_time.len() > MAX_SAMPLES {
-            self.pop_oldest();
-        }
-    }
-
-    fn pop_oldest(&mut self) {
-        if let Some((_, t)) = self.by_time.pop_front() {
-            if let Some(n) = self.sorted.get_mut(&t) {
-                *n -= 1;
-                if *n == 0 {
-                    self.sorted.remove(&t);
-                }
-            }
-        }
-    }
-
-    /// Drops samples older than `window`.
-    fn prune(&mut self, window: Duration, now: Instant) {
-        while let Some(&(at, _)) = self.by_time.front() {
-            if now.saturating_duration_since(at) <= window {
-                break;
-            }
-            self.pop_oldest();
-        }
-    }
-
-    fn clear(&mut self) {
-        self.by_time.clear();
-        self.sorted.clear();
-    }
-
-    /// The q-quantile (nearest rank), walking down from the largest.
-    fn quantile(&self, q: f64) -> Option<Duration> {
-        let n = self.len();
-        if n == 0 {
-            return None;
-        }
-        let rank = ((q * n as f64).ceil() as usize).clamp(1, n);
-        let mut from_top = n - rank + 1;
-        for (t, count) in self.sorted.iter().rev() {
-            if *count as usize >= from_top {
-                return Some(*t);
-            }
-            from_top -= *count as usize;
-        }
-        None
-    }
-
-    /// Samples slower than `threshold`.
-    fn slower_than(&self, threshold: Duration) -> usize {
-        self.sorted
-            .range((
-                std::ops::Bound::Excluded(threshold),
-                std::ops::Bound::Unbounded,
-            ))
-            .map(|(_, c)| *c as usize)
-            .sum()
-    }
 }
 
 /// A key's position in [0, 1) for canary admission (low bits of its hash).
@@ -676,21 +544,6 @@ mod tests {
             None
         );
         assert_eq!(b.ttft_quantiles(&s, t0 + secs(61)).unwrap().1, secs(5));
-    }
-
-    #[test]
-    fn the_window_keeps_quantiles_exact() {
-        let t0 = Instant::now();
-        let mut w = TtftWindow::default();
-        for ms in [5u64, 1, 4, 2, 3, 3, 9, 7, 8, 6] {
-            w.push(t0, Duration::from_millis(ms));
-        }
-        let ms = |q| w.quantile(q).unwrap().as_millis();
-        assert_eq!((ms(0.1), ms(0.5), ms(0.9), ms(1.0)), (1, 4, 8, 9));
-        assert_eq!(w.slower_than(Duration::from_millis(6)), 3);
-        w.pop_oldest();
-        assert_eq!(w.len(), 9);
-        assert_eq!(w.slower_than(Duration::from_millis(4)), 4);
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! Prefix groups for `key = "hybrid"`: requests that share a long system prompt form a
-//! group (a short one forms none: see [`crate::key::MIN_GROUP_BYTES`]); the group's
+//! group (a short one forms none: see [`crate::routing::key::MIN_GROUP_BYTES`]); the group's
 //! hash picks an ordered list of nodes (its ring walk), and each
 //! conversation of the group lands on one of the first `width` of them, picked by its
 //! own hash by rendezvous hashing. `width` follows the group's share of the

@@ -22,14 +22,14 @@ pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
         let h = &table.config.health;
         let mut checks = JoinSet::new();
         for pool in &table.pools {
-            for (node, member) in pool.config.nodes.iter().zip(&pool.balancer.members) {
+            for node in pool.balancer.nodes() {
                 let Ok(uri) = node.upstream_uri(&h.path) else {
                     continue;
                 };
                 let (client, state, settings) = (
                     proxy.client().clone(),
-                    member.state.clone(),
-                    pool.balancer.breaker.clone(),
+                    node.state().clone(),
+                    pool.balancer.settings().clone(),
                 );
                 let (timeout, down_after, up_after) =
                     (h.timeout, h.unhealthy_after, h.healthy_after);

@@ -1,321 +1,18 @@
-//! The routing key: which bytes of a request decide its home on the ring.
-//!
-//! One borrowing serde pass over the body reads `model`, `stream` and the raw spans of
-//! the prompt fields; only the few strings the key needs are then decoded, and only up
-//! to `prefix_chars` characters each, so the work per request is bounded whatever the
-//! body's size. Pure: no I/O.
-
-use std::borrow::Cow;
-use std::ops::Range;
+//! The routing key: which bytes of a request decide its home on the ring, and its
+//! hashes. The key text comes from the prompt fields the facts scan kept (or a key
+//! header, or the raw body), each part cut to `prefix_chars` characters, so the work
+//! per request is bounded whatever the body's size; for `key = "hybrid"` the key's
+//! leading system part also names its prefix group. Pure: no I/O.
 
 use xxhash_rust::xxh3::Xxh3;
 
+use super::facts::{self, Envelope, Message};
+pub use super::facts::{
+    Api, BodySpans, KeyError, KeySource, ObjectSpan, RequestFacts, StreamOptionsSpan,
+};
+pub use super::group::Grouping;
+use super::key_text::KeyText;
 use crate::config::KeyMode;
-pub use crate::group::Grouping;
-use crate::json_scan::{self, ScanError, Scanner};
-
-/// The OpenAI-style API a request path belongs to; it decides where the prompt is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Api {
-    Chat,
-    Completions,
-    /// SGLang's native `/generate`.
-    Generate,
-    Responses,
-    Embeddings,
-    Other,
-}
-
-impl Api {
-    pub fn from_path(path: &str) -> Api {
-        match path {
-            "/v1/chat/completions" => Api::Chat,
-            "/v1/completions" => Api::Completions,
-            "/generate" => Api::Generate,
-            "/v1/responses" => Api::Responses,
-            "/v1/embeddings" => Api::Embeddings,
-            _ => Api::Other,
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Api::Chat => "chat",
-            Api::Completions => "completions",
-            Api::Generate => "generate",
-            Api::Responses => "responses",
-            Api::Embeddings => "embeddings",
-            Api::Other => "other",
-        }
-    }
-
-    /// Whether the body must be a JSON object (else 400).
-    pub fn requires_json(self) -> bool {
-        self != Api::Other
-    }
-}
-
-/// Where a key came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KeySource {
-    /// The `routing.key_header` header.
-    Header,
-    /// Text taken from the prompt fields.
-    Prompt,
-    /// The raw body bytes (non-JSON bodies, or JSON with no prompt field).
-    Raw,
-}
-
-impl KeySource {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            KeySource::Header => "header",
-            KeySource::Prompt => "prompt",
-            KeySource::Raw => "raw",
-        }
-    }
-}
-
-/// What the balancer needs to know of a request body.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RequestFacts {
-    /// The `model` field, if any.
-    pub model: Option<String>,
-    /// `stream: true`.
-    pub stream: bool,
-    /// The request asks for reasoning (`reasoning_effort`, `reasoning`, or
-    /// `chat_template_kwargs.enable_thinking = true`).
-    pub wants_reasoning: bool,
-    /// `stream_options.include_usage = true`: the client asked for the usage chunk.
-    pub include_usage: bool,
-    /// Where the body may be edited (model rewrite, `stream_options`).
-    pub spans: BodySpans,
-    /// The key bytes (before the pool name and seed are mixed in).
-    pub key: Vec<u8>,
-    /// How the key is placed; for a prefix group, how many leading bytes of the key
-    /// (its system part) name the group.
-    pub group: Grouping<usize>,
-    pub source: KeySource,
-}
-
-impl RequestFacts {
-    /// The group's key bytes, if the request has a group.
-    pub fn group_key(&self) -> Option<&[u8]> {
-        match self.group {
-            Grouping::Group(n) => Some(&self.key[..n.min(self.key.len())]),
-            Grouping::Ring | Grouping::Pool => None,
-        }
-    }
-}
-
-/// Byte offsets in a request body where the balancer may edit it (see
-/// [`crate::proxy::edit`]): all relative to the original bytes.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct BodySpans {
-    /// The top-level object.
-    pub object: Option<ObjectSpan>,
-    /// The value of `model` (the last one, as engines read it).
-    pub model: Option<Range<usize>>,
-    /// The value of `stream_options`.
-    pub stream_options: Option<StreamOptionsSpan>,
-}
-
-/// An object's opening: the offset just after its `{`, and whether it has members.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ObjectSpan {
-    pub open: usize,
-    pub empty: bool,
-}
-
-/// `stream_options`: its value, and when it is an object, where members go and where
-/// `include_usage`'s value is.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StreamOptionsSpan {
-    pub value: Range<usize>,
-    pub object: Option<ObjectSpan>,
-    pub include_usage: Option<Range<usize>>,
-}
-
-/// Why a body cannot be routed: the client's fault, answered with 400.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum KeyError {
-    #[error("request body is empty; expected a JSON object")]
-    Empty,
-    #[error("request body is not valid JSON: {0}")]
-    Json(String),
-    #[error("'{0}' is a required property")]
-    Missing(&'static str),
-}
-
-/// The fields of any OpenAI-style body that routing reads, as raw JSON text; everything
-/// else is skipped without being decoded.
-#[derive(Default)]
-struct Envelope<'a> {
-    model: Option<Cow<'a, str>>,
-    spans: BodySpans,
-    wants_reasoning: bool,
-    include_usage: bool,
-    stream: Option<bool>,
-    messages: Option<Vec<Message<'a>>>,
-    tools: Option<&'a str>,
-    prompt: Option<&'a str>,
-    text: Option<&'a str>,
-    input_ids: Option<&'a str>,
-    instructions: Option<&'a str>,
-    input: Option<&'a str>,
-}
-
-/// A chat message, or a `/v1/responses` input item.
-struct Message<'a> {
-    role: Option<Cow<'a, str>>,
-    content: Option<&'a str>,
-}
-
-fn read_envelope(text: &str) -> Result<Envelope<'_>, ScanError> {
-    let mut sc = Scanner::new(text);
-    let mut env = Envelope::default();
-    if sc.peek() != Some(b'{') {
-        return Err(sc.error("the body must be a JSON object"));
-    }
-    let mut members = 0;
-    let open = sc.offset() + 1;
-    sc.object(|sc, key| {
-        members += 1;
-        let raw = match &*key {
-            "model" => {
-                sc.peek();
-                let start = sc.offset();
-                env.model = sc.opt_string("'model' must be a string")?;
-                env.spans.model = Some(start..sc.offset());
-                return Ok(());
-            }
-            "reasoning_effort" | "reasoning" => {
-                env.wants_reasoning |= sc.value()? != "null";
-                return Ok(());
-            }
-            "stream_options" => {
-                let (span, include) = read_stream_options(sc)?;
-                env.spans.stream_options = Some(span);
-                env.include_usage = include;
-                return Ok(());
-            }
-            "chat_template_kwargs" if sc.peek() == Some(b'{') => {
-                sc.object(|sc, k| {
-                    let v = sc.value()?;
-                    env.wants_reasoning |=
-                        matches!(&*k, "enable_thinking" | "thinking") && v == "true";
-                    Ok(())
-                })?;
-                return Ok(());
-            }
-            "stream" => {
-                env.stream = sc.opt_bool("'stream' must be a boolean")?;
-                return Ok(());
-            }
-            "messages" => {
-                env.messages = read_messages(sc, "'messages' must be an array of message objects")?;
-                return Ok(());
-            }
-            "tools" => &mut env.tools,
-            "prompt" => &mut env.prompt,
-            "text" => &mut env.text,
-            "input_ids" => &mut env.input_ids,
-            "instructions" => &mut env.instructions,
-            "input" => &mut env.input,
-            _ => {
-                sc.value()?;
-                return Ok(());
-            }
-        };
-        *raw = Some(sc.value()?).filter(|v| *v != "null");
-        Ok(())
-    })?;
-    sc.end()?;
-    env.spans.object = Some(ObjectSpan {
-        open,
-        empty: members == 0,
-    });
-    Ok(env)
-}
-
-/// The `stream_options` value: its spans, and whether it asks for the usage chunk.
-fn read_stream_options(sc: &mut Scanner<'_>) -> Result<(StreamOptionsSpan, bool), ScanError> {
-    let start = match sc.peek() {
-        Some(_) => sc.offset(),
-        None => return Err(sc.error("expected a value")),
-    };
-    let mut span = StreamOptionsSpan {
-        value: start..start,
-        object: None,
-        include_usage: None,
-    };
-    let mut include = false;
-    if sc.peek() == Some(b'{') {
-        let mut members = 0;
-        sc.object(|sc, k| {
-            members += 1;
-            sc.peek();
-            let from = sc.offset();
-            let v = sc.value()?;
-            if k == "include_usage" {
-                include = v == "true";
-                span.include_usage = Some(from..sc.offset());
-            }
-            Ok(())
-        })?;
-        span.object = Some(ObjectSpan {
-            open: start + 1,
-            empty: members == 0,
-        });
-    } else {
-        sc.value()?;
-    }
-    span.value = start..sc.offset();
-    Ok((span, include))
-}
-
-/// An array of `{role, content}` objects (other members skipped), or `null`.
-fn read_messages<'a>(
-    sc: &mut Scanner<'a>,
-    msg: &'static str,
-) -> Result<Option<Vec<Message<'a>>>, ScanError> {
-    match sc.peek() {
-        Some(b'n') => return sc.opt_bool(msg).map(|_| None),
-        Some(b'[') => {}
-        _ => return Err(sc.error(msg)),
-    }
-    let mut messages = Vec::new();
-    sc.array(|sc| {
-        if sc.peek() != Some(b'{') {
-            return Err(sc.error(msg));
-        }
-        let mut m = Message {
-            role: None,
-            content: None,
-        };
-        sc.object(|sc, key| {
-            match &*key {
-                "role" => m.role = sc.opt_string("'role' must be a string")?,
-                "content" => m.content = Some(sc.value()?).filter(|v| *v != "null"),
-                _ => {
-                    sc.value()?;
-                }
-            }
-            Ok(())
-        })?;
-        messages.push(m);
-        Ok(())
-    })?;
-    Ok(Some(messages))
-}
-
-/// Runs `f` over a raw JSON text known to be valid (it was scanned already).
-fn rescan<'a, T>(
-    raw: &'a str,
-    f: impl FnOnce(&mut Scanner<'a>) -> Result<T, ScanError>,
-) -> Option<T> {
-    f(&mut Scanner::new(raw)).ok()
-}
 
 /// How to build keys: the `[routing]` settings that matter here.
 #[derive(Debug, Clone, Copy)]
@@ -332,24 +29,7 @@ pub fn extract(
     header_key: Option<&[u8]>,
     spec: KeySpec,
 ) -> Result<RequestFacts, KeyError> {
-    // SIMD validation (simdutf8) is ~3× std's on prompt-sized bodies; std's check
-    // runs only on failure, for the error's position.
-    let text = match simdutf8::basic::from_utf8(body) {
-        Ok(text) => Ok(text),
-        Err(_) => std::str::from_utf8(body),
-    };
-    let envelope = if api.requires_json() {
-        if body.iter().all(u8::is_ascii_whitespace) {
-            return Err(KeyError::Empty);
-        }
-        let text =
-            text.map_err(|e| KeyError::Json(format!("invalid UTF-8 at byte {}", e.valid_up_to())))?;
-        Some(read_envelope(text).map_err(|e| KeyError::Json(e.to_string()))?)
-    } else {
-        // Anything else: use the JSON fields if it is a JSON object, else raw bytes.
-        text.ok().and_then(|t| read_envelope(t).ok())
-    };
-
+    let envelope = facts::read(api, body)?;
     let (model, stream, wants_reasoning, spans, include_usage) = match &envelope {
         Some(env) => (
             env.model.as_deref().map(str::to_owned),
@@ -360,13 +40,6 @@ pub fn extract(
         ),
         None => (None, false, false, BodySpans::default(), false),
     };
-    if let Some(env) = &envelope {
-        match api {
-            Api::Chat if env.messages.is_none() => return Err(KeyError::Missing("messages")),
-            Api::Completions if env.prompt.is_none() => return Err(KeyError::Missing("prompt")),
-            _ => {}
-        }
-    }
 
     let (key, source) = match (header_key, &envelope) {
         (Some(h), _) => ((h.to_vec(), Grouping::Ring), KeySource::Header),
@@ -441,7 +114,7 @@ fn prompt_key(api: Api, env: &Envelope<'_>, spec: KeySpec) -> Option<PromptKey> 
         Api::Responses => {
             let items = match env.input {
                 Some(raw) if raw.starts_with('[') => {
-                    rescan(raw, |sc| read_messages(sc, "input items")).flatten()
+                    facts::rescan(raw, |sc| facts::read_messages(sc, "input items")).flatten()
                 }
                 _ => None,
             };
@@ -578,7 +251,7 @@ fn first_of(raw: Option<&str>, n: usize) -> Option<String> {
     let raw = raw?;
     let mut text = KeyText::new(n);
     if raw.starts_with('[') {
-        let first = rescan(raw, |sc| {
+        let first = facts::rescan(raw, |sc| {
             let mut first = None;
             sc.array(|sc| {
                 let v = sc.value()?;
@@ -607,133 +280,6 @@ fn raw_prefix(body: &[u8], n: usize) -> Vec<u8> {
         }
         Err(_) => body[..body.len().min(n)].to_vec(),
     }
-}
-
-/// A key under construction that holds at most `left` more characters.
-struct KeyText {
-    out: String,
-    left: usize,
-}
-
-impl KeyText {
-    fn new(limit: usize) -> Self {
-        KeyText {
-            out: String::with_capacity(limit.min(4096)),
-            left: limit,
-        }
-    }
-
-    fn full(&self) -> bool {
-        self.left == 0
-    }
-
-    fn push_char(&mut self, c: char) -> bool {
-        if self.left == 0 {
-            return false;
-        }
-        self.out.push(c);
-        self.left -= 1;
-        true
-    }
-
-    fn push_str(&mut self, s: &str) {
-        // Cut on a char boundary, never inside a code point.
-        let (taken, n) = json_scan::take_chars(s, self.left);
-        self.out.push_str(taken);
-        self.left -= n;
-    }
-
-    /// A JSON value as key text: strings decoded, anything else as compact JSON.
-    fn push_value(&mut self, raw: &str) {
-        if raw.starts_with('"') {
-            self.left -= json_scan::decode_prefix(raw, self.left, &mut self.out);
-        } else {
-            self.push_compact_json(raw);
-        }
-    }
-
-    /// Message content: a string, or an array of parts (text parts contribute their
-    /// text; other parts their type and URL).
-    fn push_content(&mut self, raw: &str) {
-        if !raw.starts_with('[') {
-            return self.push_value(raw);
-        }
-        // The text was scanned already, so this walk cannot fail.
-        let _ = rescan(raw, |sc| {
-            sc.array(|sc| {
-                if sc.peek() != Some(b'{') {
-                    let part = sc.value()?;
-                    self.push_value(part);
-                    return Ok(());
-                }
-                let (mut kind, mut text, mut url) = (None, None, None);
-                sc.object(|sc, key| {
-                    let v = match &*key {
-                        "image_url" | "video_url" | "audio_url" => media_url(sc)?,
-                        _ => sc.value()?,
-                    };
-                    match &*key {
-                        "type" => kind = Some(v),
-                        "text" => text = Some(v),
-                        "image_url" | "video_url" | "audio_url" => url = Some(v),
-                        _ => {}
-                    }
-                    Ok(())
-                })?;
-                match (text, kind) {
-                    (Some(text), _) => self.push_value(text),
-                    (None, kind) => {
-                        self.push_value(kind.unwrap_or("\"\""));
-                        if let Some(url) = url {
-                            self.push_str(" ");
-                            self.push_value(url);
-                        }
-                    }
-                }
-                Ok(())
-            })
-        });
-    }
-
-    /// Copies JSON text without the whitespace outside strings, up to the limit.
-    fn push_compact_json(&mut self, json: &str) {
-        let mut in_string = false;
-        let mut escaped = false;
-        for c in json.chars() {
-            if in_string {
-                if escaped {
-                    escaped = false;
-                } else if c == '\\' {
-                    escaped = true;
-                } else if c == '"' {
-                    in_string = false;
-                }
-            } else if c == '"' {
-                in_string = true;
-            } else if c.is_whitespace() {
-                continue;
-            }
-            if !self.push_char(c) {
-                return;
-            }
-        }
-    }
-}
-
-/// A media part's URL: the `url` of `{"url": ...}`, or a bare string.
-fn media_url<'a>(sc: &mut Scanner<'a>) -> Result<&'a str, ScanError> {
-    if sc.peek() != Some(b'{') {
-        return sc.value();
-    }
-    let mut url = "";
-    sc.object(|sc, key| {
-        let v = sc.value()?;
-        if key == "url" {
-            url = v;
-        }
-        Ok(())
-    })?;
-    Ok(url)
 }
 
 #[cfg(test)]

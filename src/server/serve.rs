@@ -5,15 +5,13 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use super::{admin, health, listener, reload};
 use crate::config::Config;
 use crate::proxy::Proxy;
-use crate::{admin, health, server};
 
 /// Binds both listeners, announces them on stdout, and serves until `shutdown`.
 pub async fn run(
@@ -46,7 +44,7 @@ pub async fn run_on(
     shutdown: impl Future<Output = ()>,
 ) {
     let grace = config.server.shutdown_grace;
-    let limits = server::ConnLimits::of(&config.server);
+    let limits = listener::ConnLimits::of(&config.server);
     let admin_addr = admin_listener.local_addr().ok();
     if config.server.admin_token.is_none() && admin_addr.is_some_and(|a| !a.ip().is_loopback()) {
         tracing::warn!(
@@ -60,17 +58,17 @@ pub async fn run_on(
     // in-flight requests drain.
     let (admin_stop_tx, mut admin_stop) = watch::channel(false);
     let health_task = tokio::spawn(health::run(proxy.clone(), admin_stop.clone()));
-    let reload_task = tokio::spawn(reload_triggers(proxy.clone(), admin_stop.clone()));
+    let reload_task = tokio::spawn(reload::run(proxy.clone(), admin_stop.clone()));
     let admin_task = {
         let proxy = proxy.clone();
-        tokio::spawn(server::serve(
+        tokio::spawn(listener::serve(
             admin_listener,
             move |req, peer| admin::handle(proxy.clone(), req, peer),
             async move {
                 let _ = admin_stop.wait_for(|stop| *stop).await;
             },
             std::time::Duration::from_secs(1),
-            server::ConnLimits::default(),
+            listener::ConnLimits::default(),
         ))
     };
 
@@ -83,7 +81,7 @@ pub async fn run_on(
         }
     };
     let handler_proxy = proxy.clone();
-    server::serve(
+    listener::serve(
         listener,
         move |req, peer| handler_proxy.clone().handle(req, peer),
         stopping,
@@ -96,58 +94,6 @@ pub async fn run_on(
     let _ = health_task.await;
     let _ = reload_task.await;
     tracing::info!("stopped");
-}
-
-/// Reloads the config on SIGHUP, and when `server.watch_config` is on, on a change of
-/// the file's mtime that has held for one poll (polled every second: no watcher
-/// dependency needed), so a file still being written is not applied half-way.
-async fn reload_triggers(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
-    let Some(path) = proxy.source().map(PathBuf::from) else {
-        return;
-    };
-    let mtime = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    // The mtime last applied, and the one seen at the previous poll.
-    let mut applied = mtime(&path);
-    let mut previous = applied;
-    #[cfg(unix)]
-    let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
-    loop {
-        #[cfg(unix)]
-        let sighup = async {
-            match hangup.as_mut() {
-                Some(s) => {
-                    s.recv().await;
-                }
-                None => std::future::pending().await,
-            }
-        };
-        #[cfg(not(unix))]
-        let sighup = std::future::pending::<()>();
-        let hup = tokio::select! {
-            _ = sighup => true,
-            _ = tokio::time::sleep(Duration::from_secs(1)) => false,
-            _ = stop.wait_for(|s| *s) => return,
-        };
-        let now = mtime(&path);
-        if hup {
-            tracing::info!("SIGHUP: reloading the config");
-        } else if !(proxy.table().config.server.watch_config && now != applied && now == previous) {
-            previous = now;
-            continue;
-        } else {
-            tracing::info!("config file changed: reloading");
-        }
-        applied = now;
-        previous = now;
-        spawn_reload(&proxy).await;
-    }
-}
-
-/// Runs a reload (file I/O and a table build) off the async workers.
-async fn spawn_reload(proxy: &Arc<Proxy>) {
-    let proxy = proxy.clone();
-    // The outcome is logged and counted by `reload`.
-    let _ = tokio::task::spawn_blocking(move || proxy.reload()).await;
 }
 
 async fn bind(addr: SocketAddr, key: &str) -> std::io::Result<TcpListener> {

@@ -1,218 +1,21 @@
-//! Bounded-load admission: per-node atomic in-flight counters, compare-and-swap
-//! reservation (so a cap is never exceeded under any concurrency), an RAII
-//! [`Reservation`] that gives the slot back when dropped, and the clockwise walk that
-//! takes the first node willing to serve a key. Synchronous: no I/O, no clocks.
+//! The walk: which node of a pool serves a key. A key's order over the nodes (its ring
+//! walk, or for a prefix group the group's first `width` nodes ranked by rendezvous with
+//! the key, then the rest of the group's walk), and the bounded-load admission along it:
+//! the first node that accepts new requests, was not tried, is under its cap, does not
+//! shunt the key and whose breaker admits it. [`Balancer::choose`] reserves that node;
+//! [`Balancer::peek`] names it and changes nothing (both run the same checks). The
+//! clock is passed in; no I/O.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use tokio::sync::Notify;
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::breaker::{Admission, Breaker, BreakerSettings, BreakerState, Outcome};
-use crate::group::{rendezvous, weighted_rendezvous, GroupHeat, Grouping};
-use crate::ring::{Ring, RingMember, Successors};
-
-/// Runtime state of one node, keyed by node id and carried across config reloads and
-/// ring rebuilds.
-#[derive(Debug)]
-pub struct NodeState {
-    pub id: String,
-    in_flight: AtomicU32,
-    draining: AtomicBool,
-    healthy: AtomicBool,
-    /// Consecutive failed / passed active health checks.
-    check_failures: AtomicU32,
-    check_passes: AtomicU32,
-    pub breaker: Breaker,
-    /// Breaker transitions so far, by the state entered.
-    transitions: [AtomicU64; 4],
-}
-
-impl NodeState {
-    pub fn new(id: impl Into<String>) -> Self {
-        NodeState {
-            id: id.into(),
-            in_flight: AtomicU32::new(0),
-            draining: AtomicBool::new(false),
-            healthy: AtomicBool::new(true),
-            check_failures: AtomicU32::new(0),
-            check_passes: AtomicU32::new(0),
-            breaker: Breaker::new(Instant::now()),
-            transitions: Default::default(),
-        }
-    }
-
-    /// How many times the breaker entered `state`.
-    pub fn transitions(&self, state: BreakerState) -> u64 {
-        self.transitions[state as usize].load(Ordering::Relaxed)
-    }
-
-    /// Records how an exchange with this node ended (see [`Breaker::record`]).
-    pub fn record(
-        &self,
-        outcome: Outcome,
-        ttft: Option<Duration>,
-        probe: bool,
-        s: &BreakerSettings,
-    ) {
-        let flip = self.breaker.record(outcome, ttft, probe, s, Instant::now());
-        self.log_flip(flip);
-    }
-
-    /// Records an active health check: `unhealthy_after` consecutive failures mark the
-    /// node down, `healthy_after` passes mark it up. Returns whether `healthy` flipped.
-    pub fn record_check(
-        &self,
-        passed: bool,
-        unhealthy_after: u32,
-        healthy_after: u32,
-        s: &BreakerSettings,
-    ) -> bool {
-        let flipped = if passed {
-            self.check_failures.store(0, Ordering::Relaxed);
-            let passes = self.check_passes.fetch_add(1, Ordering::Relaxed) + 1;
-            passes >= healthy_after && self.set_healthy(true)
-        } else {
-            self.check_passes.store(0, Ordering::Relaxed);
-            let failures = self.check_failures.fetch_add(1, Ordering::Relaxed) + 1;
-            failures >= unhealthy_after && self.set_healthy(false)
-        };
-        if flipped {
-            tracing::warn!(node = %self.id, healthy = passed, "health check state changed");
-        }
-        self.log_flip(self.breaker.on_health_check(passed, s, Instant::now()));
-        flipped
-    }
-
-    fn log_flip(&self, flip: Option<BreakerState>) {
-        if let Some(to) = flip {
-            self.transitions[to as usize].fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(node = %self.id, to = to.as_str(), "breaker state changed");
-        }
-    }
-
-    /// Requests currently reserved on this node.
-    pub fn in_flight(&self) -> u32 {
-        self.in_flight.load(Ordering::Acquire)
-    }
-
-    pub fn is_draining(&self) -> bool {
-        self.draining.load(Ordering::Relaxed)
-    }
-
-    /// Sets the drain flag; returns whether it flipped.
-    pub fn set_draining(&self, draining: bool) -> bool {
-        self.draining.swap(draining, Ordering::Relaxed) != draining
-    }
-
-    pub fn is_healthy(&self) -> bool {
-        self.healthy.load(Ordering::Relaxed)
-    }
-
-    /// Sets the health flag; returns whether it flipped.
-    pub fn set_healthy(&self, healthy: bool) -> bool {
-        self.healthy.swap(healthy, Ordering::Relaxed) != healthy
-    }
-
-    /// Whether the walk may consider this node at all (before its load is looked at).
-    pub fn accepts_new(&self) -> bool {
-        self.is_healthy() && !self.is_draining()
-    }
-
-    /// Takes a slot if fewer than `cap` are taken. Compare-and-swap: concurrent callers
-    /// can never push the count past `cap`.
-    fn try_take(&self, cap: u32) -> bool {
-        self.in_flight
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < cap).then_some(n + 1)
-            })
-            .is_ok()
-    }
-}
-
-/// Runtime state of one pool: its total load and the queue of requests waiting for a
-/// slot. Keyed by pool name and carried across reloads like [`NodeState`].
-#[derive(Debug, Default)]
-pub struct PoolLoad {
-    in_flight: AtomicU32,
-    queued: AtomicUsize,
-    freed: Notify,
-    /// Recent traffic per prefix group (`key = "hybrid"`).
-    pub groups: GroupHeat,
-}
-
-impl PoolLoad {
-    /// Requests in flight on all of the pool's nodes.
-    pub fn in_flight(&self) -> u32 {
-        self.in_flight.load(Ordering::Acquire)
-    }
-
-    /// Requests waiting for a slot.
-    pub fn queued(&self) -> usize {
-        self.queued.load(Ordering::Acquire)
-    }
-
-    /// The FIFO of waiters woken one per freed slot.
-    pub fn freed(&self) -> &Notify {
-        &self.freed
-    }
-
-    /// Joins the queue if it holds fewer than `max`; the ticket leaves it on drop.
-    pub fn enqueue(self: &Arc<Self>, max: usize) -> Option<QueueTicket> {
-        self.queued
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < max).then_some(n + 1)
-            })
-            .ok()
-            .map(|_| QueueTicket { pool: self.clone() })
-    }
-}
-
-/// A place in a pool's queue; dropping it leaves the queue.
-#[derive(Debug)]
-pub struct QueueTicket {
-    pool: Arc<PoolLoad>,
-}
-
-impl Drop for QueueTicket {
-    fn drop(&mut self) {
-        self.pool.queued.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// One taken in-flight slot. It lives exactly as long as the upstream exchange
-/// (attached to the response body), and gives the slot back on drop, waking the
-/// oldest waiter of the pool.
-#[derive(Debug)]
-pub struct Reservation {
-    node: Arc<NodeState>,
-    pool: Arc<PoolLoad>,
-}
-
-impl Reservation {
-    pub fn node(&self) -> &Arc<NodeState> {
-        &self.node
-    }
-}
-
-impl Drop for Reservation {
-    fn drop(&mut self) {
-        self.node.in_flight.fetch_sub(1, Ordering::AcqRel);
-        self.pool.in_flight.fetch_sub(1, Ordering::AcqRel);
-        self.pool.freed.notify_one();
-    }
-}
-
-/// A node as admission sees it.
-#[derive(Debug, Clone)]
-pub struct Member {
-    pub state: Arc<NodeState>,
-    pub weight: u32,
-    /// Absolute cap: `max_in_flight × weight`.
-    pub cap: u32,
-}
+use super::breaker::{Admission, BreakerSettings, BreakerState, Outcome};
+use super::group::{rendezvous, weighted_rendezvous, Grouping};
+use super::node::{Node, NodeSource, NodeState, PoolLoad, Reservation};
+use super::ring::{Ring, RingMember, Successors};
+use crate::config::NodeConfig;
 
 /// A node chosen for a request, with its slot already taken.
 #[derive(Debug)]
@@ -325,42 +128,47 @@ enum Walked<X> {
     Unavailable,
 }
 
-/// The admission view of one pool: its ring, members and bounds.
+/// The admission view of one pool: its nodes, their ring, and the bounds.
 #[derive(Debug)]
 pub struct Balancer {
-    pub ring: Ring,
-    pub members: Vec<Member>,
-    pub load: Arc<PoolLoad>,
+    ring: Ring,
+    nodes: Vec<Node>,
+    load: Arc<PoolLoad>,
     /// CHWBL relative bound `c`, if configured.
-    pub load_factor: Option<f64>,
-    pub breaker: Arc<BreakerSettings>,
+    load_factor: Option<f64>,
+    settings: Arc<BreakerSettings>,
     total_weight: u32,
-    /// `xxh3_64(node id)` per member: rendezvous scores stay put across rebuilds.
+    /// `xxh3_64(node id)` per node: rendezvous scores stay put across rebuilds.
     id_hashes: Vec<u64>,
-    /// Members differ in weight: rank group nodes by weighted rendezvous.
+    /// Nodes differ in weight: rank group nodes by weighted rendezvous.
     weighted: bool,
 }
 
 impl Balancer {
+    /// A pool's balancer: `vnodes × weight` ring points per node.
     pub fn new(
-        ring: Ring,
-        members: Vec<Member>,
+        nodes: Vec<Node>,
+        vnodes: u32,
         load: Arc<PoolLoad>,
         load_factor: Option<f64>,
-        breaker: Arc<BreakerSettings>,
+        settings: Arc<BreakerSettings>,
     ) -> Self {
-        let total_weight = members.iter().map(|m| m.weight).sum();
-        let id_hashes = members
+        let ring_members: Vec<RingMember> = nodes
             .iter()
-            .map(|m| xxh3_64(m.state.id.as_bytes()))
+            .map(|n| RingMember {
+                id: n.id().to_string(),
+                weight: n.weight(),
+            })
             .collect();
-        let weighted = members.windows(2).any(|w| w[0].weight != w[1].weight);
+        let total_weight = nodes.iter().map(Node::weight).sum();
+        let id_hashes = nodes.iter().map(|n| xxh3_64(n.id().as_bytes())).collect();
+        let weighted = nodes.windows(2).any(|w| w[0].weight() != w[1].weight());
         Balancer {
-            ring,
-            members,
+            ring: Ring::build(&ring_members, vnodes),
+            nodes,
             load,
             load_factor,
-            breaker,
+            settings,
             total_weight,
             id_hashes,
             weighted,
@@ -370,27 +178,46 @@ impl Balancer {
     /// `nodes` identical nodes (`n0`, `n1`, …, weight 1, cap `cap`) with fresh state:
     /// the fleet of tests, benches and experiments.
     pub fn uniform(nodes: usize, vnodes: u32, cap: u32, load_factor: Option<f64>) -> Balancer {
-        let ids: Vec<RingMember> = (0..nodes)
-            .map(|i| RingMember {
-                id: format!("n{i}"),
-                weight: 1,
+        let nodes = (0..nodes)
+            .map(|i| {
+                let id = format!("n{i}");
+                let config = NodeConfig {
+                    id: id.clone(),
+                    url: http::Uri::from_static("http://127.0.0.1:1"),
+                    weight: 1,
+                };
+                Node::new(
+                    config,
+                    NodeSource::Static,
+                    cap,
+                    Arc::new(NodeState::new(id)),
+                )
             })
             .collect();
-        let members = ids
-            .iter()
-            .map(|r| Member {
-                state: Arc::new(NodeState::new(&r.id)),
-                weight: 1,
-                cap,
-            })
-            .collect();
-        Balancer::new(
-            Ring::build(&ids, vnodes),
-            members,
-            Arc::default(),
-            load_factor,
-            Arc::default(),
-        )
+        Balancer::new(nodes, vnodes, Arc::default(), load_factor, Arc::default())
+    }
+
+    /// The pool's nodes, in config order (a walk's indexes point here).
+    pub fn nodes(&self) -> &[Node] {
+        &self.nodes
+    }
+
+    pub fn node(&self, index: usize) -> &Node {
+        &self.nodes[index]
+    }
+
+    pub fn ring(&self) -> &Ring {
+        &self.ring
+    }
+
+    /// The pool's total load and queue.
+    pub fn load(&self) -> &Arc<PoolLoad> {
+        &self.load
+    }
+
+    /// The breaker settings its nodes are judged by.
+    pub fn settings(&self) -> &Arc<BreakerSettings> {
+        &self.settings
     }
 
     /// The walk target of a key placed by `grouping`, counting the request toward its
@@ -412,7 +239,7 @@ impl Balancer {
         grouping: Grouping<u64>,
         width: impl FnOnce(u64, usize) -> usize,
     ) -> Target {
-        let nodes = self.members.len();
+        let nodes = self.nodes.len();
         let group = match grouping {
             Grouping::Ring => None,
             // The whole pool: the group hash is never walked.
@@ -433,16 +260,16 @@ impl Balancer {
                 let score = |i: usize| {
                     let id = self.id_hashes[i];
                     let s = if self.weighted {
-                        weighted_rendezvous(target.hash, id, self.members[i].weight)
+                        weighted_rendezvous(target.hash, id, self.nodes[i].weight())
                     } else {
                         rendezvous(target.hash, id)
                     };
                     (s, i)
                 };
-                if width >= self.members.len() {
+                if width >= self.nodes.len() {
                     // The whole pool: no need to walk the group's ring to list it.
                     return WalkOrder {
-                        head: (0..self.members.len()).map(score).collect(),
+                        head: (0..self.nodes.len()).map(score).collect(),
                         rest: None,
                     };
                 }
@@ -458,13 +285,13 @@ impl Balancer {
 
     /// The cap in force for a member now: the absolute cap, tightened by the relative
     /// bound `ceil(c × (total_in_flight + 1) × weight / total_weight)` when configured.
-    pub fn cap_of(&self, m: &Member) -> u32 {
+    pub fn cap_of(&self, m: &Node) -> u32 {
         match self.load_factor {
-            None => m.cap,
+            None => m.cap(),
             Some(c) => {
                 let total = self.load.in_flight() as f64 + 1.0;
-                let rel = (c * total * m.weight as f64 / self.total_weight.max(1) as f64).ceil();
-                m.cap.min(rel as u32).max(1)
+                let rel = (c * total * m.weight() as f64 / self.total_weight.max(1) as f64).ceil();
+                m.cap().min(rel as u32).max(1)
             }
         }
     }
@@ -472,17 +299,17 @@ impl Balancer {
     /// What the walk sees at one node before its breaker is asked: the per-node check
     /// shared by [`Balancer::choose`] and [`Balancer::peek`].
     fn screen(&self, index: usize, hash: u64, tried: &[usize]) -> Screen {
-        let m = &self.members[index];
-        if tried.contains(&index) || !m.state.accepts_new() {
+        let m = &self.nodes[index];
+        if tried.contains(&index) || !m.state().accepts_new() {
             return Screen::Skip;
         }
         let cap = self.cap_of(m);
-        if m.state.in_flight() >= cap {
+        if m.state().in_flight() >= cap {
             return Screen::Full {
-                open: m.state.breaker.state() != BreakerState::Open,
+                open: m.state().breaker.state() != BreakerState::Open,
             };
         }
-        if m.state.breaker.shunts(hash) {
+        if m.state().breaker.shunts(hash) {
             return Screen::Shunted;
         }
         Screen::Open(cap)
@@ -496,12 +323,12 @@ impl Balancer {
         &self,
         target: Target,
         tried: &[usize],
-        mut try_node: impl FnMut(&Member, u32, bool) -> Try<X>,
+        mut try_node: impl FnMut(&Node, u32, bool) -> Try<X>,
     ) -> Walked<X> {
         let mut any_open = false;
         let mut shunted: Option<(usize, usize)> = None;
         for (distance, index) in self.order(target).enumerate() {
-            let m = &self.members[index];
+            let m = &self.nodes[index];
             match self.screen(index, target.hash, tried) {
                 Screen::Skip => {}
                 Screen::Full { open } => any_open |= open,
@@ -524,7 +351,7 @@ impl Balancer {
             }
         }
         if let Some((distance, index)) = shunted {
-            let m = &self.members[index];
+            let m = &self.nodes[index];
             if let Try::Taken(x) = try_node(m, self.cap_of(m), false) {
                 return Walked::Taken {
                     index,
@@ -549,8 +376,9 @@ impl Balancer {
         let walked = self.walk(target, tried, |m, cap, ask| {
             let mut probe = false;
             if ask {
-                let (admission, flip) = m.state.breaker.admit(target.hash, &self.breaker, now);
-                m.state.log_flip(flip);
+                let state = m.state();
+                let (admission, flip) = state.breaker.admit(target.hash, &self.settings, now);
+                state.log_flip(flip);
                 if admission == Admission::Refuse {
                     return Try::Refused;
                 }
@@ -561,7 +389,8 @@ impl Balancer {
                 None => {
                     // Lost a race for the last slot: give the probe back.
                     if probe {
-                        m.state.record(Outcome::Neutral, None, true, &self.breaker);
+                        m.state()
+                            .record(Outcome::Neutral, None, true, &self.settings);
                     }
                     Try::Lost
                 }
@@ -590,7 +419,8 @@ impl Balancer {
     pub fn peek(&self, target: impl Into<Target>, tried: &[usize], now: Instant) -> Peek {
         let target = target.into();
         let walked = self.walk(target, tried, |m, _, ask| {
-            if ask && m.state.breaker.peek(target.hash, &self.breaker, now) == Admission::Refuse {
+            let breaker = &m.state().breaker;
+            if ask && breaker.peek(target.hash, &self.settings, now) == Admission::Refuse {
                 Try::Refused
             } else {
                 Try::Taken(())
@@ -624,7 +454,7 @@ impl Balancer {
             .order(target.into())
             .enumerate()
             .filter(|(_, i)| {
-                let state = &self.members[*i].state;
+                let state = self.nodes[*i].state();
                 !tried.contains(i)
                     && state.accepts_new()
                     && matches!(
@@ -634,11 +464,12 @@ impl Balancer {
             })
             .min_by(|(_, a), (_, b)| {
                 let load = |i: usize| {
-                    self.members[i].state.in_flight() as f64 / self.members[i].weight as f64
+                    let n = &self.nodes[i];
+                    n.state().in_flight() as f64 / n.weight() as f64
                 };
                 load(*a).total_cmp(&load(*b))
             })?;
-        let reservation = self.reserve(&self.members[index], u32::MAX)?;
+        let reservation = self.reserve(&self.nodes[index], u32::MAX)?;
         Some(Choice {
             index,
             distance,
@@ -648,15 +479,8 @@ impl Balancer {
         })
     }
 
-    fn reserve(&self, m: &Member, cap: u32) -> Option<Reservation> {
-        if !m.state.try_take(cap) {
-            return None;
-        }
-        self.load.in_flight.fetch_add(1, Ordering::AcqRel);
-        Some(Reservation {
-            node: m.state.clone(),
-            pool: self.load.clone(),
-        })
+    fn reserve(&self, m: &Node, cap: u32) -> Option<Reservation> {
+        Reservation::take(m.state(), &self.load, cap)
     }
 }
 
@@ -664,6 +488,8 @@ impl Balancer {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::time::Duration;
 
     fn balancer(n: usize, cap: u32, load_factor: Option<f64>) -> Balancer {
         Balancer::uniform(n, 160, cap, load_factor)
@@ -748,7 +574,7 @@ mod tests {
                         Outcome::Neutral,
                         None,
                         true,
-                        &b.breaker,
+                        &b.settings,
                         now,
                     );
                 }
@@ -759,11 +585,11 @@ mod tests {
     #[test]
     fn peek_names_the_node_choose_takes_in_every_state() {
         let b = balancer(4, 2, None);
-        let s = b.breaker.clone();
+        let s = b.settings.clone();
         let keys: Vec<u64> = (0..300u64).map(|i| xxh3_64(&i.to_le_bytes())).collect();
         let t0 = Instant::now();
         let at = |secs: u64| t0 + Duration::from_secs(secs);
-        let n0 = &b.members[0].state.breaker;
+        let n0 = &b.nodes[0].state().breaker;
         assert_peek_is_choose(&b, &keys, t0, "all closed");
         // Open: skipped until open_for is over.
         n0.record(Outcome::Failure, None, false, &s, t0);
@@ -781,7 +607,7 @@ mod tests {
             assert_peek_is_choose(&b, &keys, at(31 + 10 * step), "recovering");
         }
         // Shunting (another node): a fifth of its keys go on, by P90 TTFT.
-        let n1 = &b.members[1].state.breaker;
+        let n1 = &b.nodes[1].state().breaker;
         for i in 0..12 {
             let ttft = Duration::from_millis(if i < 2 { 2200 } else { 400 });
             n1.record(Outcome::Success, Some(ttft), false, &s, at(80));
@@ -789,7 +615,7 @@ mod tests {
         assert!(n1.shunt_ratio() > 0.0);
         assert_peek_is_choose(&b, &keys, at(80), "shunting");
         // Draining and at cap.
-        b.members[2].state.set_draining(true);
+        b.nodes[2].state().set_draining(true);
         assert_peek_is_choose(&b, &keys, at(80), "draining");
         let held: Vec<Choice> = (0..2)
             .filter_map(|_| match b.choose(keys[0], &[], at(80)) {
@@ -820,7 +646,7 @@ mod tests {
         held.remove(9);
         assert_eq!(chosen(b.choose(h, &[], Instant::now())).index, order[2]);
         drop(held);
-        assert!(b.members.iter().all(|m| m.state.in_flight() == 0));
+        assert!(b.nodes.iter().all(|m| m.state().in_flight() == 0));
     }
 
     #[test]
@@ -831,8 +657,8 @@ mod tests {
             chosen(b.choose(99, &[order[0]], Instant::now())).index,
             order[1]
         );
-        b.members[order[0]].state.set_draining(true);
-        b.members[order[1]].state.set_healthy(false);
+        b.nodes[order[0]].state().set_draining(true);
+        b.nodes[order[1]].state().set_healthy(false);
         let c = chosen(b.choose(99, &[], Instant::now()));
         assert_eq!((c.index, c.distance), (order[2], 2));
         assert!(matches!(
@@ -861,7 +687,7 @@ mod tests {
             .collect();
         assert!(matches!(b.choose(5, &[], Instant::now()), Walk::Saturated));
         let extra = b.choose_least_loaded(5, &[]).unwrap();
-        assert_eq!(b.members[extra.index].state.in_flight(), 2);
+        assert_eq!(b.nodes[extra.index].state().in_flight(), 2);
     }
 
     #[test]
@@ -899,8 +725,8 @@ mod tests {
                         } else if let Walk::Chosen(c) = b.choose(x, &[], Instant::now()) {
                             held.push(c);
                         }
-                        for m in &b.members {
-                            if m.state.in_flight() > cap {
+                        for m in b.nodes() {
+                            if m.state().in_flight() > cap {
                                 violations.fetch_add(1, Ordering::Relaxed);
                             }
                         }
@@ -911,7 +737,7 @@ mod tests {
                 h.join().unwrap();
             }
             prop_assert_eq!(violations.load(Ordering::Relaxed), 0);
-            prop_assert!(b.members.iter().all(|m| m.state.in_flight() == 0));
+            prop_assert!(b.nodes.iter().all(|m| m.state().in_flight() == 0));
             prop_assert_eq!(b.load.in_flight(), 0);
         }
     }

@@ -1,0 +1,355 @@
+//! The file layer: serde structs that mirror the TOML as written. Every field has a
+//! `///` comment with its default; every section rejects unknown keys (they are typos);
+//! values that can be wrong keep their span, so validation can point at them.
+
+use serde::Deserialize;
+use toml::Spanned;
+
+use super::{BreakerSettings, Dur, Secret};
+
+/// The TOML file as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    #[serde(default)]
+    pub server: ServerSection,
+    #[serde(default)]
+    pub routing: RoutingSection,
+    #[serde(default)]
+    pub breaker: BreakerSection,
+    #[serde(default)]
+    pub health: HealthSection,
+    #[serde(default)]
+    pub auth: AuthSection,
+    /// Required: at least one pool.
+    #[serde(default)]
+    pub pools: Vec<PoolSection>,
+}
+
+/// `[server]`
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerSection {
+    /// Client listener. Default `"0.0.0.0:8080"`.
+    pub listen: Spanned<String>,
+    /// Admin listener (metrics, node state, drain). Default `"127.0.0.1:9091"`.
+    pub admin_listen: Spanned<String>,
+    /// Bearer token required on the admin listener (not for `/healthz`, `/readyz`).
+    /// Default: none.
+    pub admin_token: Option<Secret>,
+    /// Largest request body accepted; beyond it, 413. Default 16 MiB.
+    pub max_body_bytes: Spanned<u64>,
+    /// Longest wait for an engine's response head. Default `"600s"`.
+    pub request_timeout: Dur,
+    /// TCP connect timeout to an engine. Default `"2s"`.
+    pub connect_timeout: Dur,
+    /// Longest silence inside a committed stream. Default `"120s"`.
+    pub idle_stream_timeout: Dur,
+    /// How long in-flight requests may run after SIGTERM. Default `"30s"`.
+    pub shutdown_grace: Dur,
+    /// Reload when the file's mtime changes (and then stays for a second). Default false.
+    pub watch_config: bool,
+    /// Time a client has to send a request head; on a kept-alive HTTP/1.1 connection
+    /// also the longest idle wait for the next request. Default `"10s"`.
+    pub header_read_timeout: Dur,
+    /// Most request header fields (HTTP/1.1; beyond: 431). Default 100.
+    pub max_headers: Spanned<usize>,
+    /// Largest request head in bytes (HTTP/1.1 buffer, HTTP/2 header list). Default 64 KiB.
+    pub max_header_bytes: Spanned<usize>,
+    /// HTTP/2 keep-alive PING interval; a PING unanswered for as long closes the
+    /// connection. Default `"20s"`.
+    pub http2_keep_alive_interval: Dur,
+    /// Open client connections at most; past it, new ones wait in the kernel's backlog.
+    /// Default 10000.
+    pub max_connections: Spanned<usize>,
+    /// Time a client has to send its whole request body (408 after). Default `"30s"`.
+    pub body_read_timeout: Dur,
+    /// Request bytes buffered at once across all connections (queued requests
+    /// included); over it, 503 with `Retry-After`. Default 1 GiB.
+    pub max_buffered_bytes: Spanned<u64>,
+}
+
+impl Default for ServerSection {
+    fn default() -> Self {
+        ServerSection {
+            listen: unspanned("0.0.0.0:8080".to_string()),
+            admin_listen: unspanned("127.0.0.1:9091".to_string()),
+            admin_token: None,
+            max_body_bytes: unspanned(16 * 1024 * 1024),
+            request_timeout: Dur::secs(600),
+            connect_timeout: Dur::secs(2),
+            idle_stream_timeout: Dur::secs(120),
+            shutdown_grace: Dur::secs(30),
+            watch_config: false,
+            header_read_timeout: Dur::secs(10),
+            max_headers: unspanned(100),
+            max_header_bytes: unspanned(64 * 1024),
+            http2_keep_alive_interval: Dur::secs(20),
+            max_connections: unspanned(10_000),
+            body_read_timeout: Dur::secs(30),
+            max_buffered_bytes: unspanned(1 << 30),
+        }
+    }
+}
+
+/// `[routing]`
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RoutingSection {
+    /// What part of the prompt is hashed: `"hybrid"`, `"conversation"` or
+    /// `"prefix"`. Default `"hybrid"` (chosen in the simulator).
+    pub key: KeyMode,
+    /// Characters of each part of the key. Default 1024.
+    pub prefix_chars: Spanned<usize>,
+    /// Header whose value, when present, is the key. Default `"x-session-id"`.
+    pub key_header: String,
+    /// Seed of the key hash. Default 0.
+    pub hash_seed: u64,
+    /// Ring points per unit of weight. Default 160.
+    pub vnodes: Spanned<u32>,
+    /// In-flight cap per unit of weight. Default 16 (chosen in the simulator).
+    pub max_in_flight: Spanned<u32>,
+    /// Optional CHWBL relative bound `c ≥ 1.0`. Default: none.
+    pub load_factor: Option<Spanned<f64>>,
+    /// What to do when every node is at cap. Default `"queue"`.
+    pub when_saturated: WhenSaturated,
+    /// Waiting requests per pool before 503. Default 1024.
+    pub max_queue: Spanned<usize>,
+    /// Longest wait in the queue. Default `"30s"`.
+    pub queue_timeout: Dur,
+    /// Nodes tried per request (first try included). Default 3.
+    pub max_attempts: Spanned<u32>,
+    /// Ask streams for their usage chunk (and hide it from clients that did not ask),
+    /// to count the fleet's real prefix-cache hits. Default true.
+    pub track_usage: bool,
+    /// Paths forwarded besides the OpenAI APIs and `/generate` (e.g.
+    /// `"/v1/rerank"`); any other path is answered 404. Default none.
+    pub extra_paths: Spanned<Vec<String>>,
+}
+
+impl Default for RoutingSection {
+    fn default() -> Self {
+        RoutingSection {
+            key: KeyMode::Hybrid,
+            prefix_chars: unspanned(1024),
+            key_header: "x-session-id".to_string(),
+            hash_seed: 0,
+            vnodes: unspanned(160),
+            max_in_flight: unspanned(16),
+            load_factor: None,
+            when_saturated: WhenSaturated::Queue,
+            max_queue: unspanned(1024),
+            queue_timeout: Dur::secs(30),
+            max_attempts: unspanned(3),
+            track_usage: true,
+            extra_paths: unspanned(Vec::new()),
+        }
+    }
+}
+
+/// `[breaker]`: the TTFT-measuring circuit breaker of every node.
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BreakerSection {
+    /// Consecutive failures that open a node's breaker. Default 2.
+    pub failure_threshold: Spanned<u32>,
+    /// How long an open breaker refuses traffic. Default `"30s"`.
+    pub open_for: Dur,
+    /// A stream slower than this to its first token counts as slow. Default `"3s"`.
+    pub slow_ttft: Dur,
+    /// Share of slow streams in the window that opens the breaker. Default 0.5.
+    pub slow_ratio: Spanned<f64>,
+    /// Streams the window needs before it may open the breaker or shunt. Default 10.
+    pub min_samples: Spanned<usize>,
+    /// How far back TTFT samples count. Default `"60s"`.
+    pub window: Dur,
+    /// Shares of a recovering node's keys admitted, one step per `canary_step`.
+    /// Default `[0.1, 0.3, 0.7, 1.0]`.
+    pub canary_steps: Spanned<Vec<f64>>,
+    /// Duration of each canary step. Default `"10s"`.
+    pub canary_step: Dur,
+    /// Latency-staged shunting. Default `[{ p90 = "2s", divert = 0.2 }, { p90 = "2.5s", divert = 0.5 }]`.
+    pub shunt_steps: Spanned<Vec<ShuntStepSection>>,
+}
+
+/// One `[[breaker.shunt_steps]]` entry.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShuntStepSection {
+    pub p90: Dur,
+    pub divert: f64,
+}
+
+impl Default for BreakerSection {
+    fn default() -> Self {
+        let d = BreakerSettings::default();
+        BreakerSection {
+            failure_threshold: unspanned(d.failure_threshold),
+            open_for: Dur(d.open_for),
+            slow_ttft: Dur(d.slow_ttft),
+            slow_ratio: unspanned(d.slow_ratio),
+            min_samples: unspanned(d.min_samples),
+            window: Dur(d.window),
+            canary_steps: unspanned(d.canary_steps),
+            canary_step: Dur(d.canary_step),
+            shunt_steps: unspanned(
+                d.shunt_steps
+                    .iter()
+                    .map(|s| ShuntStepSection {
+                        p90: Dur(s.p90),
+                        divert: s.divert,
+                    })
+                    .collect(),
+            ),
+        }
+    }
+}
+
+/// `[health]`: active health checks of every node.
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HealthSection {
+    /// Path probed with GET on each node. Default `"/health"`.
+    pub path: String,
+    /// Time between checks. Default `"5s"`.
+    pub interval: Dur,
+    /// Time a check may take. Default `"2s"`.
+    pub timeout: Dur,
+    /// Consecutive failed checks that mark a node down. Default 2.
+    pub unhealthy_after: Spanned<u32>,
+    /// Consecutive passed checks that mark it up again. Default 1.
+    pub healthy_after: Spanned<u32>,
+}
+
+/// `[auth]`: optional API keys for the client listener.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AuthSection {
+    /// A file of accepted keys, one per line (`#` comments and blank lines ignored),
+    /// relative to the config file; re-read on every reload. Default: none.
+    pub api_keys_file: Option<Spanned<String>>,
+    /// An environment variable holding accepted keys (separated by commas, spaces or
+    /// newlines). Default: none.
+    pub api_keys_env: Option<Spanned<String>>,
+    /// Remove the client's `Authorization` header before forwarding. Default false.
+    pub strip: bool,
+}
+
+impl Default for HealthSection {
+    fn default() -> Self {
+        HealthSection {
+            path: "/health".into(),
+            interval: Dur::secs(5),
+            timeout: Dur::secs(2),
+            unhealthy_after: unspanned(2),
+            healthy_after: unspanned(1),
+        }
+    }
+}
+
+/// `routing.key`: which part of the prompt text the hash covers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KeyMode {
+    /// System/developer text plus the first user message: every turn of a
+    /// conversation shares the key, even behind one long shared system prompt.
+    Conversation,
+    /// The first `prefix_chars` characters of the whole prompt.
+    Prefix,
+    /// The `conversation` key, placed within its prefix group: a long system/developer
+    /// part picks the group's nodes, and the group spreads over as many of them as
+    /// its share of the traffic calls for (see [`crate::group`]); a short one spreads
+    /// over the whole pool. Every turn of a conversation lands on one node, and
+    /// single-turn requests sharing a long prompt gather where it is cached. The
+    /// default: best overall in the simulator.
+    Hybrid,
+}
+
+impl KeyMode {
+    /// The TOML spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KeyMode::Conversation => "conversation",
+            KeyMode::Prefix => "prefix",
+            KeyMode::Hybrid => "hybrid",
+        }
+    }
+}
+
+impl WhenSaturated {
+    /// The TOML spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WhenSaturated::Queue => "queue",
+            WhenSaturated::Reject => "reject",
+            WhenSaturated::LeastLoaded => "least_loaded",
+        }
+    }
+}
+
+/// `routing.when_saturated`
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WhenSaturated {
+    /// Wait (FIFO, bounded), re-running selection whenever a slot frees.
+    Queue,
+    /// 503 at once.
+    Reject,
+    /// Overcommit the least loaded node.
+    LeastLoaded,
+}
+
+/// `[[pools]]`
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolSection {
+    /// Pool name (unique).
+    pub name: Spanned<String>,
+    /// `model` values this pool serves. Default: the pool name.
+    #[serde(default)]
+    pub models: Vec<Spanned<String>>,
+    /// Budget for the first generated token. Default `"60s"`.
+    #[serde(default = "default_first_token_timeout")]
+    pub first_token_timeout: Dur,
+    /// Pools tried, in order, when this one has no available node. Default none.
+    #[serde(default)]
+    pub fallbacks: Vec<Spanned<String>>,
+    /// Whether requests that ask for reasoning may come here. Default true.
+    #[serde(default = "yes")]
+    pub supports_thinking: bool,
+    /// The pool for requests naming an unknown model. Default false.
+    #[serde(default = "no")]
+    pub default: Spanned<bool>,
+    /// The engines.
+    #[serde(default)]
+    pub nodes: Vec<NodeSection>,
+}
+
+/// `[[pools.nodes]]`
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeSection {
+    /// Node id, unique across all pools; its ring points derive from it.
+    pub id: Spanned<String>,
+    /// Base URL of the engine, e.g. `http://10.0.0.5:8000`.
+    pub url: Spanned<String>,
+    /// Relative capacity: ring points and in-flight cap scale with it. Default 1.
+    #[serde(default = "one")]
+    pub weight: Spanned<u32>,
+}
+
+fn default_first_token_timeout() -> Dur {
+    Dur::secs(60)
+}
+fn yes() -> bool {
+    true
+}
+fn no() -> Spanned<bool> {
+    unspanned(false)
+}
+fn one() -> Spanned<u32> {
+    unspanned(1)
+}
+pub(super) fn unspanned<T>(value: T) -> Spanned<T> {
+    Spanned::new(0..0, value)
+}

@@ -1,0 +1,445 @@
+//! Configuration in two layers: serde structs that mirror the TOML file
+//! ([`file`]: every key optional except `[[pools]]`, unknown keys rejected), and the
+//! validated runtime [`Config`] built from them ([`validate`]). Every error names
+//! `file:line:col` and what is wrong.
+
+mod duration;
+pub mod file;
+mod validate;
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+pub use duration::{parse_duration, Dur, MAX_DURATION};
+pub use file::{FileConfig, KeyMode, WhenSaturated};
+
+/// A secret (a token or an API key): compared in constant time, never printed.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(s: impl Into<String>) -> Secret {
+        Secret(s.into())
+    }
+
+    /// The secret's bytes, for comparison.
+    pub fn expose(&self) -> &[u8] {
+        self.0.as_bytes()
+    }
+
+    /// Whether `candidate` equals this secret, in time that does not depend on where
+    /// they differ (only on their lengths).
+    pub fn matches(&self, candidate: &[u8]) -> bool {
+        use subtle::ConstantTimeEq;
+        self.expose().ct_eq(candidate).into()
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(<redacted>)")
+    }
+}
+
+/// A validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub routing: RoutingConfig,
+    pub breaker: BreakerSettings,
+    pub health: HealthConfig,
+    pub auth: AuthConfig,
+    pub pools: Vec<PoolConfig>,
+}
+
+/// Accepted API keys of the client listener (none: no check).
+#[derive(Debug, Clone, Default)]
+pub struct AuthConfig {
+    pub keys: Vec<Secret>,
+    pub strip: bool,
+}
+
+impl AuthConfig {
+    /// Whether an `Authorization` header value carries an accepted key. Every key is
+    /// compared (no early exit), each in constant time.
+    pub fn admits(&self, authorization: Option<&[u8]>) -> bool {
+        if self.keys.is_empty() {
+            return true;
+        }
+        let Some(token) = authorization.and_then(|v| v.strip_prefix(b"Bearer ")) else {
+            return false;
+        };
+        self.keys
+            .iter()
+            .fold(false, |ok, key| key.matches(token) | ok)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct HealthConfig {
+    pub path: String,
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub unhealthy_after: u32,
+    pub healthy_after: u32,
+}
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub admin_listen: SocketAddr,
+    pub admin_token: Option<Secret>,
+    pub max_body_bytes: usize,
+    pub request_timeout: Duration,
+    pub connect_timeout: Duration,
+    pub idle_stream_timeout: Duration,
+    pub shutdown_grace: Duration,
+    pub watch_config: bool,
+    pub header_read_timeout: Duration,
+    pub max_headers: usize,
+    pub max_header_bytes: usize,
+    pub http2_keep_alive_interval: Duration,
+    pub max_connections: usize,
+    pub body_read_timeout: Duration,
+    pub max_buffered_bytes: usize,
+}
+
+#[derive(Debug, Clone)]
+pub struct RoutingConfig {
+    pub key: KeyMode,
+    pub prefix_chars: usize,
+    /// Lower-cased header name.
+    pub key_header: http::HeaderName,
+    pub hash_seed: u64,
+    pub vnodes: u32,
+    pub max_in_flight: u32,
+    pub load_factor: Option<f64>,
+    pub when_saturated: WhenSaturated,
+    pub max_queue: usize,
+    pub queue_timeout: Duration,
+    pub max_attempts: u32,
+    pub track_usage: bool,
+    pub extra_paths: Vec<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct PoolConfig {
+    pub name: String,
+    pub models: Vec<String>,
+    pub first_token_timeout: Duration,
+    pub fallbacks: Vec<String>,
+    pub supports_thinking: bool,
+    pub default: bool,
+    pub nodes: Vec<NodeConfig>,
+}
+
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    pub id: String,
+    /// Base URL with no trailing slash, e.g. `http://10.0.0.5:8000` or
+    /// `http://host:8000/prefix`.
+    pub url: http::Uri,
+    pub weight: u32,
+}
+
+impl NodeConfig {
+    /// The engine URL for a request path (and query) on the balancer.
+    pub fn upstream_uri(&self, path_and_query: &str) -> Result<http::Uri, http::Error> {
+        let base = self.url.path().trim_end_matches('/');
+        let mut parts = http::uri::Builder::new()
+            .scheme(self.url.scheme_str().unwrap_or("http"))
+            .authority(self.url.authority().map(|a| a.as_str()).unwrap_or(""));
+        parts = parts.path_and_query(format!("{base}{path_and_query}"));
+        parts.build()
+    }
+}
+
+/// One shunting stage: at P90 TTFT ≥ `p90`, divert `divert` of the node's keys.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ShuntStep {
+    pub p90: Duration,
+    pub divert: f64,
+}
+
+/// `[breaker]` settings (validated): the TTFT-measuring circuit breaker of every node.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BreakerSettings {
+    /// Consecutive failures that open the breaker. Default 2.
+    pub failure_threshold: u32,
+    /// How long an open breaker refuses traffic. Default 30 s.
+    pub open_for: Duration,
+    /// A stream slower than this to its first token is slow. Default 3 s.
+    pub slow_ttft: Duration,
+    /// Share of slow streams in the window that opens the breaker. Default 0.5.
+    pub slow_ratio: f64,
+    /// Streams the window must hold before it may open the breaker or shunt. Default 10.
+    pub min_samples: usize,
+    /// How far back TTFT samples count. Default 60 s.
+    pub window: Duration,
+    /// Shares of keys admitted while recovering, one per `canary_step`. Default
+    /// `[0.1, 0.3, 0.7, 1.0]`.
+    pub canary_steps: Vec<f64>,
+    /// Duration of each canary step. Default 10 s.
+    pub canary_step: Duration,
+    /// Shunting stages, ascending. Default 2 s → 20 %, 2.5 s → 50 %.
+    pub shunt_steps: Vec<ShuntStep>,
+}
+
+impl Default for BreakerSettings {
+    fn default() -> Self {
+        BreakerSettings {
+            failure_threshold: 2,
+            open_for: Duration::from_secs(30),
+            slow_ttft: Duration::from_secs(3),
+            slow_ratio: 0.5,
+            min_samples: 10,
+            window: Duration::from_secs(60),
+            canary_steps: vec![0.1, 0.3, 0.7, 1.0],
+            canary_step: Duration::from_secs(10),
+            shunt_steps: vec![
+                ShuntStep {
+                    p90: Duration::from_secs(2),
+                    divert: 0.2,
+                },
+                ShuntStep {
+                    p90: Duration::from_millis(2500),
+                    divert: 0.5,
+                },
+            ],
+        }
+    }
+}
+
+/// A configuration error, located in its file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    pub file: String,
+    pub line: usize,
+    pub col: usize,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}:{}:{}: {}",
+            self.file, self.line, self.col, self.message
+        )
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+impl Config {
+    /// Reads, parses and validates a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            file: path.display().to_string(),
+            line: 1,
+            col: 1,
+            message: format!("cannot read config: {e}"),
+        })?;
+        Config::parse(&text, &path.display().to_string())
+    }
+
+    /// Parses and validates config text; `file` names it in errors.
+    pub fn parse(text: &str, file: &str) -> Result<Config, ConfigError> {
+        let at = |span: Option<Range<usize>>, message: String| {
+            let (line, col) = line_col(text, span.map(|s| s.start).unwrap_or(0));
+            ConfigError {
+                file: file.to_string(),
+                line,
+                col,
+                message,
+            }
+        };
+        let raw: FileConfig =
+            toml::from_str(text).map_err(|e| at(e.span(), e.message().trim().to_string()))?;
+        let dir = Path::new(file).parent().unwrap_or(Path::new(""));
+        validate::config(raw, dir).map_err(|(span, msg)| at(span, msg))
+    }
+}
+
+/// 1-based line and column (in characters) of a byte offset.
+fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    let offset = offset.min(text.len());
+    let before = &text[..offset];
+    let line = before.matches('\n').count() + 1;
+    let line_start = before.rfind('\n').map(|i| i + 1).unwrap_or(0);
+    (line, before[line_start..].chars().count() + 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIN: &str = r#"
+[[pools]]
+name = "llama"
+nodes = [{ id = "a", url = "http://127.0.0.1:8001" }]
+"#;
+
+    fn err(text: &str) -> ConfigError {
+        Config::parse(text, "t.toml").unwrap_err()
+    }
+
+    #[test]
+    fn minimal_config_gets_documented_defaults() {
+        let c = Config::parse(MIN, "t.toml").unwrap();
+        assert_eq!(c.server.listen.to_string(), "0.0.0.0:8080");
+        assert_eq!(c.server.admin_listen.to_string(), "127.0.0.1:9091");
+        assert_eq!(c.server.max_body_bytes, 16 << 20);
+        assert_eq!(c.server.request_timeout, Duration::from_secs(600));
+        assert_eq!(c.routing.key, KeyMode::Hybrid);
+        assert_eq!(c.routing.prefix_chars, 1024);
+        assert_eq!(c.routing.vnodes, 160);
+        assert_eq!(c.routing.max_in_flight, 16);
+        assert_eq!(c.routing.max_attempts, 3);
+        assert_eq!(c.routing.max_queue, 1024);
+        assert_eq!(c.routing.when_saturated, WhenSaturated::Queue);
+        assert_eq!(c.pools[0].models, vec!["llama".to_string()]);
+        assert_eq!(c.pools[0].nodes[0].weight, 1);
+    }
+
+    #[test]
+    fn shipped_example_is_valid() {
+        let text = include_str!("../../config/prefixlb.toml");
+        let c = Config::parse(text, "config/prefixlb.toml").unwrap();
+        assert_eq!(c.routing.vnodes, 160);
+    }
+
+    #[test]
+    fn unknown_key_is_located() {
+        let e = err("[routing]\nvnodes = 10\nmax_inflight = 3\n[[pools]]\nname=\"p\"\nnodes=[{id=\"a\",url=\"http://h:1\"}]\n");
+        assert_eq!((e.line, e.col), (3, 1), "{e}");
+        assert!(e.message.contains("unknown field `max_inflight`"), "{e}");
+        assert!(e.to_string().starts_with("t.toml:3:1: "));
+    }
+
+    #[test]
+    fn semantic_errors_point_at_the_value() {
+        let dup = err("[[pools]]\nname=\"p\"\nnodes=[{id=\"a\",url=\"http://h:1\"},{id=\"a\",url=\"http://h:2\"}]\n");
+        assert_eq!(dup.line, 3);
+        assert!(dup.message.contains("duplicate node id"), "{dup}");
+
+        let url = err("[[pools]]\nname=\"p\"\n[[pools.nodes]]\nid=\"a\"\nurl=\"h:1:2\"\n");
+        assert_eq!((url.line, url.col), (5, 5), "{url}");
+
+        let w =
+            err("[[pools]]\nname=\"p\"\n[[pools.nodes]]\nid=\"a\"\nurl=\"http://h:1\"\nweight=0\n");
+        assert_eq!(w.line, 6);
+        assert!(w.message.contains("weight 0"), "{w}");
+
+        let fb = err(
+            "[[pools]]\nname=\"p\"\nfallbacks=[\"q\"]\nnodes=[{id=\"a\",url=\"http://h:1\"}]\n",
+        );
+        assert_eq!(fb.line, 3);
+        assert!(fb.message.contains("names no pool"), "{fb}");
+
+        let d = err("[server]\nrequest_timeout=\"10 parsecs\"\n[[pools]]\nname=\"p\"\nnodes=[{id=\"a\",url=\"http://h:1\"}]\n");
+        assert_eq!(d.line, 2);
+        assert!(d.message.contains("unit"), "{d}");
+
+        let none = err("[routing]\nvnodes=1\n");
+        assert!(none.message.contains("no [[pools]]"), "{none}");
+
+        let lf = err("[routing]\nload_factor=0.5\n[[pools]]\nname=\"p\"\nnodes=[{id=\"a\",url=\"http://h:1\"}]\n");
+        assert_eq!(lf.line, 2);
+    }
+
+    #[test]
+    fn secrets_never_print() {
+        let c = Config::parse(
+            &format!("[server]\nadmin_token = \"tok-3f9a\"\n{MIN}"),
+            "t.toml",
+        )
+        .unwrap();
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("tok-3f9a"), "{shown}");
+        assert!(c.server.admin_token.unwrap().matches(b"tok-3f9a"));
+    }
+
+    #[test]
+    fn values_are_bounded_where_they_are_written() {
+        for (line, key) in [
+            ("[server]\nrequest_timeout = \"1e999s\"", "unit"),
+            (
+                "[server]\nrequest_timeout = \"99999999999999999999999s\"",
+                "limit",
+            ),
+            ("[server]\nconnect_timeout = \"8d\"", "unit"),
+            (
+                "[server]\nmax_body_bytes = 99999999999999",
+                "max_body_bytes",
+            ),
+            ("[server]\nmax_connections = 0", "max_connections"),
+            ("[routing]\nmax_attempts = 100", "max_attempts"),
+            ("[routing]\nprefix_chars = 9999999999", "prefix_chars"),
+            ("[breaker]\nmin_samples = 100000", "min_samples"),
+            ("[health]\nunhealthy_after = 0", "unhealthy_after"),
+            ("[routing]\nextra_paths = [\"v1/x\"]", "extra_paths"),
+        ] {
+            let e = err(&format!("{line}\n{MIN}"));
+            assert_eq!(e.line, 2, "{line}: {e}");
+            assert!(e.message.contains(key), "{line}: {e}");
+        }
+        assert_eq!(
+            parse_duration("168h").unwrap(),
+            MAX_DURATION,
+            "7 days is the limit"
+        );
+        assert!(parse_duration("169h").is_err());
+    }
+
+    #[test]
+    fn api_keys_come_from_a_file_and_the_environment() {
+        let dir = std::env::temp_dir().join(format!("prefixlb-keys-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("keys"), "# comment\n  k1  \n\nk2\n").unwrap();
+        std::env::set_var("PREFIXLB_UNIT_KEYS", "k3,k4 k5");
+        let text = format!(
+            "[auth]\napi_keys_file = \"keys\"\napi_keys_env = \"PREFIXLB_UNIT_KEYS\"\n{MIN}"
+        );
+        let file = dir.join("c.toml");
+        let c = Config::parse(&text, file.to_str().unwrap()).unwrap();
+        assert_eq!(c.auth.keys.len(), 5);
+        for k in ["k1", "k2", "k3", "k5"] {
+            assert!(c.auth.admits(Some(format!("Bearer {k}").as_bytes())), "{k}");
+        }
+        assert!(!c.auth.admits(Some(b"Bearer k6")));
+        assert!(!c.auth.admits(Some(b"k1")), "the Bearer scheme is required");
+        assert!(!c.auth.admits(None));
+        assert!(
+            Config::parse(MIN, "t").unwrap().auth.admits(None),
+            "no keys: open"
+        );
+        let missing = err(&format!("[auth]\napi_keys_file = \"nope\"\n{MIN}"));
+        assert_eq!(missing.line, 2);
+        let unset = err(&format!(
+            "[auth]\napi_keys_env = \"PREFIXLB_UNSET_VAR_1\"\n{MIN}"
+        ));
+        assert!(unset.message.contains("not set"), "{unset}");
+    }
+
+    #[test]
+    fn upstream_uri_keeps_base_path() {
+        let n = NodeConfig {
+            id: "a".into(),
+            url: "http://h:8000/engine/".parse().unwrap(),
+            weight: 1,
+        };
+        assert_eq!(
+            n.upstream_uri("/v1/chat/completions?x=1")
+                .unwrap()
+                .to_string(),
+            "http://h:8000/engine/v1/chat/completions?x=1"
+        );
+    }
+}

@@ -1,0 +1,437 @@
+//! The runtime layer built from the file layer: every value checked and bounded,
+//! names resolved, defaults applied. An error carries the span of what is wrong.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::path::Path;
+
+use toml::Spanned;
+
+use super::file::{
+    AuthSection, BreakerSection, FileConfig, HealthSection, NodeSection, PoolSection,
+    RoutingSection, ServerSection,
+};
+use super::{
+    AuthConfig, BreakerSettings, Config, HealthConfig, NodeConfig, PoolConfig, RoutingConfig,
+    Secret, ServerConfig, ShuntStep,
+};
+
+/// What is wrong, and where (no span: the file as a whole).
+pub(super) type Invalid = (Option<Range<usize>>, String);
+
+fn invalid<T>(span: Range<usize>, msg: impl Into<String>) -> Result<T, Invalid> {
+    let span = if span.is_empty() && span.start == 0 {
+        None
+    } else {
+        Some(span)
+    };
+    Err((span, msg.into()))
+}
+
+/// `value` if it lies in `range`, else an error at its span.
+fn within<T>(
+    value: &Spanned<T>,
+    range: std::ops::RangeInclusive<T>,
+    key: &str,
+) -> Result<T, Invalid>
+where
+    T: PartialOrd + Copy + fmt::Display,
+{
+    let v = *value.get_ref();
+    if range.contains(&v) {
+        Ok(v)
+    } else {
+        invalid(
+            value.span(),
+            format!(
+                "{key} {v} is out of range {}..={}",
+                range.start(),
+                range.end()
+            ),
+        )
+    }
+}
+
+/// Validates a parsed file; `dir` is the file's folder (for `api_keys_file`).
+pub(super) fn config(raw: FileConfig, dir: &Path) -> Result<Config, Invalid> {
+    let server = validate_server(raw.server)?;
+    let routing = validate_routing(raw.routing)?;
+    let breaker = validate_breaker(raw.breaker)?;
+    let health = validate_health(raw.health)?;
+    let auth = validate_auth(raw.auth, dir)?;
+    if raw.pools.is_empty() {
+        return invalid(
+            0..0,
+            "no [[pools]]: at least one pool with nodes is required",
+        );
+    }
+    let mut seen = Seen {
+        all_pools: raw.pools.iter().map(|p| p.name.get_ref().clone()).collect(),
+        ..Seen::default()
+    };
+    let pools = raw
+        .pools
+        .into_iter()
+        .map(|p| validate_pool(p, &mut seen))
+        .collect::<Result<_, _>>()?;
+    Ok(Config {
+        server,
+        routing,
+        breaker,
+        health,
+        auth,
+        pools,
+    })
+}
+
+/// What earlier pools claimed: names, node ids, models, the default.
+#[derive(Default)]
+struct Seen {
+    all_pools: HashSet<String>,
+    pools: HashSet<String>,
+    node_ids: HashSet<String>,
+    model_owner: HashMap<String, String>,
+    default_pool: Option<String>,
+}
+
+fn validate_pool(p: PoolSection, seen: &mut Seen) -> Result<PoolConfig, Invalid> {
+    let name = p.name.get_ref().trim().to_string();
+    if name.is_empty() {
+        return invalid(p.name.span(), "pool name is empty");
+    }
+    if !seen.pools.insert(name.clone()) {
+        return invalid(p.name.span(), format!("duplicate pool name {name:?}"));
+    }
+    if *p.default.get_ref() {
+        if let Some(other) = &seen.default_pool {
+            return invalid(
+                p.default.span(),
+                format!("pools {other:?} and {name:?} are both marked default; only one may be"),
+            );
+        }
+        seen.default_pool = Some(name.clone());
+    }
+    let mut models = Vec::new();
+    if p.models.is_empty() {
+        models.push(name.clone());
+    }
+    models.extend(p.models.iter().map(|m| m.get_ref().clone()));
+    for (i, m) in models.iter().enumerate() {
+        if let Some(owner) = seen.model_owner.insert(m.clone(), name.clone()) {
+            let span = p.models.get(i).map(|s| s.span()).unwrap_or(p.name.span());
+            return invalid(
+                span,
+                format!("model {m:?} is served by pools {owner:?} and {name:?}; a model belongs to one pool"),
+            );
+        }
+    }
+    let mut fallbacks = Vec::new();
+    for f in &p.fallbacks {
+        let target = f.get_ref();
+        if !seen.all_pools.contains(target) {
+            return invalid(f.span(), format!("fallback {target:?} names no pool"));
+        }
+        if *target == name {
+            return invalid(
+                f.span(),
+                format!("pool {name:?} lists itself as a fallback"),
+            );
+        }
+        fallbacks.push(target.clone());
+    }
+    if p.nodes.is_empty() {
+        return invalid(
+            p.name.span(),
+            format!("pool {name:?} has no nodes (add [[pools.nodes]] with id and url)"),
+        );
+    }
+    let nodes = p
+        .nodes
+        .into_iter()
+        .map(|n| validate_node(n, &mut seen.node_ids))
+        .collect::<Result<_, _>>()?;
+    Ok(PoolConfig {
+        name,
+        models,
+        first_token_timeout: p.first_token_timeout.0,
+        fallbacks,
+        supports_thinking: p.supports_thinking,
+        default: *p.default.get_ref(),
+        nodes,
+    })
+}
+
+fn validate_node(n: NodeSection, ids: &mut HashSet<String>) -> Result<NodeConfig, Invalid> {
+    let id = n.id.get_ref().trim().to_string();
+    if id.is_empty() {
+        return invalid(n.id.span(), "node id is empty");
+    }
+    if !ids.insert(id.clone()) {
+        return invalid(
+            n.id.span(),
+            format!("duplicate node id {id:?} (ids are unique across pools)"),
+        );
+    }
+    let url = parse_node_url(n.url.get_ref()).or_else(|m| invalid(n.url.span(), m))?;
+    let weight = within(&n.weight, 1..=1000, "weight")?;
+    Ok(NodeConfig { id, url, weight })
+}
+
+fn validate_auth(a: AuthSection, dir: &Path) -> Result<AuthConfig, Invalid> {
+    let mut keys = Vec::new();
+    let mut configured = None;
+    if let Some(file) = &a.api_keys_file {
+        let path = dir.join(file.get_ref());
+        let text = std::fs::read_to_string(&path).or_else(|e| {
+            invalid(
+                file.span(),
+                format!("api_keys_file {}: {e}", path.display()),
+            )
+        })?;
+        keys.extend(
+            text.lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                .map(Secret::new),
+        );
+        configured = Some(file.span());
+    }
+    if let Some(var) = &a.api_keys_env {
+        let value = std::env::var(var.get_ref()).or_else(|_| {
+            invalid(
+                var.span(),
+                format!(
+                    "api_keys_env: environment variable {} is not set",
+                    var.get_ref()
+                ),
+            )
+        })?;
+        keys.extend(
+            value
+                .split(|c: char| c == ',' || c.is_whitespace())
+                .filter(|k| !k.is_empty())
+                .map(Secret::new),
+        );
+        configured = Some(var.span());
+    }
+    if let (Some(span), true) = (configured, keys.is_empty()) {
+        return invalid(
+            span,
+            "[auth] names no API keys: every request would be refused",
+        );
+    }
+    Ok(AuthConfig {
+        keys,
+        strip: a.strip,
+    })
+}
+
+fn validate_breaker(b: BreakerSection) -> Result<BreakerSettings, Invalid> {
+    let failure_threshold = within(&b.failure_threshold, 1..=1000, "failure_threshold")?;
+    let min_samples = within(&b.min_samples, 1..=512, "min_samples")?;
+    if b.canary_steps.get_ref().len() > 64 || b.shunt_steps.get_ref().len() > 16 {
+        return invalid(
+            b.canary_steps.span(),
+            "at most 64 canary_steps and 16 shunt_steps",
+        );
+    }
+    let ratio = *b.slow_ratio.get_ref();
+    if !(ratio > 0.0 && ratio <= 1.0) {
+        return invalid(
+            b.slow_ratio.span(),
+            format!("slow_ratio {ratio} must be in (0, 1]"),
+        );
+    }
+    let steps = b.canary_steps.get_ref();
+    let ascending = steps.windows(2).all(|w| w[0] < w[1]);
+    if steps.is_empty()
+        || !ascending
+        || steps.iter().any(|s| !(*s > 0.0 && *s <= 1.0))
+        || steps.last() != Some(&1.0)
+    {
+        return invalid(
+            b.canary_steps.span(),
+            "canary_steps must be ascending shares in (0, 1] ending with 1.0, e.g. [0.1, 0.3, 0.7, 1.0]",
+        );
+    }
+    let shunts = b.shunt_steps.get_ref();
+    if shunts
+        .windows(2)
+        .any(|w| w[0].p90.0 >= w[1].p90.0 || w[0].divert > w[1].divert)
+        || shunts.iter().any(|s| !(s.divert > 0.0 && s.divert < 1.0))
+    {
+        return invalid(
+            b.shunt_steps.span(),
+            "shunt_steps must ascend in p90 and divert, with divert in (0, 1)",
+        );
+    }
+    if b.canary_step.0.is_zero() || b.open_for.0.is_zero() || b.window.0.is_zero() {
+        return invalid(
+            0..0,
+            "open_for, window and canary_step must be longer than 0",
+        );
+    }
+    Ok(BreakerSettings {
+        failure_threshold,
+        open_for: b.open_for.0,
+        slow_ttft: b.slow_ttft.0,
+        slow_ratio: ratio,
+        min_samples,
+        window: b.window.0,
+        canary_steps: steps.clone(),
+        canary_step: b.canary_step.0,
+        shunt_steps: shunts
+            .iter()
+            .map(|s| ShuntStep {
+                p90: s.p90.0,
+                divert: s.divert,
+            })
+            .collect(),
+    })
+}
+
+fn validate_health(h: HealthSection) -> Result<HealthConfig, Invalid> {
+    if !h.path.starts_with('/') {
+        return invalid(
+            0..0,
+            format!("health.path {:?} must start with '/'", h.path),
+        );
+    }
+    if h.interval.0.is_zero() || h.timeout.0.is_zero() {
+        return invalid(
+            0..0,
+            "health.interval and health.timeout must be longer than 0",
+        );
+    }
+    Ok(HealthConfig {
+        path: h.path,
+        interval: h.interval.0,
+        timeout: h.timeout.0,
+        unhealthy_after: within(&h.unhealthy_after, 1..=1000, "unhealthy_after")?,
+        healthy_after: within(&h.healthy_after, 1..=1000, "healthy_after")?,
+    })
+}
+
+fn validate_server(s: ServerSection) -> Result<ServerConfig, Invalid> {
+    let addr = |v: &Spanned<String>, key: &str| -> Result<SocketAddr, Invalid> {
+        v.get_ref().parse().or_else(|_| {
+            invalid(
+                v.span(),
+                format!(
+                    "{key} {:?} is not an address like \"0.0.0.0:8080\"",
+                    v.get_ref()
+                ),
+            )
+        })
+    };
+    const GIB: u64 = 1 << 30;
+    let max_body_bytes = within(&s.max_body_bytes, 1..=GIB, "max_body_bytes")?;
+    let max_buffered_bytes = within(&s.max_buffered_bytes, 1..=1024 * GIB, "max_buffered_bytes")?;
+    if max_buffered_bytes < max_body_bytes {
+        return invalid(
+            s.max_buffered_bytes.span(),
+            format!("max_buffered_bytes {max_buffered_bytes} is below max_body_bytes {max_body_bytes}: no body that size could be read"),
+        );
+    }
+    let positive = [
+        (s.request_timeout, "request_timeout"),
+        (s.connect_timeout, "connect_timeout"),
+        (s.idle_stream_timeout, "idle_stream_timeout"),
+        (s.header_read_timeout, "header_read_timeout"),
+        (s.http2_keep_alive_interval, "http2_keep_alive_interval"),
+        (s.body_read_timeout, "body_read_timeout"),
+    ];
+    if let Some((_, key)) = positive.iter().find(|(d, _)| d.0.is_zero()) {
+        return invalid(0..0, format!("server.{key} must be longer than 0"));
+    }
+    Ok(ServerConfig {
+        listen: addr(&s.listen, "listen")?,
+        admin_listen: addr(&s.admin_listen, "admin_listen")?,
+        admin_token: s.admin_token.filter(|t| !t.expose().is_empty()),
+        max_body_bytes: max_body_bytes as usize,
+        request_timeout: s.request_timeout.0,
+        connect_timeout: s.connect_timeout.0,
+        idle_stream_timeout: s.idle_stream_timeout.0,
+        shutdown_grace: s.shutdown_grace.0,
+        watch_config: s.watch_config,
+        header_read_timeout: s.header_read_timeout.0,
+        max_headers: within(&s.max_headers, 1..=10_000, "max_headers")?,
+        max_header_bytes: within(&s.max_header_bytes, 8192..=16 << 20, "max_header_bytes")?,
+        http2_keep_alive_interval: s.http2_keep_alive_interval.0,
+        max_connections: within(&s.max_connections, 1..=1_000_000, "max_connections")?,
+        body_read_timeout: s.body_read_timeout.0,
+        max_buffered_bytes: max_buffered_bytes as usize,
+    })
+}
+
+fn validate_routing(r: RoutingSection) -> Result<RoutingConfig, Invalid> {
+    let key_header = http::HeaderName::from_bytes(r.key_header.to_ascii_lowercase().as_bytes())
+        .or_else(|_| {
+            invalid(
+                0..0,
+                format!("key_header {:?} is not a valid header name", r.key_header),
+            )
+        })?;
+    let prefix_chars = within(&r.prefix_chars, 1..=1 << 20, "prefix_chars")?;
+    let vnodes = within(&r.vnodes, 1..=10_000, "vnodes")?;
+    let max_in_flight = within(&r.max_in_flight, 1..=100_000, "max_in_flight")?;
+    let max_attempts = within(&r.max_attempts, 1..=16, "max_attempts")?;
+    let max_queue = within(&r.max_queue, 0..=1_000_000, "max_queue")?;
+    for p in r.extra_paths.get_ref() {
+        if !p.starts_with('/') || p.contains(['?', '#']) {
+            return invalid(
+                r.extra_paths.span(),
+                format!("extra_paths entry {p:?} must be a path like \"/v1/rerank\""),
+            );
+        }
+    }
+    let load_factor = match r.load_factor {
+        Some(lf) if !(*lf.get_ref() >= 1.0 && lf.get_ref().is_finite()) => {
+            return invalid(
+                lf.span(),
+                format!("load_factor {} must be a number ≥ 1.0", lf.get_ref()),
+            );
+        }
+        Some(lf) => Some(*lf.get_ref()),
+        None => None,
+    };
+    Ok(RoutingConfig {
+        key: r.key,
+        prefix_chars,
+        key_header,
+        hash_seed: r.hash_seed,
+        vnodes,
+        max_in_flight,
+        load_factor,
+        when_saturated: r.when_saturated,
+        max_queue,
+        queue_timeout: r.queue_timeout.0,
+        max_attempts,
+        track_usage: r.track_usage,
+        extra_paths: r.extra_paths.into_inner(),
+    })
+}
+
+fn parse_node_url(s: &str) -> Result<http::Uri, String> {
+    let uri: http::Uri = s
+        .parse()
+        .map_err(|e| format!("url {s:?} is not a URL: {e}"))?;
+    match uri.scheme_str() {
+        Some("http") => {}
+        Some("https") => {
+            return Err(format!(
+                "url {s:?}: https to engines is not supported; engines are reached over plain HTTP on a trusted network"
+            ))
+        }
+        _ => return Err(format!("url {s:?} needs a scheme and host, e.g. \"http://10.0.0.5:8000\"")),
+    }
+    if uri.authority().is_none() {
+        return Err(format!("url {s:?} has no host"));
+    }
+    if uri.query().is_some() {
+        return Err(format!("url {s:?} must not have a query"));
+    }
+    Ok(uri)
+}

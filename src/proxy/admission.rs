@@ -1,0 +1,91 @@
+//! Admission: a slot on the first willing node of the key's walk, and what to do when
+//! every willing node is at its cap (`routing.when_saturated`): wait in the pool's FIFO
+//! (bounded by `max_queue` and `queue_timeout`, re-running the walk as slots free, so
+//! the key still lands on its nearest free node), refuse at once, or overcommit the
+//! least loaded node.
+
+use tokio::time::Instant;
+
+use super::ProxyError;
+use crate::config::{RoutingConfig, WhenSaturated};
+use crate::routing::table::Pool;
+use crate::routing::walk::{self, Balancer, Choice, Walk};
+use crate::server::metrics::Metrics;
+
+/// Takes a slot on the first willing node of the key's walk; when every willing node
+/// is at cap, applies `routing.when_saturated`. Returns whether the request queued.
+pub(super) async fn admit(
+    pool: &Pool,
+    routing: &RoutingConfig,
+    target: walk::Target,
+    tried: &[usize],
+    metrics: &Metrics,
+) -> Result<(Choice, bool), ProxyError> {
+    let b = &pool.balancer;
+    let name = || pool.config.name.clone();
+    // FIFO: a new request does not overtake the ones already waiting.
+    let queue_first =
+        routing.when_saturated == WhenSaturated::Queue && tried.is_empty() && b.load().queued() > 0;
+    let walk = if queue_first {
+        Walk::Saturated
+    } else {
+        b.choose(target, tried, std::time::Instant::now())
+    };
+    match walk {
+        Walk::Chosen(c) => Ok((c, false)),
+        Walk::Unavailable => Err(ProxyError::NoNode { pool: name() }),
+        Walk::Saturated => match routing.when_saturated {
+            WhenSaturated::Reject => Err(ProxyError::Saturated { pool: name() }),
+            WhenSaturated::LeastLoaded => b
+                .choose_least_loaded(target, tried)
+                .map(|c| (c, false))
+                .ok_or_else(|| ProxyError::NoNode { pool: name() }),
+            WhenSaturated::Queue => {
+                let waited = Instant::now();
+                let admitted = wait_for_slot(b, routing, target, tried, &pool.config.name).await;
+                metrics.observe_queue_wait(&pool.config.name, waited.elapsed());
+                admitted.map(|c| (c, true))
+            }
+        },
+    }
+}
+
+/// Waits in the pool's FIFO (bounded by `max_queue` and `queue_timeout`), re-running
+/// the walk each time a slot frees, so the key still lands on its nearest free node.
+async fn wait_for_slot(
+    b: &Balancer,
+    routing: &RoutingConfig,
+    target: walk::Target,
+    tried: &[usize],
+    pool: &str,
+) -> Result<Choice, ProxyError> {
+    let _ticket = b
+        .load()
+        .enqueue(routing.max_queue)
+        .ok_or_else(|| ProxyError::QueueFull {
+            pool: pool.to_string(),
+            max: routing.max_queue,
+        })?;
+    let started = Instant::now();
+    let deadline = started + routing.queue_timeout;
+    loop {
+        // Register for the wake-up before looking, so a slot freed in between is not missed.
+        let mut freed = std::pin::pin!(b.load().freed().notified());
+        freed.as_mut().enable();
+        match b.choose(target, tried, std::time::Instant::now()) {
+            Walk::Chosen(c) => return Ok(c),
+            Walk::Unavailable => {
+                return Err(ProxyError::NoNode {
+                    pool: pool.to_string(),
+                })
+            }
+            Walk::Saturated => {}
+        }
+        if tokio::time::timeout_at(deadline, freed).await.is_err() {
+            return Err(ProxyError::QueueTimeout {
+                pool: pool.to_string(),
+                waited_ms: started.elapsed().as_millis(),
+            });
+        }
+    }
+}

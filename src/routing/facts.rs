@@ -1,0 +1,340 @@
+//! Request facts: what the balancer reads of a request body before any key is built.
+//! One forward pass of the borrowing [`Scanner`] over the body checks its structure,
+//! reads `model`, `stream`, `stream_options` and the reasoning switches, records where
+//! the body may be edited ([`BodySpans`]), and keeps the raw text of the prompt fields
+//! for the key; nothing else is decoded. Pure: no I/O.
+
+use std::borrow::Cow;
+use std::ops::Range;
+
+use super::group::Grouping;
+use super::json_scan::{ScanError, Scanner};
+
+/// The OpenAI-style API a request path belongs to; it decides where the prompt is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    Chat,
+    Completions,
+    /// SGLang's native `/generate`.
+    Generate,
+    Responses,
+    Embeddings,
+    Other,
+}
+
+impl Api {
+    pub fn from_path(path: &str) -> Api {
+        match path {
+            "/v1/chat/completions" => Api::Chat,
+            "/v1/completions" => Api::Completions,
+            "/generate" => Api::Generate,
+            "/v1/responses" => Api::Responses,
+            "/v1/embeddings" => Api::Embeddings,
+            _ => Api::Other,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Api::Chat => "chat",
+            Api::Completions => "completions",
+            Api::Generate => "generate",
+            Api::Responses => "responses",
+            Api::Embeddings => "embeddings",
+            Api::Other => "other",
+        }
+    }
+
+    /// Whether the body must be a JSON object (else 400).
+    pub fn requires_json(self) -> bool {
+        self != Api::Other
+    }
+}
+
+/// Where a key came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeySource {
+    /// The `routing.key_header` header.
+    Header,
+    /// Text taken from the prompt fields.
+    Prompt,
+    /// The raw body bytes (non-JSON bodies, or JSON with no prompt field).
+    Raw,
+}
+
+impl KeySource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KeySource::Header => "header",
+            KeySource::Prompt => "prompt",
+            KeySource::Raw => "raw",
+        }
+    }
+}
+
+/// What the balancer needs to know of a request body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestFacts {
+    /// The `model` field, if any.
+    pub model: Option<String>,
+    /// `stream: true`.
+    pub stream: bool,
+    /// The request asks for reasoning (`reasoning_effort`, `reasoning`, or
+    /// `chat_template_kwargs.enable_thinking = true`).
+    pub wants_reasoning: bool,
+    /// `stream_options.include_usage = true`: the client asked for the usage chunk.
+    pub include_usage: bool,
+    /// Where the body may be edited (model rewrite, `stream_options`).
+    pub spans: BodySpans,
+    /// The key bytes (before the pool name and seed are mixed in).
+    pub key: Vec<u8>,
+    /// How the key is placed; for a prefix group, how many leading bytes of the key
+    /// (its system part) name the group.
+    pub group: Grouping<usize>,
+    pub source: KeySource,
+}
+
+impl RequestFacts {
+    /// The group's key bytes, if the request has a group.
+    pub fn group_key(&self) -> Option<&[u8]> {
+        match self.group {
+            Grouping::Group(n) => Some(&self.key[..n.min(self.key.len())]),
+            Grouping::Ring | Grouping::Pool => None,
+        }
+    }
+}
+
+/// Byte offsets in a request body where the balancer may edit it (see
+/// [`crate::proxy::edit`]): all relative to the original bytes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BodySpans {
+    /// The top-level object.
+    pub object: Option<ObjectSpan>,
+    /// The value of `model` (the last one, as engines read it).
+    pub model: Option<Range<usize>>,
+    /// The value of `stream_options`.
+    pub stream_options: Option<StreamOptionsSpan>,
+}
+
+/// An object's opening: the offset just after its `{`, and whether it has members.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ObjectSpan {
+    pub open: usize,
+    pub empty: bool,
+}
+
+/// `stream_options`: its value, and when it is an object, where members go and where
+/// `include_usage`'s value is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamOptionsSpan {
+    pub value: Range<usize>,
+    pub object: Option<ObjectSpan>,
+    pub include_usage: Option<Range<usize>>,
+}
+
+/// Why a body cannot be routed: the client's fault, answered with 400.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    #[error("request body is empty; expected a JSON object")]
+    Empty,
+    #[error("request body is not valid JSON: {0}")]
+    Json(String),
+    #[error("'{0}' is a required property")]
+    Missing(&'static str),
+}
+
+/// The fields of any OpenAI-style body that routing reads, as raw JSON text; everything
+/// else is skipped without being decoded.
+#[derive(Default)]
+pub(super) struct Envelope<'a> {
+    pub(super) model: Option<Cow<'a, str>>,
+    pub(super) spans: BodySpans,
+    pub(super) wants_reasoning: bool,
+    pub(super) include_usage: bool,
+    pub(super) stream: Option<bool>,
+    pub(super) messages: Option<Vec<Message<'a>>>,
+    pub(super) tools: Option<&'a str>,
+    pub(super) prompt: Option<&'a str>,
+    pub(super) text: Option<&'a str>,
+    pub(super) input_ids: Option<&'a str>,
+    pub(super) instructions: Option<&'a str>,
+    pub(super) input: Option<&'a str>,
+}
+
+/// A chat message, or a `/v1/responses` input item.
+pub(super) struct Message<'a> {
+    pub(super) role: Option<Cow<'a, str>>,
+    pub(super) content: Option<&'a str>,
+}
+
+fn read_envelope(text: &str) -> Result<Envelope<'_>, ScanError> {
+    let mut sc = Scanner::new(text);
+    let mut env = Envelope::default();
+    if sc.peek() != Some(b'{') {
+        return Err(sc.error("the body must be a JSON object"));
+    }
+    let mut members = 0;
+    let open = sc.offset() + 1;
+    sc.object(|sc, key| {
+        members += 1;
+        let raw = match &*key {
+            "model" => {
+                sc.peek();
+                let start = sc.offset();
+                env.model = sc.opt_string("'model' must be a string")?;
+                env.spans.model = Some(start..sc.offset());
+                return Ok(());
+            }
+            "reasoning_effort" | "reasoning" => {
+                env.wants_reasoning |= sc.value()? != "null";
+                return Ok(());
+            }
+            "stream_options" => {
+                let (span, include) = read_stream_options(sc)?;
+                env.spans.stream_options = Some(span);
+                env.include_usage = include;
+                return Ok(());
+            }
+            "chat_template_kwargs" if sc.peek() == Some(b'{') => {
+                sc.object(|sc, k| {
+                    let v = sc.value()?;
+                    env.wants_reasoning |=
+                        matches!(&*k, "enable_thinking" | "thinking") && v == "true";
+                    Ok(())
+                })?;
+                return Ok(());
+            }
+            "stream" => {
+                env.stream = sc.opt_bool("'stream' must be a boolean")?;
+                return Ok(());
+            }
+            "messages" => {
+                env.messages = read_messages(sc, "'messages' must be an array of message objects")?;
+                return Ok(());
+            }
+            "tools" => &mut env.tools,
+            "prompt" => &mut env.prompt,
+            "text" => &mut env.text,
+            "input_ids" => &mut env.input_ids,
+            "instructions" => &mut env.instructions,
+            "input" => &mut env.input,
+            _ => {
+                sc.value()?;
+                return Ok(());
+            }
+        };
+        *raw = Some(sc.value()?).filter(|v| *v != "null");
+        Ok(())
+    })?;
+    sc.end()?;
+    env.spans.object = Some(ObjectSpan {
+        open,
+        empty: members == 0,
+    });
+    Ok(env)
+}
+
+/// The `stream_options` value: its spans, and whether it asks for the usage chunk.
+fn read_stream_options(sc: &mut Scanner<'_>) -> Result<(StreamOptionsSpan, bool), ScanError> {
+    let start = match sc.peek() {
+        Some(_) => sc.offset(),
+        None => return Err(sc.error("expected a value")),
+    };
+    let mut span = StreamOptionsSpan {
+        value: start..start,
+        object: None,
+        include_usage: None,
+    };
+    let mut include = false;
+    if sc.peek() == Some(b'{') {
+        let mut members = 0;
+        sc.object(|sc, k| {
+            members += 1;
+            sc.peek();
+            let from = sc.offset();
+            let v = sc.value()?;
+            if k == "include_usage" {
+                include = v == "true";
+                span.include_usage = Some(from..sc.offset());
+            }
+            Ok(())
+        })?;
+        span.object = Some(ObjectSpan {
+            open: start + 1,
+            empty: members == 0,
+        });
+    } else {
+        sc.value()?;
+    }
+    span.value = start..sc.offset();
+    Ok((span, include))
+}
+
+/// An array of `{role, content}` objects (other members skipped), or `null`.
+pub(super) fn read_messages<'a>(
+    sc: &mut Scanner<'a>,
+    msg: &'static str,
+) -> Result<Option<Vec<Message<'a>>>, ScanError> {
+    match sc.peek() {
+        Some(b'n') => return sc.opt_bool(msg).map(|_| None),
+        Some(b'[') => {}
+        _ => return Err(sc.error(msg)),
+    }
+    let mut messages = Vec::new();
+    sc.array(|sc| {
+        if sc.peek() != Some(b'{') {
+            return Err(sc.error(msg));
+        }
+        let mut m = Message {
+            role: None,
+            content: None,
+        };
+        sc.object(|sc, key| {
+            match &*key {
+                "role" => m.role = sc.opt_string("'role' must be a string")?,
+                "content" => m.content = Some(sc.value()?).filter(|v| *v != "null"),
+                _ => {
+                    sc.value()?;
+                }
+            }
+            Ok(())
+        })?;
+        messages.push(m);
+        Ok(())
+    })?;
+    Ok(Some(messages))
+}
+
+/// Runs `f` over a raw JSON text known to be valid (it was scanned already).
+pub(super) fn rescan<'a, T>(
+    raw: &'a str,
+    f: impl FnOnce(&mut Scanner<'a>) -> Result<T, ScanError>,
+) -> Option<T> {
+    f(&mut Scanner::new(raw)).ok()
+}
+
+/// A body's envelope, checked as its API requires: `None` for a body that is not a
+/// JSON object where any body is allowed (`Api::Other`).
+pub(super) fn read(api: Api, body: &[u8]) -> Result<Option<Envelope<'_>>, KeyError> {
+    // SIMD validation (simdutf8) is ~3× std's on prompt-sized bodies; std's check
+    // runs only on failure, for the error's position.
+    let text = match simdutf8::basic::from_utf8(body) {
+        Ok(text) => Ok(text),
+        Err(_) => std::str::from_utf8(body),
+    };
+    if !api.requires_json() {
+        // Anything else: use the JSON fields if it is a JSON object, else raw bytes.
+        return Ok(text.ok().and_then(|t| read_envelope(t).ok()));
+    }
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Err(KeyError::Empty);
+    }
+    let text =
+        text.map_err(|e| KeyError::Json(format!("invalid UTF-8 at byte {}", e.valid_up_to())))?;
+    let env = read_envelope(text).map_err(|e| KeyError::Json(e.to_string()))?;
+    match api {
+        Api::Chat if env.messages.is_none() => Err(KeyError::Missing("messages")),
+        Api::Completions if env.prompt.is_none() => Err(KeyError::Missing("prompt")),
+        _ => Ok(Some(env)),
+    }
+}

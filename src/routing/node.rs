@@ -1,0 +1,288 @@
+//! Runtime state of nodes and pools, and the node view of a routing table: per-node
+//! atomic in-flight counters taken by compare-and-swap (so a cap is never exceeded
+//! under any concurrency), the RAII [`Reservation`] that gives a slot back when
+//! dropped, each pool's total load and FIFO of waiting requests, and [`Node`]: one
+//! node's configured identity, cap and runtime state together. State is keyed by id
+//! and carried into every new table. No I/O.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
+
+use super::breaker::{Breaker, BreakerSettings, BreakerState, Outcome};
+use super::group::GroupHeat;
+use crate::config::NodeConfig;
+
+/// Where a node came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeSource {
+    /// The config file's `[[pools.nodes]]`.
+    Static,
+}
+
+impl NodeSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NodeSource::Static => "static",
+        }
+    }
+}
+
+/// One node of a pool, as a routing table holds it: its configured identity and
+/// weight, its cap, and its runtime state (shared with every other table by id).
+#[derive(Debug, Clone)]
+pub struct Node {
+    config: NodeConfig,
+    source: NodeSource,
+    cap: u32,
+    state: Arc<NodeState>,
+}
+
+impl Node {
+    /// A node with absolute cap `cap` (`max_in_flight × weight`).
+    pub fn new(config: NodeConfig, source: NodeSource, cap: u32, state: Arc<NodeState>) -> Node {
+        Node {
+            config,
+            source,
+            cap,
+            state,
+        }
+    }
+
+    pub fn id(&self) -> &str {
+        &self.config.id
+    }
+
+    /// The engine's base URL.
+    pub fn url(&self) -> &http::Uri {
+        &self.config.url
+    }
+
+    pub fn weight(&self) -> u32 {
+        self.config.weight
+    }
+
+    /// The absolute cap, `max_in_flight × weight` (see `Balancer::cap_of` for the cap
+    /// in force, which `load_factor` may tighten).
+    pub fn cap(&self) -> u32 {
+        self.cap
+    }
+
+    pub fn source(&self) -> NodeSource {
+        self.source
+    }
+
+    pub fn state(&self) -> &Arc<NodeState> {
+        &self.state
+    }
+
+    /// The engine URL for a request path (and query) on the balancer.
+    pub fn upstream_uri(&self, path_and_query: &str) -> Result<http::Uri, http::Error> {
+        self.config.upstream_uri(path_and_query)
+    }
+}
+
+/// Runtime state of one node, keyed by node id and carried across config reloads and
+/// ring rebuilds.
+#[derive(Debug)]
+pub struct NodeState {
+    pub id: String,
+    in_flight: AtomicU32,
+    draining: AtomicBool,
+    healthy: AtomicBool,
+    /// Consecutive failed / passed active health checks.
+    check_failures: AtomicU32,
+    check_passes: AtomicU32,
+    pub breaker: Breaker,
+    /// Breaker transitions so far, by the state entered.
+    transitions: [AtomicU64; 4],
+}
+
+impl NodeState {
+    pub fn new(id: impl Into<String>) -> Self {
+        NodeState {
+            id: id.into(),
+            in_flight: AtomicU32::new(0),
+            draining: AtomicBool::new(false),
+            healthy: AtomicBool::new(true),
+            check_failures: AtomicU32::new(0),
+            check_passes: AtomicU32::new(0),
+            breaker: Breaker::new(Instant::now()),
+            transitions: Default::default(),
+        }
+    }
+
+    /// How many times the breaker entered `state`.
+    pub fn transitions(&self, state: BreakerState) -> u64 {
+        self.transitions[state as usize].load(Ordering::Relaxed)
+    }
+
+    /// Records how an exchange with this node ended (see [`Breaker::record`]).
+    pub fn record(
+        &self,
+        outcome: Outcome,
+        ttft: Option<Duration>,
+        probe: bool,
+        s: &BreakerSettings,
+    ) {
+        let flip = self.breaker.record(outcome, ttft, probe, s, Instant::now());
+        self.log_flip(flip);
+    }
+
+    /// Records an active health check: `unhealthy_after` consecutive failures mark the
+    /// node down, `healthy_after` passes mark it up. Returns whether `healthy` flipped.
+    pub fn record_check(
+        &self,
+        passed: bool,
+        unhealthy_after: u32,
+        healthy_after: u32,
+        s: &BreakerSettings,
+    ) -> bool {
+        let flipped = if passed {
+            self.check_failures.store(0, Ordering::Relaxed);
+            let passes = self.check_passes.fetch_add(1, Ordering::Relaxed) + 1;
+            passes >= healthy_after && self.set_healthy(true)
+        } else {
+            self.check_passes.store(0, Ordering::Relaxed);
+            let failures = self.check_failures.fetch_add(1, Ordering::Relaxed) + 1;
+            failures >= unhealthy_after && self.set_healthy(false)
+        };
+        if flipped {
+            tracing::warn!(node = %self.id, healthy = passed, "health check state changed");
+        }
+        self.log_flip(self.breaker.on_health_check(passed, s, Instant::now()));
+        flipped
+    }
+
+    pub(super) fn log_flip(&self, flip: Option<BreakerState>) {
+        if let Some(to) = flip {
+            self.transitions[to as usize].fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(node = %self.id, to = to.as_str(), "breaker state changed");
+        }
+    }
+
+    /// Requests currently reserved on this node.
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight.load(Ordering::Acquire)
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    /// Sets the drain flag; returns whether it flipped.
+    pub fn set_draining(&self, draining: bool) -> bool {
+        self.draining.swap(draining, Ordering::Relaxed) != draining
+    }
+
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+
+    /// Sets the health flag; returns whether it flipped.
+    pub fn set_healthy(&self, healthy: bool) -> bool {
+        self.healthy.swap(healthy, Ordering::Relaxed) != healthy
+    }
+
+    /// Whether the walk may consider this node at all (before its load is looked at).
+    pub fn accepts_new(&self) -> bool {
+        self.is_healthy() && !self.is_draining()
+    }
+
+    /// Takes a slot if fewer than `cap` are taken. Compare-and-swap: concurrent callers
+    /// can never push the count past `cap`.
+    fn try_take(&self, cap: u32) -> bool {
+        self.in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < cap).then_some(n + 1)
+            })
+            .is_ok()
+    }
+}
+
+/// Runtime state of one pool: its total load and the queue of requests waiting for a
+/// slot. Keyed by pool name and carried across reloads like [`NodeState`].
+#[derive(Debug, Default)]
+pub struct PoolLoad {
+    in_flight: AtomicU32,
+    queued: AtomicUsize,
+    freed: Notify,
+    /// Recent traffic per prefix group (`key = "hybrid"`).
+    pub groups: GroupHeat,
+}
+
+impl PoolLoad {
+    /// Requests in flight on all of the pool's nodes.
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight.load(Ordering::Acquire)
+    }
+
+    /// Requests waiting for a slot.
+    pub fn queued(&self) -> usize {
+        self.queued.load(Ordering::Acquire)
+    }
+
+    /// The FIFO of waiters woken one per freed slot.
+    pub fn freed(&self) -> &Notify {
+        &self.freed
+    }
+
+    /// Joins the queue if it holds fewer than `max`; the ticket leaves it on drop.
+    pub fn enqueue(self: &Arc<Self>, max: usize) -> Option<QueueTicket> {
+        self.queued
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| QueueTicket { pool: self.clone() })
+    }
+}
+
+/// A place in a pool's queue; dropping it leaves the queue.
+#[derive(Debug)]
+pub struct QueueTicket {
+    pool: Arc<PoolLoad>,
+}
+
+impl Drop for QueueTicket {
+    fn drop(&mut self) {
+        self.pool.queued.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// One taken in-flight slot. It lives exactly as long as the upstream exchange
+/// (attached to the response body), and gives the slot back on drop, waking the
+/// oldest waiter of the pool.
+#[derive(Debug)]
+pub struct Reservation {
+    node: Arc<NodeState>,
+    pool: Arc<PoolLoad>,
+}
+
+impl Reservation {
+    /// Takes a slot on `node` if it holds fewer than `cap`, counted in its `pool` too.
+    pub fn take(node: &Arc<NodeState>, pool: &Arc<PoolLoad>, cap: u32) -> Option<Reservation> {
+        if !node.try_take(cap) {
+            return None;
+        }
+        pool.in_flight.fetch_add(1, Ordering::AcqRel);
+        Some(Reservation {
+            node: node.clone(),
+            pool: pool.clone(),
+        })
+    }
+
+    pub fn node(&self) -> &Arc<NodeState> {
+        &self.node
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.node.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.pool.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.pool.freed.notify_one();
+    }
+}

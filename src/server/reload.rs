@@ -1,0 +1,64 @@
+//! What triggers a config reload: SIGHUP, and with `server.watch_config` a change of
+//! the file's mtime. The reload itself ([`Proxy::reload`]) parses, validates and swaps
+//! the routing snapshot; these triggers only decide when, and run it off the async
+//! workers.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use crate::proxy::Proxy;
+
+/// Reloads the config on SIGHUP, and when `server.watch_config` is on, on a change of
+/// the file's mtime that has held for one poll (polled every second: no watcher
+/// dependency needed), so a file still being written is not applied half-way.
+pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
+    let Some(path) = proxy.source().map(PathBuf::from) else {
+        return;
+    };
+    let mtime = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    // The mtime last applied, and the one seen at the previous poll.
+    let mut applied = mtime(&path);
+    let mut previous = applied;
+    #[cfg(unix)]
+    let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+    loop {
+        #[cfg(unix)]
+        let sighup = async {
+            match hangup.as_mut() {
+                Some(s) => {
+                    s.recv().await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        #[cfg(not(unix))]
+        let sighup = std::future::pending::<()>();
+        let hup = tokio::select! {
+            _ = sighup => true,
+            _ = tokio::time::sleep(Duration::from_secs(1)) => false,
+            _ = stop.wait_for(|s| *s) => return,
+        };
+        let now = mtime(&path);
+        if hup {
+            tracing::info!("SIGHUP: reloading the config");
+        } else if !(proxy.table().config.server.watch_config && now != applied && now == previous) {
+            previous = now;
+            continue;
+        } else {
+            tracing::info!("config file changed: reloading");
+        }
+        applied = now;
+        previous = now;
+        spawn_reload(&proxy).await;
+    }
+}
+
+/// Runs a reload (file I/O and a table build) off the async workers.
+async fn spawn_reload(proxy: &Arc<Proxy>) {
+    let proxy = proxy.clone();
+    // The outcome is logged and counted by `reload`.
+    let _ = tokio::task::spawn_blocking(move || proxy.reload()).await;
+}

@@ -1,0 +1,547 @@
+//! `prefixlb simulate`: a discrete-event fleet simulator in virtual time. Engines use
+//! the same [`EngineModel`] as `mock-engine` (block LRU prefix cache, one prefill lane,
+//! decode cost per token growing with the batch, `max_num_seqs` slots with a FIFO
+//! queue). Conversations are replayed faithfully: turn k + 1 arrives its think time
+//! after turn k's answer. Requests that find every engine at a policy's bound wait at
+//! the balancer, oldest first. The policies are in [`policy`]; `prefixlb` is the
+//! proxy's own code (`Table::plan` and `Balancer::choose`).
+
+pub mod policy;
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+
+use serde::Serialize;
+
+use crate::config::Config;
+use crate::routing::node::Reservation;
+use crate::routing::walk::Target;
+use crate::tools::engine_model::{Costs, EngineModel, Prompt, BLOCK_TOKENS};
+use crate::tools::workload::Workload;
+pub use policy::POLICIES;
+use policy::{Pending, Placement, Policy, View};
+
+/// Fleet shape.
+#[derive(Debug, Clone)]
+pub struct Fleet {
+    pub nodes: usize,
+    pub cache_tokens: usize,
+    pub costs: Costs,
+    pub max_num_seqs: usize,
+}
+
+/// One policy's results.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Report {
+    pub policy: String,
+    pub requests: usize,
+    /// Cached prompt tokens / prompt tokens, in [0, 1].
+    pub hit_rate: f64,
+    pub ttft_mean_ms: f64,
+    pub ttft_p50_ms: f64,
+    pub ttft_p99_ms: f64,
+    pub throughput_rps: f64,
+    /// Time-averaged requests in flight on the busiest engine over the mean of all
+    /// engines (1.0 = perfectly even).
+    pub max_mean_load: f64,
+    /// The most requests any engine had in flight at once (prefixlb's bound is
+    /// `max_in_flight`).
+    pub peak_in_flight: usize,
+    /// Share of requests not served by their key's primary node.
+    pub spill_share: f64,
+}
+
+struct Job {
+    conv: usize,
+    turn: usize,
+    arrival: u64,
+    prompt: Prompt,
+    output: usize,
+    reservation: Option<Reservation>,
+    /// The walk target, once computed (`prefixlb` and `chwbl`).
+    target: Option<(usize, Target)>,
+}
+
+/// One simulated engine.
+pub struct Engine {
+    pub model: EngineModel,
+    running: usize,
+    waiting: VecDeque<Job>,
+    /// Requests sent to it so far.
+    pub served: u64,
+}
+
+#[derive(PartialEq, Eq, PartialOrd, Ord)]
+enum Event {
+    Arrive {
+        conv: usize,
+        turn: usize,
+    },
+    Finish {
+        engine: usize,
+        conv: usize,
+        turn: usize,
+        slot: usize,
+    },
+}
+
+/// Time in microseconds.
+fn us(secs: f64) -> u64 {
+    (secs * 1e6).round() as u64
+}
+
+/// Simulates one policy over a workload.
+pub fn simulate(
+    workload: &Workload,
+    config: &Config,
+    fleet: &Fleet,
+    policy: &str,
+) -> Result<Report, String> {
+    let block_tokens = workload
+        .conversations
+        .iter()
+        .flat_map(|c| c.turns.first())
+        .find_map(|t| t.trace.as_ref().map(|p| p.block_tokens))
+        .unwrap_or(BLOCK_TOKENS);
+    let policy_impl = policy::by_name(
+        policy,
+        config,
+        fleet.nodes,
+        fleet.cache_tokens,
+        block_tokens,
+    )?;
+    let mut run = Run::new(workload, fleet, policy_impl, block_tokens);
+    while let Some(Reverse((now, _, event))) = run.st.events.pop() {
+        match event {
+            Event::Arrive { conv, turn } => run.arrive(conv, turn, now),
+            Event::Finish {
+                engine,
+                conv,
+                turn,
+                slot,
+            } => run.finish(engine, conv, turn, slot, now),
+        }
+        run.route_waiting(now)?;
+    }
+    if !run.pending.is_empty() {
+        return Err(format!("{} requests were never routed", run.pending.len()));
+    }
+    Ok(run.report(policy))
+}
+
+/// One simulation in progress.
+struct Run<'w> {
+    workload: &'w Workload,
+    max_num_seqs: usize,
+    policy: Box<dyn Policy>,
+    st: State,
+    loads: Loads,
+    /// Requests waiting at the balancer, oldest first.
+    pending: VecDeque<Job>,
+    spilled: usize,
+    done: usize,
+    first: u64,
+    last: u64,
+}
+
+impl<'w> Run<'w> {
+    fn new(
+        workload: &'w Workload,
+        fleet: &Fleet,
+        policy: Box<dyn Policy>,
+        block_tokens: usize,
+    ) -> Self {
+        let mut st = State {
+            engines: (0..fleet.nodes)
+                .map(|_| Engine {
+                    model: EngineModel::new(fleet.cache_tokens, block_tokens, fleet.costs),
+                    running: 0,
+                    waiting: VecDeque::new(),
+                    served: 0,
+                })
+                .collect(),
+            events: BinaryHeap::new(),
+            seq: 0,
+            costs: fleet.costs,
+            ttfts: Vec::new(),
+            prompt_tokens: 0,
+            cached_tokens: 0,
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+        };
+        for (c, conv) in workload.conversations.iter().enumerate() {
+            if let Some(t) = conv.turns.first() {
+                st.push(us(t.delay), Event::Arrive { conv: c, turn: 0 });
+            }
+        }
+        Run {
+            workload,
+            max_num_seqs: fleet.max_num_seqs,
+            policy,
+            st,
+            loads: Loads::new(fleet.nodes),
+            pending: VecDeque::new(),
+            spilled: 0,
+            done: 0,
+            first: u64::MAX,
+            last: 0,
+        }
+    }
+
+    fn arrive(&mut self, conv: usize, turn: usize, now: u64) {
+        self.first = self.first.min(now);
+        let t = &self.workload.conversations[conv].turns[turn];
+        self.pending.push_back(Job {
+            conv,
+            turn,
+            arrival: now,
+            prompt: t.prompt(),
+            output: t.output_tokens,
+            reservation: None,
+            target: None,
+        });
+    }
+
+    fn finish(&mut self, engine: usize, conv: usize, turn: usize, slot: usize, now: u64) {
+        self.last = self.last.max(now);
+        self.done += 1;
+        self.st.slots[slot] = None; // releases the reservation
+        self.st.free_slots.push(slot);
+        self.loads.change(engine, now, false);
+        self.st.engines[engine].running -= 1;
+        let turns = &self.workload.conversations[conv].turns;
+        if turn + 1 < turns.len() {
+            let next = Event::Arrive {
+                conv,
+                turn: turn + 1,
+            };
+            self.st.push(now + us(turns[turn + 1].delay), next);
+        }
+        if let Some(next) = self.st.engines[engine].waiting.pop_front() {
+            self.st.start(engine, next, now);
+        }
+    }
+
+    /// Places what waits at the balancer, oldest first, until one must keep waiting.
+    fn route_waiting(&mut self, now: u64) -> Result<(), String> {
+        while let Some(mut job) = self.pending.pop_front() {
+            let turn = &self.workload.conversations[job.conv].turns[job.turn];
+            let view = View {
+                loads: &self.loads.now,
+                engines: &self.st.engines,
+            };
+            let req = Pending {
+                turn,
+                prompt: &job.prompt,
+                target: &mut job.target,
+            };
+            let (engine, reservation, spilled) = match self.policy.place(req, &view)? {
+                Placement::Wait => {
+                    self.pending.push_front(job);
+                    return Ok(());
+                }
+                Placement::To {
+                    engine,
+                    reservation,
+                    spilled,
+                } => (engine, reservation, spilled),
+            };
+            self.spilled += spilled as usize;
+            self.loads.change(engine, now, true);
+            let job = Job { reservation, ..job };
+            let e = &mut self.st.engines[engine];
+            e.served += 1;
+            if e.running < self.max_num_seqs {
+                self.st.start(engine, job, now);
+            } else {
+                e.waiting.push_back(job);
+            }
+        }
+        Ok(())
+    }
+
+    fn report(mut self, policy: &str) -> Report {
+        let mut ttfts = std::mem::take(&mut self.st.ttfts);
+        ttfts.sort_by(f64::total_cmp);
+        let q = |p: f64| {
+            ttfts
+                .get(((p * ttfts.len() as f64).ceil() as usize).clamp(1, ttfts.len().max(1)) - 1)
+                .copied()
+                .unwrap_or(0.0)
+        };
+        let areas = self.loads.areas(self.last);
+        let mean = areas.iter().sum::<f64>() / areas.len().max(1) as f64;
+        let span = (self.last.saturating_sub(self.first)) as f64 / 1e6;
+        let done = self.done;
+        Report {
+            policy: policy.to_string(),
+            requests: done,
+            hit_rate: self.st.cached_tokens as f64 / self.st.prompt_tokens.max(1) as f64,
+            ttft_mean_ms: ttfts.iter().sum::<f64>() / ttfts.len().max(1) as f64,
+            ttft_p50_ms: q(0.5),
+            ttft_p99_ms: q(0.99),
+            throughput_rps: done as f64 / span.max(1e-9),
+            max_mean_load: areas.iter().cloned().fold(0.0, f64::max) / mean.max(1e-9),
+            peak_in_flight: self.loads.peak.iter().copied().max().unwrap_or(0),
+            spill_share: self.spilled as f64 / done.max(1) as f64,
+        }
+    }
+}
+
+/// Requests in flight per engine (as the balancer counts them): now, at peak, and
+/// integrated over time.
+struct Loads {
+    now: Vec<usize>,
+    peak: Vec<usize>,
+    /// Σ in-flight × µs.
+    area: Vec<f64>,
+    since: Vec<u64>,
+}
+
+impl Loads {
+    fn new(engines: usize) -> Self {
+        Loads {
+            now: vec![0; engines],
+            peak: vec![0; engines],
+            area: vec![0.0; engines],
+            since: vec![0; engines],
+        }
+    }
+
+    /// One request more (`up`) or less on `engine` at time `at`.
+    fn change(&mut self, engine: usize, at: u64, up: bool) {
+        self.area[engine] += self.now[engine] as f64 * at.saturating_sub(self.since[engine]) as f64;
+        self.since[engine] = at;
+        if up {
+            self.now[engine] += 1;
+            self.peak[engine] = self.peak[engine].max(self.now[engine]);
+        } else {
+            self.now[engine] -= 1;
+        }
+    }
+
+    /// The time integrals up to `end`.
+    fn areas(&self, end: u64) -> Vec<f64> {
+        (0..self.now.len())
+            .map(|e| self.area[e] + self.now[e] as f64 * end.saturating_sub(self.since[e]) as f64)
+            .collect()
+    }
+}
+
+/// The fleet's mutable state during a run: engines, the event queue, and the tallies.
+struct State {
+    engines: Vec<Engine>,
+    events: BinaryHeap<Reverse<(u64, u64, Event)>>,
+    /// Tie-breaker that keeps same-time events in insertion order.
+    seq: u64,
+    costs: Costs,
+    ttfts: Vec<f64>,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+    /// Reservations of running jobs, held until they finish.
+    slots: Vec<Option<Reservation>>,
+    free_slots: Vec<usize>,
+}
+
+impl State {
+    fn push(&mut self, at: u64, event: Event) {
+        self.seq += 1;
+        self.events.push(Reverse((at, self.seq, event)));
+    }
+
+    /// Starts a job on an engine: prefill (cache lookup and insert), then decode.
+    fn start(&mut self, engine: usize, job: Job, now: u64) {
+        let e = &mut self.engines[engine];
+        e.running += 1;
+        let plan = e
+            .model
+            .prefill(&job.prompt, std::time::Duration::from_micros(now));
+        self.prompt_tokens += plan.prompt_tokens as u64;
+        self.cached_tokens += plan.cached_tokens as u64;
+        let first_token = now + plan.first_token().as_micros() as u64;
+        self.ttfts.push((first_token - job.arrival) as f64 / 1000.0);
+        // The batch as this sequence starts decoding sets its pace (an approximation:
+        // the real pace changes as others come and go).
+        let step = self.costs.decode_step(e.running);
+        let finish = first_token + (step * job.output as u32).as_micros() as u64;
+        let slot = match self.free_slots.pop() {
+            Some(s) => {
+                self.slots[s] = job.reservation;
+                s
+            }
+            None => {
+                self.slots.push(job.reservation);
+                self.slots.len() - 1
+            }
+        };
+        self.push(
+            finish,
+            Event::Finish {
+                engine,
+                conv: job.conv,
+                turn: job.turn,
+                slot,
+            },
+        );
+    }
+}
+
+/// The reports as a table.
+pub fn table(reports: &[Report]) -> String {
+    let mut out = format!(
+        "{:<16} {:>8} {:>9} {:>10} {:>10} {:>10} {:>9} {:>9} {:>5} {:>7}\n",
+        "policy",
+        "requests",
+        "hit rate",
+        "TTFT mean",
+        "TTFT p50",
+        "TTFT p99",
+        "req/s",
+        "max/mean",
+        "peak",
+        "spill"
+    );
+    for r in reports {
+        out.push_str(&format!(
+            "{:<16} {:>8} {:>8.1}% {:>8.1}ms {:>8.1}ms {:>8.1}ms {:>9.2} {:>9.2} {:>5} {:>6.1}%\n",
+            r.policy,
+            r.requests,
+            r.hit_rate * 100.0,
+            r.ttft_mean_ms,
+            r.ttft_p50_ms,
+            r.ttft_p99_ms,
+            r.throughput_rps,
+            r.max_mean_load,
+            r.peak_in_flight,
+            r.spill_share * 100.0
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tools::workload;
+
+    fn config() -> Config {
+        Config::parse(
+            "[[pools]]\nname = \"sim\"\nnodes = [{ id = \"x\", url = \"http://h:1\" }]\n",
+            "t",
+        )
+        .unwrap()
+    }
+
+    fn fleet(nodes: usize) -> Fleet {
+        Fleet {
+            nodes,
+            cache_tokens: 60_000,
+            costs: Costs::default(),
+            max_num_seqs: 64,
+        }
+    }
+
+    #[test]
+    fn simulation_is_deterministic() {
+        let w = workload::synthetic("multi-turn", 5, 0.2).unwrap();
+        let a = simulate(&w, &config(), &fleet(4), "prefixlb").unwrap();
+        let b = simulate(&w, &config(), &fleet(4), "prefixlb").unwrap();
+        assert_eq!(a, b);
+        assert_eq!(a.requests, w.requests());
+    }
+
+    /// The fleet of the acceptance numbers: 8 engines with 30,000 cached tokens each
+    /// (about the KV cache of an 8B model on a 24 GB GPU).
+    fn eight_engines() -> Fleet {
+        Fleet {
+            nodes: 8,
+            cache_tokens: 30_000,
+            costs: Costs::default(),
+            max_num_seqs: 64,
+        }
+    }
+
+    #[test]
+    fn oracle_is_the_ceiling() {
+        for name in ["multi-turn", "shared-prefix"] {
+            let w = workload::synthetic(name, 1, 1.0).unwrap();
+            let reports: Vec<Report> = POLICIES
+                .iter()
+                .map(|p| simulate(&w, &config(), &eight_engines(), p).unwrap())
+                .collect();
+            let oracle = reports.iter().find(|r| r.policy == "oracle").unwrap();
+            for r in &reports {
+                assert!(
+                    oracle.hit_rate >= r.hit_rate,
+                    "{name}: oracle {} < {} {}",
+                    oracle.hit_rate,
+                    r.policy,
+                    r.hit_rate
+                );
+                assert_eq!(r.requests, w.requests());
+            }
+        }
+    }
+
+    #[test]
+    fn defaults_reach_the_oracle_and_triple_round_robin_within_their_bound() {
+        let defaults = config();
+        let bound = defaults.routing.max_in_flight as usize;
+        for seed in 1..=3 {
+            for name in ["multi-turn", "shared-prefix"] {
+                let w = workload::synthetic(name, seed, 1.0).unwrap();
+                let run = |p| simulate(&w, &defaults, &eight_engines(), p).unwrap();
+                let (lb, rr, oracle) = (run("prefixlb"), run("round_robin"), run("oracle"));
+                let why = format!("{name} seed {seed}: {lb:?} {rr:?} {oracle:?}");
+                assert!(lb.hit_rate >= 0.9 * oracle.hit_rate, "{why}");
+                assert!(lb.hit_rate >= 3.0 * rr.hit_rate, "{why}");
+                assert!(lb.peak_in_flight <= bound, "{why}");
+            }
+        }
+    }
+
+    #[test]
+    fn each_key_mode_wins_where_it_should() {
+        // `prefix` gathers a shared prefix, `conversation` spreads conversations, and
+        // `hybrid` (the default) does both.
+        let mode = |key: &str| {
+            Config::parse(
+                &format!("[routing]\nkey = \"{key}\"\n[[pools]]\nname = \"sim\"\nnodes = [{{ id = \"x\", url = \"http://h:1\" }}]\n"),
+                "t",
+            )
+            .unwrap()
+        };
+        let hit = |w: &Workload, key: &str| {
+            simulate(w, &mode(key), &eight_engines(), "prefixlb")
+                .unwrap()
+                .hit_rate
+        };
+        let shared = workload::synthetic("shared-prefix", 1, 1.0).unwrap();
+        let agents = workload::synthetic("agentic", 1, 1.0).unwrap();
+        assert!(hit(&shared, "prefix") > 2.0 * hit(&shared, "conversation"));
+        assert!(hit(&agents, "conversation") > 1.3 * hit(&agents, "prefix"));
+        assert!(hit(&shared, "hybrid") >= 0.97 * hit(&shared, "prefix"));
+        assert!(hit(&agents, "hybrid") >= 0.97 * hit(&agents, "conversation"));
+        // Many tenants' one-line prompts: no groups, so no worse than `conversation`.
+        let tenants = workload::synthetic("multi-tenant", 1, 1.0).unwrap();
+        assert!(hit(&tenants, "hybrid") >= 0.97 * hit(&tenants, "conversation"));
+    }
+
+    #[test]
+    fn a_replayed_trace_keeps_affinity() {
+        // Trace prompts are block ids; `prefix_chars` must cover as many tokens of them
+        // as of real text, or every turn of a conversation gets a new key.
+        let w = workload::synthetic("multi-turn", 1, 1.0).unwrap();
+        let t = workload::trace(&workload::to_trace(&w), 512).unwrap();
+        let run = |p| simulate(&t, &config(), &eight_engines(), p).unwrap();
+        let (lb, rr, oracle) = (run("prefixlb"), run("round_robin"), run("oracle"));
+        assert!(lb.hit_rate >= 3.0 * rr.hit_rate, "{lb:?} {rr:?}");
+        assert!(lb.hit_rate >= 0.9 * oracle.hit_rate, "{lb:?} {oracle:?}");
+    }
+
+    #[test]
+    fn unknown_policies_are_errors() {
+        let w = workload::synthetic("rag", 5, 0.01).unwrap();
+        assert!(simulate(&w, &config(), &fleet(2), "random").is_err());
+    }
+}
