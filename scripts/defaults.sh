@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates the README's "Why these defaults" tables: the hit rate and TTFT p50 of
+# Regenerates the tables of docs/evidence.md ("Why these defaults"): the hit rate and TTFT p50 of
 # prefixlb (one routing setting changed from the defaults per row) and of the reference
 # policies, per workload, on 8 engines with 30,000 cached tokens each (--cache-tokens to
 # change), each number the mean over workload seeds 1, 2 and 3.

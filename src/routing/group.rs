@@ -8,7 +8,9 @@
 //! cheap), while one of many few-shot or batch prompts stays on one node (its long
 //! prefix is cached once). Every turn of a conversation computes the same node as long
 //! as the width holds; a width change moves only the conversations that must move
-//! (`1/(w+1)` of them on growth). Lock-free: a fixed table of atomic counters.
+//! (`1/(w+1)` of them on growth). A fixed table of atomic counters: counting takes no
+//! lock; the periodic halving is done by whichever thread wins a `try_lock`, and the
+//! others never wait for it.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 

@@ -1,9 +1,9 @@
 //! A borrowing JSON scanner for the routing hot path. It walks a request body once,
 //! checking its structure, and hands out the raw text of the values routing reads;
-//! everything else is skipped without being decoded. Strings are skipped by jumping
-//! from quote to quote with `memchr`, which is what makes an 18 KB chat body cost a
-//! few microseconds instead of a full parse. Pure: no I/O, no allocation while
-//! skipping.
+//! everything else is skipped without being decoded. Strings are skipped by classifying
+//! 64 bytes at a time (quotes and backslashes, with SIMD compares from the `wide`
+//! crate, safe code), which is what makes an 18 KB chat body cost a few microseconds
+//! instead of a full parse. Pure: no I/O, no allocation while skipping.
 //!
 //! Checked here: UTF-8, the syntax of objects, arrays, numbers and literals, string
 //! termination, nesting depth. Not checked in strings that routing does not decode:

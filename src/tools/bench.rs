@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
@@ -332,6 +333,17 @@ pub struct Reply {
     pub completion_tokens: u64,
 }
 
+impl Reply {
+    /// Takes the token counts of an OpenAI `usage` object.
+    fn usage(&mut self, u: &Value) {
+        self.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0);
+        self.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0);
+        self.completion_tokens = u["completion_tokens"].as_u64().unwrap_or(0);
+    }
+}
+
 /// Sends one chat request to `base` and reads the answer (an SSE stream or JSON).
 pub async fn exchange(
     client: &Client<HttpConnector, Full<Bytes>>,
@@ -359,14 +371,7 @@ pub async fn exchange(
         cached_tokens: 0,
         completion_tokens: 0,
     };
-    let usage = |u: &Value, reply: &mut Reply| {
-        reply.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0);
-        reply.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .unwrap_or(0);
-        reply.completion_tokens = u["completion_tokens"].as_u64().unwrap_or(0);
-    };
-    let mut body = resp.into_body();
+    let body = resp.into_body();
     if !stream {
         let bytes = body.collect().await.ok()?.to_bytes();
         let v: Value = serde_json::from_slice(&bytes).ok()?;
@@ -376,9 +381,15 @@ pub async fn exchange(
             .as_str()
             .unwrap_or("")
             .to_string();
-        usage(&v["usage"], &mut reply);
+        reply.usage(&v["usage"]);
         return Some(reply);
     }
+    read_stream(body, sent, reply).await
+}
+
+/// Reads an SSE answer to its `[DONE]`; `None` on an error event or a stream that ends
+/// without `[DONE]`.
+async fn read_stream(mut body: Incoming, sent: Instant, mut reply: Reply) -> Option<Reply> {
     let mut events = SseScanner::default();
     while let Some(frame) = body.frame().await {
         let Ok(data) = frame.ok()?.into_data() else {
@@ -408,7 +419,7 @@ pub async fn exchange(
                 reply.text.push_str(content);
             }
             if v.get("usage").is_some_and(|u| !u.is_null()) {
-                usage(&v["usage"], &mut reply);
+                reply.usage(&v["usage"]);
             }
         }
     }

@@ -5,15 +5,12 @@
 //! takes runtime faults on `POST /mock/fault`.
 
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{header, Method, Request, Response, StatusCode};
-use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use parking_lot::Mutex;
@@ -22,8 +19,14 @@ use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, Semaphore};
 
-use crate::proxy::body::{full, BodyError, BoxBody};
+use crate::proxy::body::BoxBody;
 use crate::tools::engine_model::{Costs, EngineModel, Prompt, BLOCK_TOKENS};
+use wire::{
+    completion, error, json_response, parse_job, sse_chunk, text, token_text, usage, usage_chunk,
+    ChannelBody, Job, Kind,
+};
+
+mod wire;
 
 /// `mock-engine` settings (the subcommand's flags).
 #[derive(Debug, Clone)]
@@ -113,26 +116,6 @@ impl Drop for Running {
     fn drop(&mut self) {
         self.0.running.fetch_sub(1, Ordering::AcqRel);
     }
-}
-
-/// Which completion API a request uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Chat,
-    Text,
-}
-
-/// A parsed generation request.
-struct Job {
-    kind: Kind,
-    model: String,
-    prompt: Prompt,
-    max_tokens: usize,
-    stream: bool,
-    include_usage: bool,
-    /// `"mock_timestamps": true`: each chunk carries `emitted_us` (µs since the Unix
-    /// epoch), so a client can measure per-chunk delivery latency.
-    timestamps: bool,
 }
 
 impl MockEngine {
@@ -262,6 +245,11 @@ impl MockEngine {
             return resp;
         }
 
+        self.complete(job, fault).await
+    }
+
+    /// A non-streaming answer, after the whole generation's time.
+    async fn complete(self: Arc<Self>, job: Job, fault: Fault) -> Response<BoxBody> {
         let permit = self.admit().await;
         let _running = Running::start(&self);
         let plan = self.prefill(&job.prompt);
@@ -286,18 +274,7 @@ impl MockEngine {
             job.max_tokens
         };
         let usage = usage(plan.prompt_tokens, completion_tokens, plan.cached_tokens);
-        let body = match job.kind {
-            Kind::Chat => json!({
-                "id": "chatcmpl-mock", "object": "chat.completion", "created": now(), "model": job.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "length"}],
-                "usage": usage,
-            }),
-            Kind::Text => json!({
-                "id": "cmpl-mock", "object": "text_completion", "created": now(), "model": job.model,
-                "choices": [{"index": 0, "text": content, "finish_reason": "length"}],
-                "usage": usage,
-            }),
-        };
+        let body = completion(&job, &content, usage);
         json_response(StatusCode::OK, &body)
     }
 
@@ -375,13 +352,7 @@ impl MockEngine {
         let _ = tx.send(chunk(json!({}), json!("length"))).await;
         if job.include_usage {
             let usage = usage(plan.prompt_tokens, tokens, plan.cached_tokens);
-            let object = if job.kind == Kind::Chat {
-                "chat.completion.chunk"
-            } else {
-                "text_completion"
-            };
-            let data = json!({"id": "mock", "object": object, "created": now(), "model": job.model, "choices": [], "usage": usage});
-            let _ = tx.send(Bytes::from(format!("data: {data}\n\n"))).await;
+            let _ = tx.send(usage_chunk(&job, usage)).await;
         }
         let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
         drop(permit);
@@ -476,149 +447,5 @@ fn slow_extra(fault: Fault) -> Duration {
         Duration::from_millis(fault.ttft_ms)
     } else {
         Duration::ZERO
-    }
-}
-
-fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<Job, String> {
-    let v: Value = serde_json::from_slice(body).map_err(|e| format!("invalid JSON: {e}"))?;
-    let text = match kind {
-        Kind::Chat => {
-            let messages = v["messages"].as_array().ok_or("'messages' is required")?;
-            let mut text = String::new();
-            for m in messages {
-                text.push_str(m["role"].as_str().unwrap_or(""));
-                text.push('\n');
-                match &m["content"] {
-                    Value::String(s) => text.push_str(s),
-                    Value::Array(parts) => {
-                        for p in parts {
-                            text.push_str(p["text"].as_str().unwrap_or(""));
-                        }
-                    }
-                    _ => {}
-                }
-                text.push('\n');
-            }
-            text
-        }
-        Kind::Text => match &v["prompt"] {
-            Value::String(s) => s.clone(),
-            Value::Array(items) => items.first().map(|p| p.to_string()).unwrap_or_default(),
-            _ => return Err("'prompt' is required".into()),
-        },
-    };
-    let max_tokens = v["max_completion_tokens"]
-        .as_u64()
-        .or_else(|| v["max_tokens"].as_u64())
-        .unwrap_or(16) as usize;
-    Ok(Job {
-        kind,
-        model: v["model"].as_str().unwrap_or(default_model).to_string(),
-        prompt: Prompt::from_text(&text),
-        max_tokens,
-        stream: v["stream"].as_bool().unwrap_or(false),
-        timestamps: v["mock_timestamps"].as_bool().unwrap_or(false),
-        include_usage: v["stream_options"]["include_usage"]
-            .as_bool()
-            .unwrap_or(false),
-    })
-}
-
-const WORDS: [&str; 8] = [
-    " the", " cache", " holds", " every", " prefix", " we", " have", " seen",
-];
-
-fn token_text(i: usize) -> &'static str {
-    WORDS[i % WORDS.len()]
-}
-
-fn sse_chunk(kind: Kind, model: &str, delta: Value, finish: Value, timestamps: bool) -> Bytes {
-    let mut data = match kind {
-        Kind::Chat => json!({
-            "id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": now(), "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
-        }),
-        Kind::Text => json!({
-            "id": "cmpl-mock", "object": "text_completion", "created": now(), "model": model,
-            "choices": [{"index": 0, "text": delta.get("content").and_then(Value::as_str).unwrap_or(""), "logprobs": null, "finish_reason": finish}],
-        }),
-    };
-    if timestamps {
-        let us = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_micros() as u64)
-            .unwrap_or(0);
-        data["emitted_us"] = json!(us);
-    }
-    Bytes::from(format!("data: {data}\n\n"))
-}
-
-fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
-    json!({
-        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    })
-}
-
-fn now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
-
-fn json_response(status: StatusCode, v: &Value) -> Response<BoxBody> {
-    let mut resp = Response::new(full(v.to_string()));
-    *resp.status_mut() = status;
-    resp.headers_mut().insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static("application/json"),
-    );
-    resp
-}
-
-fn text(status: StatusCode, s: &str) -> Response<BoxBody> {
-    let mut resp = Response::new(full(s.to_string()));
-    *resp.status_mut() = status;
-    resp
-}
-
-fn error(status: StatusCode, msg: &str) -> Response<BoxBody> {
-    json_response(
-        status,
-        &json!({"error": {"message": msg, "type": "mock_engine_error", "code": status.as_u16()}}),
-    )
-}
-
-/// A body fed by a channel: each message is sent as one frame as soon as it arrives.
-/// The sender sees `send` fail once the receiver (the connection) is gone, which is how
-/// a producer learns that its client disconnected.
-pub struct ChannelBody {
-    rx: mpsc::Receiver<Bytes>,
-}
-
-impl ChannelBody {
-    /// A body and its sender; `depth` chunks may be queued before `send` waits.
-    pub fn new(depth: usize) -> (mpsc::Sender<Bytes>, ChannelBody) {
-        let (tx, rx) = mpsc::channel(depth);
-        (tx, ChannelBody { rx })
-    }
-}
-
-impl Body for ChannelBody {
-    type Data = Bytes;
-    type Error = BodyError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
-        self.rx
-            .poll_recv(cx)
-            .map(|chunk| chunk.map(|b| Ok(Frame::data(b))))
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        SizeHint::default()
     }
 }

@@ -1,0 +1,214 @@
+//! The OpenAI wire format as `mock-engine` speaks it: request bodies parsed into a
+//! [`Job`], answers encoded as vLLM does (JSON completions, SSE chunks with a role-only
+//! first chunk and an optional usage chunk), JSON errors, and the channel-fed body
+//! that carries a stream.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http::{header, Response, StatusCode};
+use http_body::{Body, Frame, SizeHint};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use crate::proxy::body::{full, BodyError, BoxBody};
+use crate::tools::engine_model::Prompt;
+
+/// Which completion API a request uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Kind {
+    Chat,
+    Text,
+}
+
+/// A parsed generation request.
+pub(super) struct Job {
+    pub(super) kind: Kind,
+    pub(super) model: String,
+    pub(super) prompt: Prompt,
+    pub(super) max_tokens: usize,
+    pub(super) stream: bool,
+    pub(super) include_usage: bool,
+    /// `"mock_timestamps": true`: each chunk carries `emitted_us` (µs since the Unix
+    /// epoch), so a client can measure per-chunk delivery latency.
+    pub(super) timestamps: bool,
+}
+
+pub(super) fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<Job, String> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| format!("invalid JSON: {e}"))?;
+    let text = match kind {
+        Kind::Chat => {
+            let messages = v["messages"].as_array().ok_or("'messages' is required")?;
+            let mut text = String::new();
+            for m in messages {
+                text.push_str(m["role"].as_str().unwrap_or(""));
+                text.push('\n');
+                match &m["content"] {
+                    Value::String(s) => text.push_str(s),
+                    Value::Array(parts) => {
+                        for p in parts {
+                            text.push_str(p["text"].as_str().unwrap_or(""));
+                        }
+                    }
+                    _ => {}
+                }
+                text.push('\n');
+            }
+            text
+        }
+        Kind::Text => match &v["prompt"] {
+            Value::String(s) => s.clone(),
+            Value::Array(items) => items.first().map(|p| p.to_string()).unwrap_or_default(),
+            _ => return Err("'prompt' is required".into()),
+        },
+    };
+    let max_tokens = v["max_completion_tokens"]
+        .as_u64()
+        .or_else(|| v["max_tokens"].as_u64())
+        .unwrap_or(16) as usize;
+    Ok(Job {
+        kind,
+        model: v["model"].as_str().unwrap_or(default_model).to_string(),
+        prompt: Prompt::from_text(&text),
+        max_tokens,
+        stream: v["stream"].as_bool().unwrap_or(false),
+        timestamps: v["mock_timestamps"].as_bool().unwrap_or(false),
+        include_usage: v["stream_options"]["include_usage"]
+            .as_bool()
+            .unwrap_or(false),
+    })
+}
+
+const WORDS: [&str; 8] = [
+    " the", " cache", " holds", " every", " prefix", " we", " have", " seen",
+];
+
+pub(super) fn token_text(i: usize) -> &'static str {
+    WORDS[i % WORDS.len()]
+}
+
+pub(super) fn sse_chunk(
+    kind: Kind,
+    model: &str,
+    delta: Value,
+    finish: Value,
+    timestamps: bool,
+) -> Bytes {
+    let mut data = match kind {
+        Kind::Chat => json!({
+            "id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": now(), "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+        }),
+        Kind::Text => json!({
+            "id": "cmpl-mock", "object": "text_completion", "created": now(), "model": model,
+            "choices": [{"index": 0, "text": delta.get("content").and_then(Value::as_str).unwrap_or(""), "logprobs": null, "finish_reason": finish}],
+        }),
+    };
+    if timestamps {
+        let us = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_micros() as u64)
+            .unwrap_or(0);
+        data["emitted_us"] = json!(us);
+    }
+    Bytes::from(format!("data: {data}\n\n"))
+}
+
+pub(super) fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    })
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+pub(super) fn json_response(status: StatusCode, v: &Value) -> Response<BoxBody> {
+    let mut resp = Response::new(full(v.to_string()));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+pub(super) fn text(status: StatusCode, s: &str) -> Response<BoxBody> {
+    let mut resp = Response::new(full(s.to_string()));
+    *resp.status_mut() = status;
+    resp
+}
+
+pub(super) fn error(status: StatusCode, msg: &str) -> Response<BoxBody> {
+    json_response(
+        status,
+        &json!({"error": {"message": msg, "type": "mock_engine_error", "code": status.as_u16()}}),
+    )
+}
+
+/// A body fed by a channel: each message is sent as one frame as soon as it arrives.
+/// The sender sees `send` fail once the receiver (the connection) is gone, which is how
+/// a producer learns that its client disconnected.
+pub struct ChannelBody {
+    rx: mpsc::Receiver<Bytes>,
+}
+
+impl ChannelBody {
+    /// A body and its sender; `depth` chunks may be queued before `send` waits.
+    pub fn new(depth: usize) -> (mpsc::Sender<Bytes>, ChannelBody) {
+        let (tx, rx) = mpsc::channel(depth);
+        (tx, ChannelBody { rx })
+    }
+}
+
+impl Body for ChannelBody {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        self.rx
+            .poll_recv(cx)
+            .map(|chunk| chunk.map(|b| Ok(Frame::data(b))))
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::default()
+    }
+}
+
+/// A non-streaming completion body (`finish_reason` "length": exactly `max_tokens`).
+pub(super) fn completion(job: &Job, content: &str, usage: Value) -> Value {
+    match job.kind {
+        Kind::Chat => json!({
+            "id": "chatcmpl-mock", "object": "chat.completion", "created": now(), "model": job.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "length"}],
+            "usage": usage,
+        }),
+        Kind::Text => json!({
+            "id": "cmpl-mock", "object": "text_completion", "created": now(), "model": job.model,
+            "choices": [{"index": 0, "text": content, "finish_reason": "length"}],
+            "usage": usage,
+        }),
+    }
+}
+
+/// The final usage-only chunk of a stream that asked for it
+/// (`stream_options.include_usage`).
+pub(super) fn usage_chunk(job: &Job, usage: Value) -> Bytes {
+    let object = match job.kind {
+        Kind::Chat => "chat.completion.chunk",
+        Kind::Text => "text_completion",
+    };
+    let data = json!({"id": "mock", "object": object, "created": now(), "model": job.model, "choices": [], "usage": usage});
+    Bytes::from(format!("data: {data}\n\n"))
+}
