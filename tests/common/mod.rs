@@ -378,6 +378,16 @@ pub async fn stream_chat(lb: &Proc, session: &str, max_tokens: u32) -> Reply {
 /// reads the request head (and a body of its content-length), then writes each
 /// `(bytes, pause_after)` step. For engine misbehaviour `mock-engine` does not do.
 pub async fn scripted_engine(script: Vec<(Vec<u8>, Duration)>) -> SocketAddr {
+    scripted_engine_counting(script).await.0
+}
+
+/// [`scripted_engine`], also counting the answers cut short because the peer (the
+/// balancer) closed the connection.
+pub async fn scripted_engine_counting(
+    script: Vec<(Vec<u8>, Duration)>,
+) -> (SocketAddr, std::sync::Arc<AtomicUsize>) {
+    let dropped = std::sync::Arc::new(AtomicUsize::new(0));
+    let counter = dropped.clone();
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -385,6 +395,7 @@ pub async fn scripted_engine(script: Vec<(Vec<u8>, Duration)>) -> SocketAddr {
     tokio::spawn(async move {
         while let Ok((mut sock, _)) = listener.accept().await {
             let script = script.clone();
+            let counter = counter.clone();
             tokio::spawn(async move {
                 let mut seen = Vec::new();
                 let mut buf = [0u8; 4096];
@@ -418,6 +429,7 @@ pub async fn scripted_engine(script: Vec<(Vec<u8>, Duration)>) -> SocketAddr {
                 }
                 for (bytes, pause) in script.iter() {
                     if sock.write_all(bytes).await.is_err() {
+                        counter.fetch_add(1, Ordering::Relaxed);
                         return;
                     }
                     tokio::time::sleep(*pause).await;
@@ -425,7 +437,7 @@ pub async fn scripted_engine(script: Vec<(Vec<u8>, Duration)>) -> SocketAddr {
             });
         }
     });
-    addr
+    (addr, dropped)
 }
 
 /// A config whose one pool `mock` has nodes at these addresses (ids n0, n1, …).
