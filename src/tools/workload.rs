@@ -91,11 +91,22 @@ pub struct Message {
     pub content: Arc<str>,
 }
 
+/// The API a synthetic request is sent to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TurnApi {
+    /// `/v1/chat/completions` with the messages.
+    Chat,
+    /// `/v1/completions` with the messages rendered by a ChatML chat template into one
+    /// `prompt` (what a client that applies its own template sends).
+    Completions,
+}
+
 /// One request of a workload.
 #[derive(Debug, Clone)]
 pub struct Turn {
     /// This request's messages (earlier turns and answers included).
     pub messages: Vec<Message>,
+    pub api: TurnApi,
     pub output_tokens: usize,
     /// Seconds after the previous turn's answer (think time); for a conversation's
     /// first turn (or a trace request), its arrival time.
@@ -125,10 +136,13 @@ impl Workload {
 
 impl Turn {
     /// The prompt text as an engine renders it (`role \n content \n` per message, as
-    /// `mock-engine` does), for the cache model.
+    /// `mock-engine` does; a completions prompt as it is), for the cache model.
     pub fn prompt(&self) -> Prompt {
         if let Some(p) = &self.trace {
             return p.clone();
+        }
+        if self.api == TurnApi::Completions {
+            return Prompt::from_text(&chatml(&self.messages));
         }
         let mut text = String::new();
         for m in &self.messages {
@@ -149,6 +163,12 @@ impl Turn {
             )
             .unwrap_or_default();
         }
+        if self.api == TurnApi::Completions {
+            return serde_json::to_vec(&serde_json::json!({
+                "model": model, "prompt": chatml(&self.messages), "max_tokens": self.output_tokens, "stream": true,
+            }))
+            .unwrap_or_default();
+        }
         let messages: Vec<serde_json::Value> = self
             .messages
             .iter()
@@ -162,12 +182,26 @@ impl Turn {
 
     /// The path of `body`.
     pub fn path(&self) -> &'static str {
-        if self.trace.is_some() {
+        if self.trace.is_some() || self.api == TurnApi::Completions {
             "/v1/completions"
         } else {
             "/v1/chat/completions"
         }
     }
+}
+
+/// Messages rendered with the ChatML template, ready for the assistant's answer.
+pub fn chatml(messages: &[Message]) -> String {
+    let mut text = String::new();
+    for m in messages {
+        text.push_str("<|im_start|>");
+        text.push_str(m.role);
+        text.push('\n');
+        text.push_str(&m.content);
+        text.push_str("<|im_end|>\n");
+    }
+    text.push_str("<|im_start|>assistant\n");
+    text
 }
 
 /// A trace prompt as text: each block is its id padded to the block's length in
@@ -186,27 +220,41 @@ pub fn trace_text(p: &Prompt) -> String {
     text
 }
 
-/// The synthetic workloads by name.
-pub const NAMES: [&str; 5] = [
+/// The synthetic workloads by name. Any of them with `-completions` appended is sent
+/// to `/v1/completions`, its messages rendered by a ChatML template into one prompt.
+pub const NAMES: [&str; 8] = [
     "multi-turn",
     "shared-prefix",
     "rag",
     "agentic",
     "multi-tenant",
+    "long-preamble-512",
+    "long-preamble-2048",
+    "long-preamble-8192",
 ];
 
 /// Builds a synthetic workload. `scale` multiplies its number of conversations.
 pub fn synthetic(name: &str, seed: u64, scale: f64) -> Option<Workload> {
     let mut rng = Rng::new(seed);
     let n = |base: usize| ((base as f64 * scale).round() as usize).max(1);
-    let conversations = match name {
+    let (base, api) = match name.strip_suffix("-completions") {
+        Some(base) => (base, TurnApi::Completions),
+        None => (name, TurnApi::Chat),
+    };
+    let mut conversations = match base {
         "multi-turn" => multi_turn(&mut rng, n(96), 8),
         "shared-prefix" => shared_prefix(&mut rng, n(64), 16),
         "rag" => rag(&mut rng, n(800)),
         "agentic" => agentic(&mut rng, n(24), 16),
         "multi-tenant" => multi_tenant(&mut rng, n(96), 8),
+        "long-preamble-512" => long_preamble(&mut rng, n(96), 8, 512),
+        "long-preamble-2048" => long_preamble(&mut rng, n(96), 8, 2048),
+        "long-preamble-8192" => long_preamble(&mut rng, n(96), 8, 8192),
         _ => return None,
     };
+    for turn in conversations.iter_mut().flat_map(|c| c.turns.iter_mut()) {
+        turn.api = api;
+    }
     Some(Workload {
         name: name.to_string(),
         conversations,
@@ -228,7 +276,24 @@ fn multi_turn(rng: &mut Rng, users: usize, rounds: usize) -> Vec<Conversation> {
         prose(rng, 180)
     )
     .into();
-    chats(rng, users, rounds, |_| system.clone())
+    chats(rng, users, rounds, |_| Opening::System(system.clone()))
+}
+
+/// `multi-turn` with no system prompt: every conversation's first user message starts
+/// with the same block of `block_tokens` tokens (instructions or a document pasted
+/// into the prompt text, as production traffic often has it), then its own text.
+fn long_preamble(
+    rng: &mut Rng,
+    users: usize,
+    rounds: usize,
+    block_tokens: usize,
+) -> Vec<Conversation> {
+    let block: Arc<str> = format!(
+        "Read these operating instructions before you answer. {}\n\n",
+        prose(rng, block_tokens)
+    )
+    .into();
+    chats(rng, users, rounds, |_| Opening::Preamble(block.clone()))
 }
 
 /// `multi-turn` behind many short system prompts: 40 tenants (~25 tokens of prompt
@@ -239,7 +304,17 @@ fn multi_tenant(rng: &mut Rng, users: usize, rounds: usize) -> Vec<Conversation>
         .collect();
     let weights: Vec<f64> = (1..=tenants.len()).map(|k| 1.0 / k as f64).collect();
     let of_user: Vec<usize> = (0..users).map(|_| zipf(rng, &weights)).collect();
-    chats(rng, users, rounds, |u| tenants[of_user[u]].clone())
+    chats(rng, users, rounds, |u| {
+        Opening::System(tenants[of_user[u]].clone())
+    })
+}
+
+/// What comes before a chat's own text.
+enum Opening {
+    /// A system message.
+    System(Arc<str>),
+    /// No system message; the first user message starts with this text.
+    Preamble(Arc<str>),
 }
 
 /// An index drawn with probability proportional to `weights`.
@@ -254,19 +329,25 @@ fn zipf(rng: &mut Rng, weights: &[f64]) -> usize {
     weights.len() - 1
 }
 
-/// Multi-turn chats, user `u` behind the system prompt `system_of(u)`.
+/// Multi-turn chats, user `u` behind `opening_of(u)`.
 fn chats(
     rng: &mut Rng,
     users: usize,
     rounds: usize,
-    system_of: impl Fn(usize) -> Arc<str>,
+    opening_of: impl Fn(usize) -> Opening,
 ) -> Vec<Conversation> {
     (0..users)
         .map(|u| {
-            let mut history = vec![Message {
-                role: "system",
-                content: system_of(u),
-            }];
+            let (mut history, preamble) = match opening_of(u) {
+                Opening::System(system) => (
+                    vec![Message {
+                        role: "system",
+                        content: system,
+                    }],
+                    None,
+                ),
+                Opening::Preamble(text) => (Vec::new(), Some(text)),
+            };
             let mut turns = Vec::new();
             for r in 0..rounds {
                 let len = if r == 0 {
@@ -274,9 +355,13 @@ fn chats(
                 } else {
                     rng.range(30, 150)
                 };
+                let lead = match (&preamble, r) {
+                    (Some(p), 0) => &**p,
+                    _ => "",
+                };
                 history.push(msg(
                     "user",
-                    format!("user {u} turn {r}: {}", prose(rng, len as usize)),
+                    format!("{lead}user {u} turn {r}: {}", prose(rng, len as usize)),
                 ));
                 let output = rng.range(50, 250) as usize;
                 let delay = if r == 0 {
@@ -286,6 +371,7 @@ fn chats(
                 };
                 turns.push(Turn {
                     messages: history.clone(),
+                    api: TurnApi::Chat,
                     output_tokens: output,
                     delay,
                     trace: None,
@@ -322,6 +408,7 @@ fn shared_prefix(rng: &mut Rng, groups: usize, per_group: usize) -> Vec<Conversa
                         },
                         msg("user", prose(rng, 128)),
                     ],
+                    api: TurnApi::Chat,
                     output_tokens: rng.range(32, 128) as usize,
                     delay: k as f64 * 0.05,
                     trace: None,
@@ -354,6 +441,7 @@ fn rag(rng: &mut Rng, requests: usize) -> Vec<Conversation> {
                             format!("{}\n{}\nQuestion: {}", docs[a], docs[b], prose(rng, 60)),
                         ),
                     ],
+                    api: TurnApi::Chat,
                     output_tokens: rng.range(40, 160) as usize,
                     delay: k as f64 * 0.02,
                     trace: None,
@@ -381,6 +469,7 @@ fn agentic(rng: &mut Rng, agents: usize, steps: usize) -> Vec<Conversation> {
             for s in 0..steps {
                 turns.push(Turn {
                     messages: history.clone(),
+                    api: TurnApi::Chat,
                     output_tokens: rng.range(30, 80) as usize,
                     delay: if s == 0 { a as f64 * 0.5 } else { 0.5 },
                     trace: None,
@@ -417,6 +506,7 @@ pub fn trace(text: &str, block_tokens: usize) -> Result<Workload, String> {
         conversations.push(Conversation {
             turns: vec![Turn {
                 messages: Vec::new(),
+                api: TurnApi::Completions,
                 output_tokens: t.output_length,
                 delay: t.timestamp / 1000.0,
                 trace: Some(Prompt::from_blocks(
