@@ -170,7 +170,7 @@ proptest! {
         let body = format!("{ws}{{{ws}{}{ws}}}{ws}", parts.join(&format!("{ws},{ws}")));
         let input: Value = serde_json::from_str(&body).expect("the generated body is valid JSON");
         prop_assert_eq!(input.as_object().unwrap().len(), members.len());
-        let spec = KeySpec { mode: KeyMode::Hybrid, prefix_chars: 1024 };
+        let spec = KeySpec::new(KeyMode::Hybrid, 1024);
         let facts = extract(Api::Chat, body.as_bytes(), None, spec).unwrap();
         let bytes = Bytes::from(body.clone());
         for model in [None, Some(new_model.as_str())] {

@@ -107,7 +107,7 @@ pub struct RoutingSection {
     pub hash_seed: u64,
     /// Ring points per unit of weight. Default 160.
     pub vnodes: Spanned<u32>,
-    /// In-flight cap per unit of weight. Default 16 (chosen in the simulator).
+    /// In-flight cap per unit of weight. Default 4 (the product's design).
     pub max_in_flight: Spanned<u32>,
     /// Optional CHWBL relative bound `c ≥ 1.0`. Default: none.
     pub load_factor: Option<Spanned<f64>>,
@@ -122,6 +122,9 @@ pub struct RoutingSection {
     /// Ask streams for their usage chunk (and hide it from clients that did not ask),
     /// to count the fleet's real prefix-cache hits. Default true.
     pub track_usage: bool,
+    /// `key = "hybrid"`: most bytes of prompt text walked to find the shared prefix in
+    /// front of the conversation. Default 65536.
+    pub max_scan_bytes: Spanned<usize>,
     /// Paths forwarded besides the OpenAI APIs and `/generate` (e.g.
     /// `"/v1/rerank"`); any other path is answered 404. Default none.
     pub extra_paths: Spanned<Vec<String>>,
@@ -135,13 +138,14 @@ impl Default for RoutingSection {
             key_header: "x-session-id".to_string(),
             hash_seed: 0,
             vnodes: unspanned(160),
-            max_in_flight: unspanned(16),
+            max_in_flight: unspanned(4),
             load_factor: None,
             when_saturated: WhenSaturated::Queue,
             max_queue: unspanned(1024),
             queue_timeout: Dur::secs(30),
             max_attempts: unspanned(3),
             track_usage: true,
+            max_scan_bytes: unspanned(64 * 1024),
             extra_paths: unspanned(Vec::new()),
         }
     }

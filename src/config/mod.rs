@@ -125,6 +125,7 @@ pub struct RoutingConfig {
     pub queue_timeout: Duration,
     pub max_attempts: u32,
     pub track_usage: bool,
+    pub max_scan_bytes: usize,
     pub extra_paths: Vec<String>,
 }
 
@@ -300,7 +301,7 @@ nodes = [{ id = "a", url = "http://127.0.0.1:8001" }]
         assert_eq!(c.routing.key, KeyMode::Hybrid);
         assert_eq!(c.routing.prefix_chars, 1024);
         assert_eq!(c.routing.vnodes, 160);
-        assert_eq!(c.routing.max_in_flight, 16);
+        assert_eq!(c.routing.max_in_flight, 4);
         assert_eq!(c.routing.max_attempts, 3);
         assert_eq!(c.routing.max_queue, 1024);
         assert_eq!(c.routing.when_saturated, WhenSaturated::Queue);

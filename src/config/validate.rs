@@ -410,6 +410,7 @@ fn validate_routing(r: RoutingSection) -> Result<RoutingConfig, Invalid> {
         queue_timeout: r.queue_timeout.0,
         max_attempts,
         track_usage: r.track_usage,
+        max_scan_bytes: within(&r.max_scan_bytes, 512..=16 << 20, "max_scan_bytes")?,
         extra_paths: r.extra_paths.into_inner(),
     })
 }

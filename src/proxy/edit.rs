@@ -104,10 +104,7 @@ mod tests {
     use crate::routing::key::{extract, Api, KeySpec};
 
     fn edit(body: &str, model: Option<&str>, include_usage: bool) -> String {
-        let spec = KeySpec {
-            mode: KeyMode::Hybrid,
-            prefix_chars: 64,
-        };
+        let spec = KeySpec::new(KeyMode::Hybrid, 64);
         let facts = extract(Api::Embeddings, body.as_bytes(), None, spec).unwrap();
         let out = apply(
             &Bytes::copy_from_slice(body.as_bytes()),

@@ -86,22 +86,92 @@ pub struct RequestFacts {
     pub include_usage: bool,
     /// Where the body may be edited (model rewrite, `stream_options`).
     pub spans: BodySpans,
-    /// The key bytes (before the pool name and seed are mixed in).
+    /// The key bytes (before the pool name and seed are mixed in): for a `hybrid` key,
+    /// the conversation part after its prefix.
     pub key: Vec<u8>,
-    /// How the key is placed; for a prefix group, how many leading bytes of the key
-    /// (its system part) name the group.
-    pub group: Grouping<usize>,
+    /// How the key is placed; for a prefix group, the chain hash of the group's text.
+    pub group: Grouping<u64>,
+    /// `hybrid` keys: the prefix before the key (a group, or a shared part too short
+    /// to be one) and how it was found.
+    pub prefix: Option<PrefixFound>,
     pub source: KeySource,
+    /// Which turn of its conversation the request is, where the API shows it.
+    pub turn: Turn,
+    /// Estimated prompt tokens (≈ 4 bytes of text each) and how many of them come
+    /// before the newest message (what a cache holding the earlier turns would hold).
+    pub tokens: TokenEstimate,
 }
 
 impl RequestFacts {
-    /// The group's key bytes, if the request has a group.
-    pub fn group_key(&self) -> Option<&[u8]> {
-        match self.group {
-            Grouping::Group(n) => Some(&self.key[..n.min(self.key.len())]),
-            Grouping::Ring | Grouping::Pool => None,
+    /// Tokens of the key's own text: its prefix and conversation part.
+    pub fn own_tokens(&self) -> u32 {
+        let bytes = self.prefix.map_or(0, |p| p.bytes) + self.key.len();
+        (bytes / TokenEstimate::BYTES_PER_TOKEN).min(u32::MAX as usize) as u32
+    }
+
+    /// The turn, inferred where the body does not say: a prompt string over twice as
+    /// long as its prefix and key holds more than a first turn, so it continues one.
+    pub fn turn_seen(&self) -> Turn {
+        match self.turn {
+            Turn::Unknown
+                if self.prefix.is_some() && self.tokens.prompt > 2 * self.own_tokens().max(1) =>
+            {
+                Turn::Later
+            }
+            turn => turn,
         }
     }
+}
+
+/// Which turn of a conversation a request is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Turn {
+    /// A message list with no answer in it yet.
+    First,
+    /// A message list with an assistant or tool message: it continues a conversation.
+    Later,
+    /// A prompt string, or a key header: the body does not say.
+    #[default]
+    Unknown,
+}
+
+/// A request's size as the balancer estimates it before an engine counts it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TokenEstimate {
+    /// The whole prompt.
+    pub prompt: u32,
+    /// The part before the newest message (0 for a prompt string).
+    pub history: u32,
+}
+
+impl TokenEstimate {
+    /// Bytes of JSON text per token (text is ≈ 4 characters per token).
+    pub const BYTES_PER_TOKEN: usize = 4;
+
+    pub fn of_bytes(prompt: usize, history: usize) -> TokenEstimate {
+        let t = |b: usize| (b / Self::BYTES_PER_TOKEN).min(u32::MAX as usize) as u32;
+        TokenEstimate {
+            prompt: t(prompt),
+            history: t(history),
+        }
+    }
+}
+
+/// The shared prefix in front of a `hybrid` key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixFound {
+    /// Chain hash of the prefix's text.
+    pub hash: u64,
+    /// Bytes of canonical text in it.
+    pub bytes: usize,
+    /// Chunks of it the pool's traffic shares (0 when only the system part's end was
+    /// used, before anything was learned).
+    pub hot_chunks: usize,
+    /// Learned from the traffic (a hot branch point) or the structural end of the
+    /// system part.
+    pub learned: bool,
+    /// Why the walk stopped.
+    pub stop: super::prefix::Stop,
 }
 
 /// Byte offsets in a request body where the balancer may edit it (see
@@ -146,7 +216,7 @@ pub enum KeyError {
 /// The fields of any OpenAI-style body that routing reads, as raw JSON text; everything
 /// else is skipped without being decoded.
 #[derive(Default)]
-pub(super) struct Envelope<'a> {
+pub struct Envelope<'a> {
     pub(super) model: Option<Cow<'a, str>>,
     pub(super) spans: BodySpans,
     pub(super) wants_reasoning: bool,
@@ -313,9 +383,16 @@ pub(super) fn rescan<'a, T>(
     f(&mut Scanner::new(raw)).ok()
 }
 
+impl Envelope<'_> {
+    /// The `model` field, if any.
+    pub fn model(&self) -> Option<&str> {
+        self.model.as_deref()
+    }
+}
+
 /// A body's envelope, checked as its API requires: `None` for a body that is not a
 /// JSON object where any body is allowed (`Api::Other`).
-pub(super) fn read(api: Api, body: &[u8]) -> Result<Option<Envelope<'_>>, KeyError> {
+pub fn read(api: Api, body: &[u8]) -> Result<Option<Envelope<'_>>, KeyError> {
     // SIMD validation (simdutf8) is ~3× std's on prompt-sized bodies; std's check
     // runs only on failure, for the error's position.
     let text = match simdutf8::basic::from_utf8(body) {

@@ -1,24 +1,56 @@
 //! The routing key: which bytes of a request decide its home on the ring, and its
-//! hashes. The key text comes from the prompt fields the facts scan kept (or a key
-//! header, or the raw body), each part cut to `prefix_chars` characters, so the work
-//! per request is bounded whatever the body's size; for `key = "hybrid"` the key's
-//! leading system part also names its prefix group. Pure: no I/O.
+//! hashes. The key comes from a key header, the prompt fields the facts scan kept, or
+//! the raw body. `conversation` and `prefix` keys cut each part to `prefix_chars`
+//! characters; a `hybrid` key is the conversation part that follows the request's
+//! shared prefix (found from the pool's traffic by [`super::prefix`]), which also
+//! names its prefix group. The work per request is bounded whatever the body's size.
+//! Pure but for the prefix table's counters.
 
-use xxhash_rust::xxh3::Xxh3;
+use xxhash_rust::xxh3::{xxh3_64_with_seed, Xxh3};
 
-use super::facts::{self, Envelope, Message};
+use super::facts::{self, Envelope, Message, PrefixFound};
 pub use super::facts::{
     Api, BodySpans, KeyError, KeySource, ObjectSpan, RequestFacts, StreamOptionsSpan,
+    TokenEstimate, Turn,
 };
 pub use super::group::Grouping;
 use super::key_text::KeyText;
+use super::prefix::{Chunks, Pos, PrefixTable, Segment, Stop};
 use crate::config::KeyMode;
 
 /// How to build keys: the `[routing]` settings that matter here.
 #[derive(Debug, Clone, Copy)]
 pub struct KeySpec {
     pub mode: KeyMode,
+    /// `conversation`/`prefix`: characters per part; `hybrid`: bytes of the
+    /// conversation part.
     pub prefix_chars: usize,
+    /// `hybrid`: most bytes of canonical text walked for the shared prefix.
+    pub max_scan_bytes: usize,
+    /// `routing.hash_seed`: seeds the prefix chain too, so replicas agree.
+    pub seed: u64,
+}
+
+impl KeySpec {
+    /// A spec with the default scan and seed.
+    pub const fn new(mode: KeyMode, prefix_chars: usize) -> KeySpec {
+        KeySpec {
+            mode,
+            prefix_chars,
+            max_scan_bytes: 64 * 1024,
+            seed: 0,
+        }
+    }
+}
+
+/// Where a `hybrid` key's shared prefix is learned: a pool's table, counted in
+/// (`Observe`, a request being routed) or only read (`Peek`, an explanation); or
+/// nowhere (the structural end of the system part is used).
+#[derive(Debug, Clone, Copy)]
+pub enum Learned<'t> {
+    Nowhere,
+    Observe(&'t PrefixTable),
+    Peek(&'t PrefixTable),
 }
 
 /// Reads a request body for routing. `header_key` is the value of the key header, if
@@ -30,7 +62,27 @@ pub fn extract(
     spec: KeySpec,
 ) -> Result<RequestFacts, KeyError> {
     let envelope = facts::read(api, body)?;
-    let (model, stream, wants_reasoning, spans, include_usage) = match &envelope {
+    Ok(facts_of(
+        api,
+        body,
+        envelope.as_ref(),
+        header_key,
+        spec,
+        Learned::Nowhere,
+    ))
+}
+
+/// The facts of a body whose envelope was read already, with a `hybrid` key's prefix
+/// learned where `learned` says.
+pub fn facts_of(
+    api: Api,
+    body: &[u8],
+    envelope: Option<&Envelope<'_>>,
+    header_key: Option<&[u8]>,
+    spec: KeySpec,
+    learned: Learned<'_>,
+) -> RequestFacts {
+    let (model, stream, wants_reasoning, spans, include_usage) = match envelope {
         Some(env) => (
             env.model.as_deref().map(str::to_owned),
             env.stream == Some(true),
@@ -41,31 +93,83 @@ pub fn extract(
         None => (None, false, false, BodySpans::default(), false),
     };
 
-    let (key, source) = match (header_key, &envelope) {
-        (Some(h), _) => ((h.to_vec(), Grouping::Ring), KeySource::Header),
-        (None, Some(env)) => match prompt_key(api, env, spec) {
-            Some((text, group)) => ((text.into_bytes(), group), KeySource::Prompt),
-            None => (
-                (raw_prefix(body, spec.prefix_chars), Grouping::Ring),
-                KeySource::Raw,
-            ),
-        },
-        (None, None) => (
-            (raw_prefix(body, spec.prefix_chars), Grouping::Ring),
-            KeySource::Raw,
-        ),
+    let raw = || PromptKey {
+        key: raw_prefix(body, spec.prefix_chars),
+        group: Grouping::Ring,
+        prefix: None,
+        turn: None,
     };
-    let (key, group) = key;
-    Ok(RequestFacts {
+    let (k, source) = match (header_key, envelope) {
+        (Some(h), _) => (
+            PromptKey {
+                key: h.to_vec(),
+                group: Grouping::Ring,
+                prefix: None,
+                turn: None,
+            },
+            KeySource::Header,
+        ),
+        (None, Some(env)) if spec.mode == KeyMode::Hybrid => {
+            match hybrid_key(api, env, spec, learned) {
+                Some(k) => (k, KeySource::Prompt),
+                None => (raw(), KeySource::Raw),
+            }
+        }
+        (None, Some(env)) => match prompt_key(api, env, spec) {
+            Some((text, group)) => (
+                PromptKey {
+                    key: text.into_bytes(),
+                    group,
+                    prefix: None,
+                    turn: None,
+                },
+                KeySource::Prompt,
+            ),
+            None => (raw(), KeySource::Raw),
+        },
+        (None, None) => (raw(), KeySource::Raw),
+    };
+    let (turn, tokens) = envelope.map_or((Turn::Unknown, TokenEstimate::default()), |env| {
+        shape(api, env, body.len())
+    });
+    let (turn, tokens) = match k.turn {
+        Some((t, history)) => (t, TokenEstimate::of_bytes(body.len(), history)),
+        None => (turn, tokens),
+    };
+    RequestFacts {
         model,
         stream,
         wants_reasoning,
         include_usage,
         spans,
-        key,
-        group,
+        key: k.key,
+        group: k.group,
+        prefix: k.prefix,
         source,
-    })
+        turn,
+        tokens,
+    }
+}
+
+/// Which turn a request is, and its size: a message list with an assistant or tool
+/// message continues a conversation, whose history is everything before its last
+/// message.
+fn shape(api: Api, env: &Envelope<'_>, body_len: usize) -> (Turn, TokenEstimate) {
+    let messages = match api {
+        Api::Chat | Api::Other => env.messages.as_deref(),
+        _ => None,
+    };
+    let Some(messages) = messages else {
+        return (Turn::Unknown, TokenEstimate::of_bytes(body_len, 0));
+    };
+    let size = |m: &Message<'_>| m.content.map_or(0, str::len) + 8;
+    let total: usize = messages.iter().map(size).sum::<usize>() + env.tools.map_or(0, str::len);
+    let last = messages.last().map_or(0, size);
+    let answered = messages
+        .iter()
+        .any(|m| matches!(m.role.as_deref(), Some("assistant" | "tool" | "function")));
+    let turn = if answered { Turn::Later } else { Turn::First };
+    (turn, TokenEstimate::of_bytes(total, total - last))
 }
 
 /// `h = xxh3_64(pool ‖ 0x00 ‖ key, seed)`: the key's position on the pool's ring.
@@ -78,30 +182,38 @@ pub fn key_hash(pool: &str, key: &[u8], seed: u64) -> u64 {
     h.digest()
 }
 
-/// Key text, and how it is placed (for a prefix group: how many of its leading bytes
-/// are the group, i.e. the system part).
-type PromptKey = (String, Grouping<usize>);
+/// A key, how it is placed, and for `hybrid` the prefix in front of it.
+struct PromptKey {
+    key: Vec<u8>,
+    group: Grouping<u64>,
+    prefix: Option<PrefixFound>,
+    /// The turn, and the bytes of history before its last user turn, where the key's
+    /// text shows them (a templated prompt string).
+    turn: Option<(Turn, usize)>,
+}
 
 /// The key's hash for `pool`, and its placement with, for a prefix group, the group's
-/// hash. The group is a prefix of the key, so one streaming pass yields both hashes.
+/// hash: `xxh3(pool ‖ 0x00 ‖ prefix chain hash)`, and the key's hash chained from it.
 pub fn key_hashes(pool: &str, facts: &RequestFacts, seed: u64) -> (u64, Grouping<u64>) {
-    let Some(group) = facts.group_key() else {
+    let Some(prefix) = facts.prefix else {
         let placement = match facts.group {
             Grouping::Pool => Grouping::Pool,
             Grouping::Ring | Grouping::Group(_) => Grouping::Ring,
         };
         return (key_hash(pool, &facts.key, seed), placement);
     };
-    let mut h = Xxh3::with_seed(seed);
-    h.update(pool.as_bytes());
-    h.update(&[0]);
-    h.update(group);
-    let group_hash = h.digest();
-    h.update(&facts.key[group.len()..]);
-    (h.digest(), Grouping::Group(group_hash))
+    let group_hash = key_hash(pool, &prefix.hash.to_le_bytes(), seed);
+    let hash = xxh3_64_with_seed(&facts.key, group_hash);
+    match facts.group {
+        Grouping::Group(_) => (hash, Grouping::Group(group_hash)),
+        Grouping::Pool | Grouping::Ring => (hash, Grouping::Pool),
+    }
 }
 
-fn prompt_key(api: Api, env: &Envelope<'_>, spec: KeySpec) -> Option<PromptKey> {
+/// Old-style (`conversation`, `prefix`) key text and placement.
+type TextKey = (String, Grouping<u64>);
+
+fn prompt_key(api: Api, env: &Envelope<'_>, spec: KeySpec) -> Option<TextKey> {
     let n = spec.prefix_chars;
     let ungrouped = |text: Option<String>| text.map(|t| (t, Grouping::Ring));
     match api {
@@ -130,8 +242,7 @@ fn prompt_key(api: Api, env: &Envelope<'_>, spec: KeySpec) -> Option<PromptKey> 
                     if let Some(i) = env.input {
                         user.push_value(i);
                     }
-                    let system_len = env.instructions.map_or(0, str::len);
-                    Some(join_parts(spec.mode, text, system_len, user, n))
+                    Some(join_parts(spec.mode, text, user, n))
                 }
             }
         }
@@ -145,36 +256,254 @@ fn prompt_key(api: Api, env: &Envelope<'_>, spec: KeySpec) -> Option<PromptKey> 
     }
 }
 
-/// A system part shorter than this (in bytes of its JSON text, ≈ 256 tokens) forms no
+/// The `hybrid` key of a body: the canonical segments, the shared prefix in front of
+/// the conversation (learned, or the structural end of the system part), and the
+/// conversation part after it.
+fn hybrid_key(
+    api: Api,
+    env: &Envelope<'_>,
+    spec: KeySpec,
+    learned: Learned<'_>,
+) -> Option<PromptKey> {
+    let items = match (api, env.input) {
+        (Api::Responses, Some(raw)) if raw.starts_with('[') => {
+            facts::rescan(raw, |sc| facts::read_messages(sc, "input items")).flatten()
+        }
+        _ => None,
+    };
+    let (segments, chat) = segments(api, env, items.as_deref())?;
+    let walk = || Chunks::new(&segments, spec.seed, spec.max_scan_bytes, !chat);
+    let depth = match learned {
+        Learned::Observe(t) => Some(t.observe(walk())),
+        Learned::Peek(t) => Some(t.peek(walk())),
+        Learned::Nowhere => None,
+    };
+    let (hot_chunks, stop) = depth.map_or((0, Stop::End), |d| (d.hot_chunks, d.stop));
+    let structural = structural_end(&segments, walk());
+    let learned = depth.and_then(|d| {
+        let b = d.boundary?;
+        // Below the system part, only a preamble most of the traffic shares: one of
+        // many documents is better keyed than grouped (see [`PREAMBLE_SHARE`]).
+        match structural {
+            Some((pos, _)) if b.end.bytes > pos.bytes && d.share < PREAMBLE_SHARE => None,
+            _ => Some(b),
+        }
+    });
+    let found = match learned {
+        Some(b) => Some((b.end, b.hash, true)),
+        None => structural.map(|(pos, hash)| (pos, hash, false)),
+    };
+    let Some((pos, hash, learned)) = found else {
+        // Nothing shared in front: the conversation from the start, over the pool.
+        let key = conversation_part(&segments, Pos::default(), chat, spec.prefix_chars);
+        return Some(PromptKey {
+            key,
+            group: Grouping::Pool,
+            prefix: None,
+            turn: (!chat).then(|| templated_turn(segments[0].body)).flatten(),
+        });
+    };
+    let group = if pos.bytes >= MIN_GROUP_BYTES {
+        Grouping::Group(hash)
+    } else {
+        Grouping::Pool
+    };
+    Some(PromptKey {
+        key: conversation_part(&segments, pos, chat, spec.prefix_chars),
+        group,
+        turn: (!chat).then(|| templated_turn(segments[0].body)).flatten(),
+        prefix: Some(PrefixFound {
+            hash,
+            bytes: pos.bytes,
+            hot_chunks,
+            learned,
+            stop,
+        }),
+    })
+}
+
+/// The canonical text of a body as segments, and whether it is a message list (else
+/// one prompt string). Tools and instructions come first, then the messages in order.
+fn segments<'a>(
+    api: Api,
+    env: &'a Envelope<'a>,
+    items: Option<&'a [Message<'a>]>,
+) -> Option<(Vec<Segment<'a>>, bool)> {
+    let seg = |tag: &'a str, raw: &'a str| Segment {
+        tag,
+        body: raw.as_bytes(),
+    };
+    let mut out = Vec::with_capacity(8);
+    let messages = match api {
+        Api::Chat | Api::Other if env.messages.is_some() => env.messages.as_deref(),
+        Api::Responses => items,
+        _ => None,
+    };
+    if let Some(messages) = messages {
+        out.extend(env.tools.map(|t| seg("tools", t)));
+        out.extend(env.instructions.map(|i| seg("instructions", i)));
+        out.extend(messages.iter().map(|m| Segment {
+            tag: m.role.as_deref().unwrap_or(""),
+            body: m.content.unwrap_or("").as_bytes(),
+        }));
+        return Some((out, true));
+    }
+    let prompt = match api {
+        Api::Responses => {
+            out.extend(env.instructions.map(|i| seg("instructions", i)));
+            env.input
+        }
+        Api::Completions => env.prompt.map(first_raw),
+        Api::Generate => env.text.or(env.input_ids).map(first_raw),
+        _ => env.input,
+    };
+    out.push(seg("prompt", prompt?));
+    Some((out, false))
+}
+
+/// A prompt array's first element (a string, or one token-id list); else the value.
+fn first_raw(raw: &str) -> &str {
+    if !raw.starts_with('[') {
+        return raw;
+    }
+    let first = facts::rescan(raw, |sc| {
+        let mut first = None;
+        sc.array(|sc| {
+            let v = sc.value()?;
+            first.get_or_insert(v);
+            Ok(())
+        })?;
+        Ok(first)
+    })
+    .flatten();
+    first.filter(|f| f.starts_with(['"', '['])).unwrap_or(raw)
+}
+
+/// The end of the leading tools, instructions and system/developer messages (when
+/// something follows them), and the chain hash there.
+fn structural_end(segments: &[Segment<'_>], chunks: Chunks<'_, '_>) -> Option<(Pos, u64)> {
+    let lead = segments
+        .iter()
+        .take_while(|s| matches!(s.tag, "tools" | "instructions" | "system" | "developer"))
+        .count();
+    if lead == 0 || lead == segments.len() {
+        return None;
+    }
+    let end = chunks
+        .take_while(|c| c.end.seg < lead)
+        .last()
+        .filter(|c| c.end.seg == lead - 1 && c.end.offset == segments[lead - 1].body.len())?;
+    Some((end.end, end.hash))
+}
+
+/// Chat-template markers: where a user turn opens, and where any turn ends.
+const USER_OPENS: [&[u8]; 5] = [
+    b"<|im_start|>user",
+    b"<|start_header_id|>user",
+    b"[INST]",
+    b"<start_of_turn>user",
+    b"<|user|>",
+];
+const TURN_ENDS: [&[u8]; 7] = [
+    b"<|im_end|>",
+    b"<|eot_id|>",
+    b"<end_of_turn>",
+    b"<|end|>",
+    b"[/INST]",
+    b"</s>",
+    b"<|endoftext|>",
+];
+
+/// The conversation part of a key: from `pos` on, at most `limit` bytes, ending with
+/// the first user message at or after `pos` (a message list), or with the first user
+/// turn of a templated prompt. Ending at the end of the user's first message is what
+/// keeps it the same on every later turn, whose text only continues past it.
+fn conversation_part(segments: &[Segment<'_>], pos: Pos, chat: bool, limit: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(limit.min(4096));
+    let push = |out: &mut Vec<u8>, bytes: &[u8]| {
+        let room = limit.saturating_sub(out.len());
+        out.extend_from_slice(&bytes[..bytes.len().min(room)]);
+        out.len() >= limit
+    };
+    let Some(first) = segments.get(pos.seg) else {
+        return out;
+    };
+    let rest = &first.body[pos.offset.min(first.body.len())..];
+    if !chat {
+        push(&mut out, first_user_turn(rest, limit));
+        return out;
+    }
+    if !rest.is_empty() && (push(&mut out, rest) || first.tag == "user") {
+        return out;
+    }
+    for s in &segments[pos.seg + 1..] {
+        if push(&mut out, s.tag.as_bytes())
+            || push(&mut out, b"\n")
+            || push(&mut out, s.body)
+            || push(&mut out, b"\n")
+            || s.tag == "user"
+        {
+            break;
+        }
+    }
+    out
+}
+
+/// The turn of a templated prompt string, and its history (the bytes before its last
+/// user turn): a second user turn (of the template whose user marker comes first) makes
+/// it a later turn; one, a first; none, unknown.
+fn templated_turn(text: &[u8]) -> Option<(Turn, usize)> {
+    let (at, marker) = USER_OPENS
+        .iter()
+        .filter_map(|m| memchr::memmem::find(text, m).map(|i| (i, *m)))
+        .min()?;
+    match memchr::memmem::rfind(&text[at + marker.len()..], marker) {
+        Some(last) => Some((Turn::Later, at + marker.len() + last)),
+        None => Some((Turn::First, 0)),
+    }
+}
+
+/// The start of a templated prompt up to the end of its first user turn (the first
+/// turn end after a user turn opens, or the first turn end when no user turn opens in
+/// `window` bytes), at most `window` bytes; the whole window when it has no markers.
+fn first_user_turn(text: &[u8], window: usize) -> &[u8] {
+    let text = &text[..text.len().min(window)];
+    let find = |needles: &[&[u8]], from: usize| {
+        needles
+            .iter()
+            .filter_map(|n| memchr::memmem::find(&text[from..], n).map(|i| from + i))
+            .min()
+    };
+    let from = find(&USER_OPENS, 0).map_or(0, |u| u + 1);
+    match find(&TURN_ENDS, from) {
+        Some(end) if end > 0 => &text[..end],
+        _ => text,
+    }
+}
+
+/// A learned prefix that runs past the system part is used only when at least this
+/// share of the pool's recent requests goes through it. With a system part the
+/// conversation key starts at the first user message; a deeper group is right for a
+/// preamble the traffic shares (instructions pasted into every prompt) but not for one
+/// of many documents: grouping by a document spread each popular one over several
+/// nodes and cost `rag` 4–5 points of hit rate in the simulator (52 % vs 57 %).
+pub const PREAMBLE_SHARE: f64 = 0.5;
+
+/// A shared prefix shorter than this (bytes of JSON text, ≈ 256 tokens) forms no
 /// prefix group, and its conversations spread over the whole pool: it prefills in
 /// milliseconds, so gathering them would buy nothing and coarsen the balance (many
 /// tenants with one-line prompts lost 3–6 points of hit rate in the simulator when
 /// grouped).
 pub const MIN_GROUP_BYTES: usize = 1024;
 
-/// In `conversation` and `hybrid` mode, system and user parts are cut separately (each
-/// to `prefix_chars`) so the user part survives a long shared system prompt, and
-/// `hybrid` makes the system part a group when the whole of it (`system_len` bytes,
-/// before the cut) is at least [`MIN_GROUP_BYTES`], else spreads over the pool; in
-/// `prefix` mode the whole text is cut once.
-fn join_parts(
-    mode: KeyMode,
-    mut system: KeyText,
-    system_len: usize,
-    user: KeyText,
-    n: usize,
-) -> PromptKey {
+/// In `conversation` mode, system and user parts are cut separately (each to
+/// `prefix_chars`) so the user part survives a long shared system prompt; in `prefix`
+/// mode the whole text is cut once.
+fn join_parts(mode: KeyMode, mut system: KeyText, user: KeyText, n: usize) -> TextKey {
     match mode {
         KeyMode::Conversation | KeyMode::Hybrid => {
-            let group = match mode {
-                KeyMode::Hybrid if system_len >= MIN_GROUP_BYTES => {
-                    Grouping::Group(system.out.len())
-                }
-                KeyMode::Hybrid => Grouping::Pool,
-                _ => Grouping::Ring,
-            };
             system.out.push_str(&user.out);
-            (system.out, group)
+            (system.out, Grouping::Ring)
         }
         KeyMode::Prefix => {
             let mut all = KeyText::new(n);
@@ -191,7 +520,7 @@ fn messages_key(
     instructions: Option<&str>,
     messages: &[Message<'_>],
     spec: KeySpec,
-) -> PromptKey {
+) -> TextKey {
     let n = spec.prefix_chars;
     let mut head = KeyText::new(n);
     if let Some(tools) = tools {
@@ -221,14 +550,7 @@ fn messages_key(
             if let Some(m) = messages.iter().find(|m| m.role.as_deref() == Some("user")) {
                 push_message(&mut user, m);
             }
-            let system_len = tools.map_or(0, str::len)
-                + instructions.map_or(0, str::len)
-                + messages
-                    .iter()
-                    .filter(|m| is_system(m))
-                    .map(|m| m.content.map_or(0, str::len))
-                    .sum::<usize>();
-            join_parts(spec.mode, head, system_len, user, n)
+            join_parts(spec.mode, head, user, n)
         }
     }
 }
@@ -286,15 +608,10 @@ fn raw_prefix(body: &[u8], n: usize) -> Vec<u8> {
 mod tests {
     use super::*;
     use serde_json::json;
+    use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-    const CONV: KeySpec = KeySpec {
-        mode: KeyMode::Conversation,
-        prefix_chars: 1024,
-    };
-    const PREFIX: KeySpec = KeySpec {
-        mode: KeyMode::Prefix,
-        prefix_chars: 1024,
-    };
+    const CONV: KeySpec = KeySpec::new(KeyMode::Conversation, 1024);
+    const PREFIX: KeySpec = KeySpec::new(KeyMode::Prefix, 1024);
 
     fn key(api: Api, body: &serde_json::Value, spec: KeySpec) -> String {
         let bytes = serde_json::to_vec(body).unwrap();
@@ -358,14 +675,12 @@ mod tests {
 
     #[test]
     fn hybrid_keys_are_conversation_keys_placed_by_their_system_part() {
-        let spec = KeySpec {
-            mode: KeyMode::Hybrid,
-            prefix_chars: 1024,
-        };
+        let spec = KeySpec::new(KeyMode::Hybrid, 1024);
         let facts = |body: &serde_json::Value| {
             extract(Api::Chat, &serde_json::to_vec(body).unwrap(), None, spec).unwrap()
         };
-        // A long system part (≥ MIN_GROUP_BYTES) is a group; the key is cut as usual.
+        // Before anything is learned, a long system part (≥ MIN_GROUP_BYTES) is the
+        // group; the key is the first user message, the same on every turn.
         let long = format!("Group A few-shot prefix. {}", "Example. ".repeat(120));
         let turn1 = facts(&chat(&long, &["question one"]));
         let turn3 = facts(&chat(&long, &["question one", "answer", "more"]));
@@ -374,29 +689,28 @@ mod tests {
             turn1.key, turn3.key,
             "every turn of a conversation: one key"
         );
-        assert_eq!(
-            String::from_utf8(turn1.key.clone()).unwrap(),
-            key(Api::Chat, &chat(&long, &["question one"]), CONV),
-            "the key is the conversation key"
-        );
+        assert_eq!(turn1.key, b"user\n\"question one\"\n");
         assert_ne!(turn1.key, other.key);
-        // The system part, cut to `prefix_chars` (role line included).
-        let system_part = format!("system\n{long}")[..1024].to_string();
-        assert_eq!(turn1.group_key(), Some(system_part.as_bytes()));
-        assert_eq!(turn1.group_key(), other.group_key(), "one group");
-        let (conv_hash, group) = key_hashes("pool", &turn1, 7);
-        assert_eq!(conv_hash, key_hash("pool", &turn1.key, 7));
+        let prefix = turn1.prefix.unwrap();
+        assert!(!prefix.learned);
         assert_eq!(
-            group,
-            Grouping::Group(key_hash("pool", system_part.as_bytes(), 7))
+            prefix.bytes,
+            long.len() + 2,
+            "the system content's JSON text"
         );
+        assert_eq!(turn1.prefix, other.prefix, "one group");
+        assert!(matches!(turn1.group, Grouping::Group(h) if h == prefix.hash));
+        let (conv_hash, group) = key_hashes("pool", &turn1, 7);
+        let group_hash = key_hash("pool", &prefix.hash.to_le_bytes(), 7);
+        assert_eq!(group, Grouping::Group(group_hash));
+        assert_eq!(conv_hash, xxh3_64_with_seed(&turn1.key, group_hash));
         // A short system part, or none: no group, spread over the pool.
         for body in [
             chat("Group A few-shot prefix.", &["q"]),
             json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
         ] {
             let f = facts(&body);
-            assert_eq!((f.group, f.group_key()), (Grouping::Pool, None));
+            assert_eq!(f.group, Grouping::Pool);
             assert_eq!(key_hashes("pool", &f, 7).1, Grouping::Pool);
         }
         // Other modes and a key header: the ring.
@@ -414,6 +728,106 @@ mod tests {
             spec,
         );
         assert_eq!(header.unwrap().group, Grouping::Ring);
+    }
+
+    /// Routes `bodies` through one table, in order; returns the facts of the last.
+    fn learned(table: &PrefixTable, api: Api, bodies: &[serde_json::Value]) -> RequestFacts {
+        let spec = KeySpec::new(KeyMode::Hybrid, 1024);
+        let mut last = None;
+        for b in bodies {
+            let bytes = serde_json::to_vec(b).unwrap();
+            let env = facts::read(api, &bytes).unwrap();
+            last = Some(facts_of(
+                api,
+                &bytes,
+                env.as_ref(),
+                None,
+                spec,
+                Learned::Observe(table),
+            ));
+        }
+        last.unwrap()
+    }
+
+    /// A multi-turn chat whose first user message starts with `preamble`.
+    fn preamble_chat(preamble: &str, user: usize, turns: usize) -> serde_json::Value {
+        let mut messages = Vec::new();
+        for t in 0..turns {
+            let opening = if t == 0 { preamble } else { "" };
+            messages.push(json!({"role": "user", "content": format!("{opening}user {user} asks {t}: {}", "why? ".repeat(30))}));
+            if t + 1 < turns {
+                messages
+                    .push(json!({"role": "assistant", "content": format!("answer {user}.{t}")}));
+            }
+        }
+        json!({"model": "m", "messages": messages})
+    }
+
+    #[test]
+    fn a_preamble_in_the_first_user_message_is_learned_and_keys_stay_put() {
+        let table = PrefixTable::default();
+        let preamble = "Read these instructions first. ".repeat(300); // ~9 KB
+                                                                      // Warm up: many conversations' first turns.
+        let warm: Vec<_> = (0..40).map(|u| preamble_chat(&preamble, u, 1)).collect();
+        learned(&table, Api::Chat, &warm);
+        let turn1 = learned(&table, Api::Chat, &[preamble_chat(&preamble, 99, 1)]);
+        let prefix = turn1.prefix.unwrap();
+        assert!(prefix.learned, "{prefix:?}");
+        let chunks = preamble.len() / super::super::prefix::CHUNK;
+        assert!(
+            prefix.hot_chunks >= chunks,
+            "the walk went through the preamble: {prefix:?}"
+        );
+        assert!(
+            prefix.bytes + super::super::prefix::CHUNK > preamble.len(),
+            "{prefix:?}"
+        );
+        assert!(matches!(turn1.group, Grouping::Group(_)));
+        // Later turns of the same conversation: the same prefix and key, even after many
+        // turns made its own text hot.
+        for turns in 2..8 {
+            let later = learned(&table, Api::Chat, &[preamble_chat(&preamble, 99, turns)]);
+            assert_eq!(
+                later.prefix.map(|p| p.hash),
+                Some(prefix.hash),
+                "turn {turns}"
+            );
+            assert_eq!(later.key, turn1.key, "turn {turns}");
+        }
+        // Another conversation: same group, different key.
+        let other = learned(&table, Api::Chat, &[preamble_chat(&preamble, 7, 1)]);
+        assert_eq!(other.prefix.map(|p| p.hash), Some(prefix.hash));
+        assert_ne!(other.key, turn1.key);
+        let text = String::from_utf8_lossy(&turn1.key);
+        assert!(text.contains("user 99 asks 0"), "{text}");
+    }
+
+    #[test]
+    fn a_templated_completions_prompt_keeps_its_key_across_turns() {
+        let table = PrefixTable::default();
+        let system = "You answer questions about GPUs. ".repeat(60);
+        let prompt = |u: usize, turns: usize| {
+            let mut p = format!("<|im_start|>system\n{system}<|im_end|>\n");
+            for t in 0..turns {
+                p.push_str(&format!(
+                    "<|im_start|>user\nhi from {u}<|im_end|>\n<|im_start|>assistant\n"
+                ));
+                if t + 1 < turns {
+                    p.push_str(&format!("answer {t}<|im_end|>\n"));
+                }
+            }
+            json!({"model": "m", "prompt": p})
+        };
+        let warm: Vec<_> = (0..40).map(|u| prompt(u, 1)).collect();
+        learned(&table, Api::Completions, &warm);
+        let turn1 = learned(&table, Api::Completions, &[prompt(500, 1)]);
+        assert!(turn1.prefix.unwrap().learned);
+        for turns in 2..5 {
+            let later = learned(&table, Api::Completions, &[prompt(500, turns)]);
+            assert_eq!(later.key, turn1.key, "a short first turn: turn {turns}");
+        }
+        let other = learned(&table, Api::Completions, &[prompt(501, 1)]);
+        assert_ne!(other.key, turn1.key);
     }
 
     #[test]
@@ -445,10 +859,7 @@ q
 
     #[test]
     fn unicode_is_cut_on_char_boundaries() {
-        let spec = KeySpec {
-            mode: KeyMode::Prefix,
-            prefix_chars: 10,
-        };
+        let spec = KeySpec::new(KeyMode::Prefix, 10);
         let body =
             json!({"model": "m", "messages": [{"role": "user", "content": "héllo wörld 🎉🎉🎉"}]});
         let k = key(Api::Chat, &body, spec);
@@ -617,7 +1028,7 @@ q
 
         #[test]
         fn keys_are_valid_prefixes(s in "\\PC{0,300}", n in 1usize..50) {
-            let spec = KeySpec { mode: KeyMode::Prefix, prefix_chars: n };
+            let spec = KeySpec::new(KeyMode::Prefix, n);
             let body = serde_json::to_vec(&json!({"prompt": s})).unwrap();
             let k = String::from_utf8(extract(Api::Completions, &body, None, spec).unwrap().key).unwrap();
             prop_assert!(s.starts_with(&k));

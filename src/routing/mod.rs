@@ -5,13 +5,16 @@
 //! the explanation of one decision ([`explain`]).
 
 pub mod breaker;
+pub mod cost;
 pub mod explain;
 pub mod facts;
 pub mod group;
+pub mod home;
 pub mod json_scan;
 pub mod key;
 mod key_text;
 pub mod node;
+pub mod prefix;
 pub mod ring;
 pub mod route;
 pub mod table;

@@ -9,7 +9,8 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::key::{self, Api, KeyError, KeySpec, RequestFacts};
+use super::facts;
+use super::key::{self, Api, KeyError, KeySpec, Learned, RequestFacts};
 use super::node::{Node, NodeSource, NodeState, PoolLoad};
 use super::walk::Balancer;
 use crate::config::{Config, PoolConfig};
@@ -166,20 +167,56 @@ impl Table {
         }
     }
 
-    /// Finds the pool, key and hash of a request.
+    /// Finds the pool, key and hash of a request, counting it in its pool's prefix
+    /// table (`hybrid`).
     pub fn plan(
         &self,
         path: &str,
         header_key: Option<&[u8]>,
         body: &[u8],
     ) -> Result<Plan, PlanError> {
+        self.plan_as(path, header_key, body, true)
+    }
+
+    /// [`Table::plan`] counting nothing (for explanations).
+    pub fn peek_plan(
+        &self,
+        path: &str,
+        header_key: Option<&[u8]>,
+        body: &[u8],
+    ) -> Result<Plan, PlanError> {
+        self.plan_as(path, header_key, body, false)
+    }
+
+    /// The key spec of this table's routing settings.
+    pub fn key_spec(&self) -> KeySpec {
+        let r = &self.config.routing;
+        KeySpec {
+            mode: r.key,
+            prefix_chars: r.prefix_chars,
+            max_scan_bytes: r.max_scan_bytes,
+            seed: r.hash_seed,
+        }
+    }
+
+    fn plan_as(
+        &self,
+        path: &str,
+        header_key: Option<&[u8]>,
+        body: &[u8],
+        observe: bool,
+    ) -> Result<Plan, PlanError> {
         let api = Api::from_path(path);
-        let spec = KeySpec {
-            mode: self.config.routing.key,
-            prefix_chars: self.config.routing.prefix_chars,
+        let envelope = facts::read(api, body)?;
+        let pool = self.pool_for(envelope.as_ref().and_then(|e| e.model()))?;
+        let prefixes = &self.pools[pool].balancer.load().prefixes;
+        let learned = if observe {
+            Learned::Observe(prefixes)
+        } else {
+            Learned::Peek(prefixes)
         };
-        let facts = key::extract(api, body, header_key, spec)?;
-        let pool = self.pool_for(facts.model.as_deref())?;
+        let spec = self.key_spec();
+        let facts = key::facts_of(api, body, envelope.as_ref(), header_key, spec, learned);
         let (hash, group) = key::key_hashes(
             &self.pools[pool].config.name,
             &facts,

@@ -1,0 +1,368 @@
+//! Prefix depth found from the traffic (`key = "hybrid"`). A request's canonical text
+//! (tools, instructions, then each message as `role` and raw content; or a completions
+//! prompt) is cut into chunks of [`CHUNK`] bytes, restarting at every message, and the
+//! chunks are chain-hashed (`h_i = xxh3(chunk_i, seed = h_{i-1})`), so two requests
+//! share a chain hash exactly as far as they share their text from the start.
+//!
+//! A [`PrefixTable`] per pool counts, in a fixed table of atomics, how many recent
+//! requests went through each chain hash and which chunk came next. A chunk is *hot*
+//! when enough of the recent traffic shares it; it is a *branch point* when different
+//! chunks have followed it. The prefix group of a request ends at its deepest hot
+//! branch point: a shared preamble of any length and wherever it sits branches where
+//! conversations diverge, while a conversation's own history never branches (its later
+//! turns all continue it the same way), so the group, and the key after it, stay put
+//! from turn to turn. The walk stops at the first cold chunk, so its cost follows the
+//! length of the hot prefix; a few chunks past it are counted so that a new preamble
+//! is learned within a few hundred requests. Pure but for the table's atomics.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// Bytes per chunk. Smaller chunks find a boundary more precisely and cost more per
+/// request; a preamble's last partial chunk goes into the conversation part.
+pub const CHUNK: usize = 512;
+
+/// One piece of the canonical text: a message (`tag` its role), tools, instructions or
+/// a prompt. `body` is the raw JSON text of its value.
+#[derive(Debug, Clone, Copy)]
+pub struct Segment<'a> {
+    pub tag: &'a str,
+    pub body: &'a [u8],
+}
+
+/// A position in the canonical text: segment, byte offset in its body, and bytes of
+/// canonical text before it (bodies only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Pos {
+    pub seg: usize,
+    pub offset: usize,
+    pub bytes: usize,
+}
+
+/// One chunk: its chain hash and where it ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chunk {
+    pub hash: u64,
+    pub end: Pos,
+}
+
+/// The chunks of a canonical text, hashed as they are taken (so a walk that stops
+/// early hashes no more).
+pub struct Chunks<'s, 'a> {
+    segments: &'s [Segment<'a>],
+    seg: usize,
+    offset: usize,
+    bytes: usize,
+    chain: u64,
+    started: bool,
+    limit: usize,
+    /// The walk stopped at `limit`, not at the end of the text.
+    limited: bool,
+    /// The text may grow at its end (a prompt string, whose next turn continues the
+    /// last chunk): a partial last chunk is left out.
+    growing: bool,
+}
+
+impl<'s, 'a> Chunks<'s, 'a> {
+    /// The chunks of `segments`, at most `max_scan` bytes of them, chained from `seed`.
+    /// `growing`: the text is one prompt string whose later turns continue it, so its
+    /// partial last chunk (different in every turn) is left out.
+    pub fn new(segments: &'s [Segment<'a>], seed: u64, max_scan: usize, growing: bool) -> Self {
+        Chunks {
+            segments,
+            seg: 0,
+            offset: 0,
+            bytes: 0,
+            chain: seed ^ 0x7072_6566_6978_6c62,
+            started: false,
+            limit: max_scan,
+            limited: false,
+            growing,
+        }
+    }
+}
+
+impl Iterator for Chunks<'_, '_> {
+    type Item = Chunk;
+
+    fn next(&mut self) -> Option<Chunk> {
+        loop {
+            let s = self.segments.get(self.seg)?;
+            if !self.started {
+                // A segment's tag (its role) is chained in before its first chunk.
+                self.chain = xxh3_64_with_seed(s.tag.as_bytes(), self.chain);
+                self.started = true;
+                if s.body.is_empty() {
+                    self.advance_segment();
+                    return Some(self.chunk(self.seg - 1, 0));
+                }
+            }
+            if self.offset >= s.body.len() {
+                self.advance_segment();
+                continue;
+            }
+            if self.bytes >= self.limit {
+                self.limited = true;
+                return None;
+            }
+            let end = (self.offset + CHUNK).min(s.body.len());
+            if self.growing && end - self.offset < CHUNK && self.seg + 1 == self.segments.len() {
+                return None;
+            }
+            self.chain = xxh3_64_with_seed(&s.body[self.offset..end], self.chain);
+            self.bytes += end - self.offset;
+            self.offset = end;
+            return Some(self.chunk(self.seg, end));
+        }
+    }
+}
+
+impl Chunks<'_, '_> {
+    fn advance_segment(&mut self) {
+        self.seg += 1;
+        self.offset = 0;
+        self.started = false;
+    }
+
+    fn chunk(&self, seg: usize, offset: usize) -> Chunk {
+        Chunk {
+            hash: self.chain,
+            end: Pos {
+                seg,
+                offset,
+                bytes: self.bytes,
+            },
+        }
+    }
+}
+
+/// Why a walk stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stop {
+    /// At a chunk too few recent requests share.
+    Cold,
+    /// At `routing.max_scan_bytes`.
+    MaxScan,
+    /// At the end of the text.
+    End,
+}
+
+impl Stop {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Stop::Cold => "cold chunk",
+            Stop::MaxScan => "max_scan_bytes",
+            Stop::End => "end of prompt",
+        }
+    }
+}
+
+/// What a walk found: the deepest hot branch point, if any.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Depth {
+    /// Where the group ends, and its chain hash.
+    pub boundary: Option<Chunk>,
+    /// The share of recent requests that went through the boundary chunk.
+    pub share: f64,
+    /// Hot chunks walked.
+    pub hot_chunks: usize,
+    pub stop: Stop,
+}
+
+/// Table slots (a power of two).
+const SLOTS: usize = 1 << 16;
+/// Counts halve once this many requests were walked, so hotness follows recent traffic.
+const WINDOW: u32 = 8192;
+/// A chunk is hot once at least this many recent requests went through it ...
+const HOT_MIN: u32 = 3;
+/// ... and at least this share of the recent requests (1/200: one conversation's own
+/// turns rarely reach it, a preamble of any real use does).
+const HOT_SHARE: u32 = 200;
+/// Cold chunks counted past the first, so a long preamble is learned in fewer requests.
+const LEARN_AHEAD: usize = 3;
+
+/// One slot: tag (20 bits) | count (16) | tag of the first successor seen (24) |
+/// branched (1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Slot {
+    tag: u32,
+    count: u32,
+    successor: u32,
+    branched: bool,
+}
+
+impl Slot {
+    fn unpack(v: u64) -> Slot {
+        Slot {
+            tag: (v >> 44) as u32 & 0xF_FFFF,
+            count: (v >> 28) as u32 & 0xFFFF,
+            successor: (v >> 4) as u32 & 0xFF_FFFF,
+            branched: v & 1 == 1,
+        }
+    }
+
+    fn pack(self) -> u64 {
+        (u64::from(self.tag) << 44)
+            | (u64::from(self.count.min(0xFFFF)) << 28)
+            | (u64::from(self.successor) << 4)
+            | u64::from(self.branched)
+    }
+}
+
+fn slot_of(hash: u64) -> usize {
+    hash as usize & (SLOTS - 1)
+}
+
+fn tag_of(hash: u64) -> u32 {
+    (hash >> 44) as u32 | 1
+}
+
+fn successor_tag(hash: u64) -> u32 {
+    (hash >> 40) as u32 & 0xFF_FFFF | 1
+}
+
+/// The recent traffic of one pool's chunks.
+pub struct PrefixTable {
+    slots: Box<[AtomicU64]>,
+    /// Requests walked in the current window.
+    total: AtomicU32,
+    decay: Mutex<()>,
+}
+
+impl Default for PrefixTable {
+    fn default() -> Self {
+        PrefixTable {
+            slots: (0..SLOTS).map(|_| AtomicU64::new(0)).collect(),
+            total: AtomicU32::new(0),
+            decay: Mutex::new(()),
+        }
+    }
+}
+
+impl std::fmt::Debug for PrefixTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefixTable")
+            .field("recent_requests", &self.total.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl PrefixTable {
+    /// Walks a request's chunks while they are hot, counting the request in each (and
+    /// in a few cold ones past the first), and returns the deepest hot branch point.
+    pub fn observe(&self, chunks: Chunks<'_, '_>) -> Depth {
+        if self.total.fetch_add(1, Ordering::Relaxed) + 1 >= WINDOW {
+            self.halve();
+        }
+        self.walk(chunks, true)
+    }
+
+    /// The same walk, counting nothing (for explanations).
+    pub fn peek(&self, chunks: Chunks<'_, '_>) -> Depth {
+        self.walk(chunks, false)
+    }
+
+    fn hot_threshold(&self) -> u32 {
+        HOT_MIN.max(self.total.load(Ordering::Relaxed) / HOT_SHARE)
+    }
+
+    fn walk(&self, mut chunks: Chunks<'_, '_>, count: bool) -> Depth {
+        let hot = self.hot_threshold();
+        let mut depth = Depth {
+            boundary: None,
+            share: 0.0,
+            hot_chunks: 0,
+            stop: Stop::End,
+        };
+        let total = f64::from(self.total.load(Ordering::Relaxed).max(1));
+        // Cold chunks still to count once the first cold one is met.
+        let mut cold_left: Option<usize> = None;
+        let mut current = chunks.next();
+        while let Some(chunk) = current {
+            let next = chunks.next();
+            let slot = if count {
+                self.visit(chunk.hash, next.map(|c| c.hash))
+            } else {
+                self.look(chunk.hash)
+            };
+            match cold_left.as_mut() {
+                Some(0) => return depth,
+                Some(left) => *left -= 1,
+                None if slot.is_some_and(|s| s.count >= hot) => {
+                    depth.hot_chunks += 1;
+                    if let Some(s) = slot.filter(|s| s.branched) {
+                        depth.boundary = Some(chunk);
+                        depth.share = (f64::from(s.count) / total).min(1.0);
+                    }
+                }
+                None => {
+                    depth.stop = Stop::Cold;
+                    if !count {
+                        return depth;
+                    }
+                    cold_left = Some(LEARN_AHEAD);
+                }
+            }
+            current = next;
+        }
+        if depth.stop == Stop::End && chunks.limited {
+            depth.stop = Stop::MaxScan;
+        }
+        depth
+    }
+
+    fn look(&self, hash: u64) -> Option<Slot> {
+        let slot = Slot::unpack(self.slots[slot_of(hash)].load(Ordering::Relaxed));
+        (slot.tag == tag_of(hash)).then_some(slot)
+    }
+
+    /// Counts one request through `hash`, followed by `next`. Races between requests
+    /// may lose an update; that only delays learning by a request.
+    fn visit(&self, hash: u64, next: Option<u64>) -> Option<Slot> {
+        let cell = &self.slots[slot_of(hash)];
+        let mut slot = Slot::unpack(cell.load(Ordering::Relaxed));
+        if slot.tag != tag_of(hash) {
+            if slot.count >= 2 {
+                // A busier chunk holds the slot: this one stays untracked (cold).
+                return None;
+            }
+            slot = Slot {
+                tag: tag_of(hash),
+                count: 0,
+                successor: 0,
+                branched: false,
+            };
+        }
+        slot.count = (slot.count + 1).min(0xFFFF);
+        if let Some(next) = next.map(successor_tag) {
+            match slot.successor {
+                0 => slot.successor = next,
+                s if s != next => slot.branched = true,
+                _ => {}
+            }
+        }
+        cell.store(slot.pack(), Ordering::Relaxed);
+        Some(slot)
+    }
+
+    fn halve(&self) {
+        // One thread decays; the others go on with slightly stale counts.
+        let Some(_decaying) = self.decay.try_lock() else {
+            return;
+        };
+        if self.total.load(Ordering::Relaxed) < WINDOW {
+            return;
+        }
+        for cell in self.slots.iter() {
+            let v = cell.load(Ordering::Relaxed);
+            if v != 0 {
+                let mut slot = Slot::unpack(v);
+                slot.count /= 2;
+                cell.store(slot.pack(), Ordering::Relaxed);
+            }
+        }
+        self.total.store(WINDOW / 2, Ordering::Relaxed);
+    }
+}
