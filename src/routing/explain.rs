@@ -6,6 +6,7 @@
 
 use serde::Serialize;
 
+use super::facts::Turn;
 use super::route::Route;
 use crate::config::WhenSaturated;
 use crate::routing::key::Grouping;
@@ -28,10 +29,17 @@ pub struct Explanation {
     pub key_chars: usize,
     /// `xxh3_64(pool ‖ 0x00 ‖ key, hash_seed)` in hex.
     pub hash: String,
-    /// `key = "hybrid"`: the request's prefix group (its system part), or the whole
-    /// pool for a short system part.
+    /// `key = "hybrid"`: the request's prefix group, or the whole pool for a short
+    /// shared prefix.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub group: Option<GroupInfo>,
+    /// `key = "hybrid"`: the shared prefix in front of the key, and how it was found.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefix: Option<PrefixInfo>,
+    /// `first`, `later` or `unknown`: which turn of its conversation the request is.
+    pub turn: &'static str,
+    /// The node this balancer remembers as the conversation's home, if any.
+    pub home: Option<String>,
     /// The key's successor walk, primary first.
     pub successors: Vec<Step>,
     /// The node the next request would get now.
@@ -49,6 +57,20 @@ pub struct GroupInfo {
     pub hash: Option<String>,
     /// Nodes the group's conversations spread over now.
     pub width: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PrefixInfo {
+    /// Bytes of prompt text in the prefix.
+    pub bytes: usize,
+    /// Chunks of it the pool's recent traffic shares.
+    pub hot_chunks: usize,
+    /// `learned` (a chunk the traffic shares and where conversations part) or
+    /// `system part` (before anything is learned: the end of the system messages).
+    pub found_by: &'static str,
+    /// Why the walk over the chunks stopped: `cold chunk`, `max_scan_bytes` or `end
+    /// of prompt`.
+    pub stopped_at: &'static str,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -71,10 +93,10 @@ pub fn explain(
     header_key: Option<&[u8]>,
     body: &[u8],
 ) -> Result<Explanation, PlanError> {
-    let plan = table.plan(path, header_key, body)?;
+    let plan = table.peek_plan(path, header_key, body)?;
     let pool = &table.pools[plan.pool];
     let b = &pool.balancer;
-    let target = b.peek_target(plan.hash, plan.group);
+    let target = b.peek_place(plan.hash, plan.group, plan.facts.turn_seen());
     let successors: Vec<Step> = b
         .order(target)
         .map(|i| {
@@ -128,6 +150,18 @@ pub fn explain(
             hash: matches!(plan.group, Grouping::Group(_)).then(|| format!("{g:016x}")),
             width,
         }),
+        prefix: plan.facts.prefix.map(|p| PrefixInfo {
+            bytes: p.bytes,
+            hot_chunks: p.hot_chunks,
+            found_by: if p.learned { "learned" } else { "system part" },
+            stopped_at: p.stop.as_str(),
+        }),
+        turn: match plan.facts.turn_seen() {
+            Turn::First => "first",
+            Turn::Later => "later",
+            Turn::Unknown => "unknown",
+        },
+        home: b.home_of(plan.hash).map(|i| b.node(i).id().to_string()),
         successors,
         choice,
         route,

@@ -29,8 +29,9 @@ pub enum Grouping<T> {
     Group(T),
 }
 
-/// Counter slots; groups are hashed into them (a collision only widens both groups).
-const SLOTS: usize = 1024;
+/// Counter slots, in pairs: a group takes one of two, tagged with its hash, and a new
+/// group replaces the colder of the pair (so groups never silently share counts).
+const SLOTS: usize = 1 << 14;
 /// All counters halve once the total reaches this many requests, so shares follow the
 /// last few thousand requests.
 const WINDOW: u32 = 8192;
@@ -43,6 +44,7 @@ const SHRINK_AT: f64 = 1.5;
 
 /// The recent request counts of a pool's groups, and each group's current width.
 pub struct GroupHeat {
+    tags: Box<[AtomicU32]>,
     counts: Box<[AtomicU32]>,
     widths: Box<[AtomicU32]>,
     total: AtomicU32,
@@ -52,6 +54,7 @@ pub struct GroupHeat {
 impl Default for GroupHeat {
     fn default() -> Self {
         GroupHeat {
+            tags: (0..SLOTS).map(|_| AtomicU32::new(0)).collect(),
             counts: (0..SLOTS).map(|_| AtomicU32::new(0)).collect(),
             widths: (0..SLOTS).map(|_| AtomicU32::new(0)).collect(),
             total: AtomicU32::new(0),
@@ -71,7 +74,7 @@ impl std::fmt::Debug for GroupHeat {
 impl GroupHeat {
     /// Counts one request of `group` and returns the group's width among `nodes`.
     pub fn observe(&self, group: u64, nodes: usize) -> usize {
-        let slot = slot_of(group);
+        let slot = self.claim(group);
         self.counts[slot].fetch_add(1, Ordering::Relaxed);
         if self.total.fetch_add(1, Ordering::Relaxed) + 1 >= WINDOW {
             self.halve();
@@ -89,9 +92,37 @@ impl GroupHeat {
     /// The width the group's next request would get, without counting it (for
     /// explanations).
     pub fn width(&self, group: u64, nodes: usize) -> usize {
-        let slot = slot_of(group);
+        let Some(slot) = self.find(group) else {
+            // Unseen: as its first request would find it.
+            let total = self.total.load(Ordering::Relaxed) + 1;
+            let target = SPREAD * nodes as f64 / f64::from(total);
+            return next_width(0, target, nodes);
+        };
         let current = self.widths[slot].load(Ordering::Relaxed) as usize;
         next_width(current, self.target(slot, nodes, 1), nodes)
+    }
+
+    /// The group's slot, if it has one.
+    fn find(&self, group: u64) -> Option<usize> {
+        let (a, tag) = (slot_of(group), tag_of(group));
+        [a, a ^ 1]
+            .into_iter()
+            .find(|&s| self.tags[s].load(Ordering::Relaxed) == tag)
+    }
+
+    /// The group's slot, taking the colder of its pair when it has none (racing
+    /// claims at worst restart a group's count).
+    fn claim(&self, group: u64) -> usize {
+        if let Some(s) = self.find(group) {
+            return s;
+        }
+        let a = slot_of(group);
+        let count = |s: usize| self.counts[s].load(Ordering::Relaxed);
+        let s = if count(a) <= count(a ^ 1) { a } else { a ^ 1 };
+        self.counts[s].store(0, Ordering::Relaxed);
+        self.widths[s].store(0, Ordering::Relaxed);
+        self.tags[s].store(tag_of(group), Ordering::Relaxed);
+        s
     }
 
     /// The group's share of recent requests (with `extra` more of its own), scaled to
@@ -121,7 +152,11 @@ impl GroupHeat {
 }
 
 fn slot_of(group: u64) -> usize {
-    (group >> 54) as usize % SLOTS
+    (group >> 50) as usize % SLOTS
+}
+
+fn tag_of(group: u64) -> u32 {
+    group as u32 | 1
 }
 
 /// Grows at once to `ceil(target)`; narrows only below `ceil(SHRINK_AT × target)`.

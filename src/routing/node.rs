@@ -12,7 +12,10 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
 use super::breaker::{Breaker, BreakerSettings, BreakerState, Outcome};
+use super::cost::{PrefillRate, SlotTime};
 use super::group::GroupHeat;
+use super::home::HomeTable;
+use super::prefix::PrefixTable;
 use crate::config::NodeConfig;
 
 /// Where a node came from.
@@ -98,6 +101,12 @@ pub struct NodeState {
     pub breaker: Breaker,
     /// Breaker transitions so far, by the state entered.
     transitions: [AtomicU64; 4],
+    /// How long requests hold a slot here.
+    pub slot_time: SlotTime,
+    /// Requests waiting for a slot here (their home).
+    waiting: AtomicU32,
+    /// Wakes a request waiting for a slot here, one per freed slot.
+    freed: Notify,
 }
 
 impl NodeState {
@@ -111,7 +120,27 @@ impl NodeState {
             check_passes: AtomicU32::new(0),
             breaker: Breaker::new(Instant::now()),
             transitions: Default::default(),
+            slot_time: SlotTime::default(),
+            waiting: AtomicU32::new(0),
+            freed: Notify::new(),
         }
+    }
+
+    /// Requests waiting for a slot here now.
+    pub fn waiting(&self) -> u32 {
+        self.waiting.load(Ordering::Acquire)
+    }
+
+    /// Counts a request waiting for a slot here until the ticket is dropped; wait on
+    /// [`NodeState::freed`].
+    pub fn wait_here(self: &Arc<Self>) -> HomeTicket {
+        self.waiting.fetch_add(1, Ordering::AcqRel);
+        HomeTicket { node: self.clone() }
+    }
+
+    /// Notified once per slot freed here.
+    pub fn freed(&self) -> &Notify {
+        &self.freed
     }
 
     /// How many times the breaker entered `state`.
@@ -211,9 +240,27 @@ pub struct PoolLoad {
     freed: Notify,
     /// Recent traffic per prefix group (`key = "hybrid"`).
     pub groups: GroupHeat,
+    /// Recent traffic per chunk of prompt text: where shared prefixes end (`hybrid`).
+    pub prefixes: PrefixTable,
+    /// Where each conversation lives (`hybrid`).
+    pub homes: HomeTable,
+    /// The pool's prefill time per uncached token.
+    pub prefill: PrefillRate,
+    /// Balancer replicas serving the pool (this one included), as known: they place
+    /// new conversations more conservatively so that they agree.
+    replicas: AtomicU32,
 }
 
 impl PoolLoad {
+    /// Balancer replicas known (at least 1).
+    pub fn replicas(&self) -> u32 {
+        self.replicas.load(Ordering::Relaxed).max(1)
+    }
+
+    pub fn set_replicas(&self, n: u32) {
+        self.replicas.store(n, Ordering::Relaxed);
+    }
+
     /// Requests in flight on all of the pool's nodes.
     pub fn in_flight(&self) -> u32 {
         self.in_flight.load(Ordering::Acquire)
@@ -283,6 +330,19 @@ impl Drop for Reservation {
     fn drop(&mut self) {
         self.node.in_flight.fetch_sub(1, Ordering::AcqRel);
         self.pool.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.node.freed.notify_one();
         self.pool.freed.notify_one();
+    }
+}
+
+/// A request waiting for its home node; dropping it stops counting it there.
+#[derive(Debug)]
+pub struct HomeTicket {
+    node: Arc<NodeState>,
+}
+
+impl Drop for HomeTicket {
+    fn drop(&mut self) {
+        self.node.waiting.fetch_sub(1, Ordering::AcqRel);
     }
 }

@@ -7,12 +7,15 @@
 //! clock is passed in; no I/O.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::breaker::{Admission, BreakerSettings, BreakerState, Outcome};
+use super::cost::{self, Stakes};
+use super::facts::Turn;
 use super::group::{rendezvous, weighted_rendezvous, Grouping};
+use super::home::node_tag;
 use super::node::{Node, NodeSource, NodeState, PoolLoad, Reservation};
 use super::ring::{Ring, RingMember, Successors};
 use crate::config::NodeConfig;
@@ -40,19 +43,33 @@ pub struct Target {
     /// `key = "hybrid"`: the group's hash and width; the walk starts at the node of
     /// the group's first `width` that ranks highest for `hash`.
     pub group: Option<(u64, usize)>,
+    /// A node that goes first, before the key's order: its conversation's home, or the
+    /// less loaded of a new conversation's first two.
+    pub first: Option<usize>,
 }
 
 impl From<u64> for Target {
     fn from(hash: u64) -> Self {
-        Target { hash, group: None }
+        Target {
+            hash,
+            group: None,
+            first: None,
+        }
     }
 }
+
+/// How many of a new conversation's first nodes are compared by load (more spreads
+/// better and makes replicas disagree more often).
+const NEW_CONVERSATION_CHOICES: usize = 2;
 
 /// The nodes of a walk in order, each once: the key's ring walk, or for a grouped key
 /// the first `width` nodes of the group's walk ranked by rendezvous score with the key
 /// (so each conversation has its own order among them and spills scatter), then the
 /// rest of the group's walk.
 pub struct WalkOrder<'a> {
+    /// The target's first node, yielded before the rest and skipped in it.
+    first: Option<usize>,
+    skip: Option<usize>,
     /// Scored head nodes not yet yielded.
     head: Vec<(u64, usize)>,
     /// The walk after the head (none when the head is the whole pool).
@@ -63,10 +80,18 @@ impl Iterator for WalkOrder<'_> {
     type Item = usize;
 
     fn next(&mut self) -> Option<usize> {
-        let best = (0..self.head.len()).max_by_key(|&k| self.head[k].0);
-        match best {
-            Some(k) => Some(self.head.swap_remove(k).1),
-            None => self.rest.as_mut()?.next(),
+        if let Some(first) = self.first.take() {
+            return Some(first);
+        }
+        loop {
+            let best = (0..self.head.len()).max_by_key(|&k| self.head[k].0);
+            let next = match best {
+                Some(k) => self.head.swap_remove(k).1,
+                None => self.rest.as_mut()?.next()?,
+            };
+            if Some(next) != self.skip {
+                return Some(next);
+            }
         }
     }
 }
@@ -79,6 +104,22 @@ pub enum Walk {
     Saturated,
     /// No node accepts new requests (all down, draining or already tried).
     Unavailable,
+}
+
+/// A finished request, as its balancer learns from it.
+#[derive(Debug, Clone, Copy)]
+pub struct Finished {
+    pub target: Target,
+    pub stakes: Stakes,
+    /// The node that served it.
+    pub node: usize,
+    /// From its slot taken to its end.
+    pub held: Duration,
+    /// Its time to first token (streams).
+    pub ttft: Option<Duration>,
+    /// As the engine reported them (`usage`).
+    pub prompt_tokens: u32,
+    pub cached_tokens: u32,
 }
 
 /// What [`Balancer::peek`] finds.
@@ -142,6 +183,8 @@ pub struct Balancer {
     id_hashes: Vec<u64>,
     /// Nodes differ in weight: rank group nodes by weighted rendezvous.
     weighted: bool,
+    /// Each node's tag in the pool's home table.
+    tags: Vec<u32>,
 }
 
 impl Balancer {
@@ -161,7 +204,8 @@ impl Balancer {
             })
             .collect();
         let total_weight = nodes.iter().map(Node::weight).sum();
-        let id_hashes = nodes.iter().map(|n| xxh3_64(n.id().as_bytes())).collect();
+        let id_hashes: Vec<u64> = nodes.iter().map(|n| xxh3_64(n.id().as_bytes())).collect();
+        let tags = id_hashes.iter().map(|&h| node_tag(h)).collect();
         let weighted = nodes.windows(2).any(|w| w[0].weight() != w[1].weight());
         Balancer {
             ring: Ring::build(&ring_members, vnodes),
@@ -172,6 +216,7 @@ impl Balancer {
             total_weight,
             id_hashes,
             weighted,
+            tags,
         }
     }
 
@@ -246,16 +291,195 @@ impl Balancer {
             Grouping::Pool => Some((0, nodes)),
             Grouping::Group(g) => Some((g, width(g, nodes))),
         };
-        Target { hash, group }
+        Target {
+            hash,
+            group,
+            first: None,
+        }
+    }
+
+    /// The walk target of a `hybrid` key (`Pool` or `Group` placement), counted toward
+    /// its group, with a node first: the conversation's remembered home, or, for a new
+    /// conversation (and a prompt string seen nowhere yet), the less loaded of its first
+    /// two nodes (within its group's nodes), so new work spreads by load while every
+    /// later turn finds its home. A later turn this balancer has no home for starts at
+    /// the key's own first node. Other keys: [`Balancer::target`].
+    pub fn place(&self, hash: u64, grouping: Grouping<u64>, turn: Turn) -> Target {
+        let mut target = self.target(hash, grouping);
+        if grouping != Grouping::Ring {
+            target.first = self.first_of(target, turn);
+        }
+        target
+    }
+
+    /// [`Balancer::place`] counting nothing (for explanations).
+    pub fn peek_place(&self, hash: u64, grouping: Grouping<u64>, turn: Turn) -> Target {
+        let mut target = self.peek_target(hash, grouping);
+        if grouping != Grouping::Ring {
+            target.first = self.first_of(target, turn);
+        }
+        target
+    }
+
+    fn first_of(&self, target: Target, turn: Turn) -> Option<usize> {
+        if let Some(home) = self.home_of(target.hash) {
+            return Some(home);
+        }
+        if turn == Turn::Later {
+            return None;
+        }
+        let choices = match target.group {
+            Some((_, width)) => width.clamp(1, NEW_CONVERSATION_CHOICES),
+            None => NEW_CONVERSATION_CHOICES,
+        };
+        let load = |i: usize| {
+            let n = &self.nodes[i];
+            n.state().in_flight() as f64 / f64::from(self.cap_of(n).max(1))
+        };
+        // With other balancer replicas, any node but the key's own first must be clearly
+        // less loaded (by two requests at equal caps, not one): a new conversation placed
+        // away from its key's first node costs a replica that did not see it placed one
+        // miss to find it. Alone, the less loaded node takes it.
+        let mut order = self.key_order(target).take(choices);
+        let key_first = order.next()?;
+        let margin = if self.load.replicas() > 1 {
+            1.0 / f64::from(self.cap_of(&self.nodes[key_first]).max(1))
+        } else {
+            0.0
+        };
+        std::iter::once((load(key_first), 0, key_first))
+            .chain(order.enumerate().map(|(k, i)| (load(i) + margin, k + 1, i)))
+            .filter(|&(_, _, i)| self.nodes[i].state().accepts_new())
+            .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)))
+            .map(|(_, _, i)| i)
+    }
+
+    /// Whether node `index` is one of the target's group's nodes (where the group's
+    /// prefix is cached); every node is, for a key with no group or a group as wide
+    /// as the pool.
+    pub fn in_group(&self, target: Target, index: usize) -> bool {
+        match target.group {
+            Some((group, width)) if width < self.nodes.len() => self
+                .ring
+                .successors(group)
+                .take(width.max(1))
+                .any(|i| i == index),
+            _ => true,
+        }
+    }
+
+    /// The node remembered as `hash`'s home, if it is in this pool.
+    pub fn home_of(&self, hash: u64) -> Option<usize> {
+        let tag = self.load.homes.get(hash)?;
+        self.tags.iter().position(|&t| t == tag)
+    }
+
+    /// What a finished request that was routed with no remembered home says of its
+    /// conversation's home. It was served by `served` and was expected to find
+    /// `expected` of its prompt cached there; when it found less than half of that, its
+    /// conversation's cache was elsewhere: on the other of its first two nodes, where a
+    /// new conversation is placed (another replica placed it there, or its home was
+    /// forgotten). That node becomes its home, so replicas that never share a word
+    /// agree again after one miss. (A miss at a remembered home is an eviction: no
+    /// other node holds more, and the caller does not ask.)
+    pub fn learn(&self, target: Target, served: usize, expected: f64, found: f64) {
+        // Ring keys (key headers, `conversation`/`prefix` modes) have no homes.
+        let ringed = target.group.is_none() && target.first.is_none();
+        if found >= expected / 2.0 || ringed {
+            return;
+        }
+        let keyed = Target {
+            first: None,
+            ..target
+        };
+        let pair: Vec<usize> = self
+            .key_order(keyed)
+            .take(NEW_CONVERSATION_CHOICES)
+            .collect();
+        if let [a, b] = pair[..] {
+            if served == a {
+                self.remember(target.hash, b);
+            } else if served == b {
+                self.remember(target.hash, a);
+            }
+        }
+    }
+
+    /// Records where a request settled: a conversation placed with no home yet, or
+    /// served at its home, is at home there from now on. A spill is a visit: the home
+    /// stays where the conversation was placed, where every replica looks for it.
+    pub fn settle(&self, target: Target, index: usize, distance: usize) {
+        if distance == 0 || target.first.is_none() {
+            self.remember(target.hash, index);
+        }
+    }
+
+    /// Whether a request whose walk offered `spill` instead of its full home should
+    /// wait for the home, and for how long at most (see [`cost::wait_budget`]): only
+    /// when the home is full (not down, draining or open) and frees slots soon enough.
+    pub fn home_wait(
+        &self,
+        target: Target,
+        stakes: &Stakes,
+        spill: usize,
+    ) -> Option<(usize, Duration)> {
+        let home = self.order(target).next()?;
+        let node = &self.nodes[home];
+        let state = node.state();
+        let cap = self.cap_of(node);
+        if home == spill || !state.accepts_new() || state.in_flight() < cap {
+            return None;
+        }
+        let budget = cost::wait_budget(
+            stakes.saved(self.in_group(target, spill)),
+            self.load.prefill.per_token(),
+            state.slot_time.get(),
+            cap,
+            state.waiting(),
+        )?;
+        Some((home, budget))
+    }
+
+    /// Learns from a finished request: the pool's prefill rate (from a stream's time
+    /// to first token), the node's slot time, and, for a request routed with no
+    /// remembered home, where its conversation lives ([`Balancer::learn`]).
+    pub fn finished(&self, f: &Finished) {
+        let uncached = f.prompt_tokens.saturating_sub(f.cached_tokens);
+        if let Some(ttft) = f.ttft {
+            self.load.prefill.observe(ttft, uncached);
+        }
+        let node = &self.nodes[f.node];
+        node.state().slot_time.observe(f.held);
+        if f.stakes.guessed && f.prompt_tokens > 0 {
+            let found = f64::from(f.cached_tokens) / f64::from(f.prompt_tokens);
+            self.learn(f.target, f.node, f.stakes.expect, found);
+        }
+    }
+
+    /// Remembers the node that served `hash`: its conversation's home from now on.
+    pub fn remember(&self, hash: u64, index: usize) {
+        self.load.homes.set(hash, self.tags[index]);
     }
 
     /// The nodes a target's walk visits, in order.
     pub fn order(&self, target: Target) -> WalkOrder<'_> {
+        let first = target.first.filter(|&i| i < self.nodes.len());
+        let mut order = self.key_order(target);
+        order.first = first;
+        order.skip = first;
+        order
+    }
+
+    /// The key's own order (the target's `first` aside).
+    fn key_order(&self, target: Target) -> WalkOrder<'_> {
+        let order = |head, rest| WalkOrder {
+            first: None,
+            skip: None,
+            head,
+            rest,
+        };
         match target.group {
-            None => WalkOrder {
-                head: Vec::new(),
-                rest: Some(self.ring.successors(target.hash)),
-            },
+            None => order(Vec::new(), Some(self.ring.successors(target.hash))),
             Some((group, width)) => {
                 let score = |i: usize| {
                     let id = self.id_hashes[i];
@@ -268,17 +492,11 @@ impl Balancer {
                 };
                 if width >= self.nodes.len() {
                     // The whole pool: no need to walk the group's ring to list it.
-                    return WalkOrder {
-                        head: (0..self.nodes.len()).map(score).collect(),
-                        rest: None,
-                    };
+                    return order((0..self.nodes.len()).map(score).collect(), None);
                 }
                 let mut rest = self.ring.successors(group);
                 let head = rest.by_ref().take(width.max(1)).map(score).collect();
-                WalkOrder {
-                    head,
-                    rest: Some(rest),
-                }
+                order(head, Some(rest))
             }
         }
     }
@@ -509,6 +727,7 @@ mod tests {
                 let t = Target {
                     hash: c,
                     group: Some((group, width)),
+                    first: None,
                 };
                 let walk: Vec<usize> = b.order(t).collect();
                 let mut sorted = walk.clone();
@@ -533,6 +752,7 @@ mod tests {
         let t = Target {
             hash: 5,
             group: Some((group, 2)),
+            first: None,
         };
         let first = chosen(b.choose(t, &[], Instant::now()));
         let second = chosen(b.choose(t, &[], Instant::now()));
