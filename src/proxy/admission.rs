@@ -1,13 +1,16 @@
-//! Admission: a slot on the first willing node of the key's walk, and what to do when
-//! every willing node is at its cap (`routing.when_saturated`): wait in the pool's FIFO
-//! (bounded by `max_queue` and `queue_timeout`, re-running the walk as slots free, so
-//! the key still lands on its nearest free node), refuse at once, or overcommit the
-//! least loaded node.
+//! Admission: a slot on the first willing node of the key's walk. When the walk offers
+//! another node because the request's home is full, the request waits for its home
+//! instead when that pays (the home frees a slot sooner than a spill would cost in
+//! prefill, see [`crate::routing::cost`]). When every willing node is at its cap,
+//! `routing.when_saturated` applies: wait in the pool's FIFO (bounded by `max_queue`
+//! and `queue_timeout`, re-running the walk as slots free, so the key still lands on
+//! its nearest free node), refuse at once, or overcommit the least loaded node.
 
 use tokio::time::Instant;
 
 use super::ProxyError;
 use crate::config::{RoutingConfig, WhenSaturated};
+use crate::routing::cost::Stakes;
 use crate::routing::table::Pool;
 use crate::routing::walk::{self, Balancer, Choice, Walk};
 use crate::server::metrics::Metrics;
@@ -18,6 +21,7 @@ pub(super) async fn admit(
     pool: &Pool,
     routing: &RoutingConfig,
     target: walk::Target,
+    stakes: &Stakes,
     tried: &[usize],
     metrics: &Metrics,
 ) -> Result<(Choice, bool), ProxyError> {
@@ -32,6 +36,23 @@ pub(super) async fn admit(
         b.choose(target, tried, std::time::Instant::now())
     };
     match walk {
+        Walk::Chosen(c) if c.distance > 0 && tried.is_empty() => {
+            let Some((home, budget)) = b.home_wait(target, stakes, c.index) else {
+                return Ok((c, false));
+            };
+            drop(c);
+            let waited = Instant::now();
+            let at_home = wait_for_home(b, target, home, budget).await;
+            metrics.observe_queue_wait(&pool.config.name, waited.elapsed());
+            match at_home {
+                Some(c) => Ok((c, true)),
+                // The budget ran out: take what the walk offers now.
+                None => match b.choose(target, tried, std::time::Instant::now()) {
+                    Walk::Chosen(c) => Ok((c, false)),
+                    _ => Err(ProxyError::Saturated { pool: name() }),
+                },
+            }
+        }
         Walk::Chosen(c) => Ok((c, false)),
         Walk::Unavailable => Err(ProxyError::NoNode { pool: name() }),
         Walk::Saturated => match routing.when_saturated {
@@ -47,6 +68,29 @@ pub(super) async fn admit(
                 admitted.map(|c| (c, true))
             }
         },
+    }
+}
+
+/// Waits (counted at the home, woken as its slots free) for a slot at the request's
+/// home, at most `budget`.
+async fn wait_for_home(
+    b: &Balancer,
+    target: walk::Target,
+    home: usize,
+    budget: std::time::Duration,
+) -> Option<Choice> {
+    let state = b.node(home).state().clone();
+    let _counted = state.wait_here();
+    let deadline = Instant::now() + budget;
+    loop {
+        let mut freed = std::pin::pin!(state.freed().notified());
+        freed.as_mut().enable();
+        if let Walk::Chosen(c) = b.choose(target, &[], std::time::Instant::now()) {
+            if c.index == home {
+                return Some(c);
+            }
+        }
+        tokio::time::timeout_at(deadline, freed).await.ok()?;
     }
 }
 

@@ -18,11 +18,12 @@ use super::body::BoxBody;
 use super::edit::{self, Edits};
 use super::outcome::{FailoverReason, RequestOutcome};
 use super::probe::{self, Commit, ProbeFailure};
-use super::relay::{Finish, RelayBody};
+use super::relay::{Finish, Learn, RelayBody};
 use super::{headers, ProxyError, UpstreamClient};
 use crate::clip::clip;
 use crate::config::RoutingConfig;
 use crate::routing::breaker::{BreakerSettings, Outcome};
+use crate::routing::cost::Stakes;
 use crate::routing::key;
 use crate::routing::node::Node;
 use crate::routing::node::NodeState;
@@ -90,6 +91,8 @@ struct Target<'t> {
     pool: &'t Pool,
     body: Bytes,
     walk: walk::Target,
+    /// What leaving its home would cost it, and what it should find there.
+    stakes: Stakes,
     /// Set once the request left its own pool.
     fallback: bool,
 }
@@ -142,16 +145,20 @@ impl Exchange<'_> {
     /// rewritten to the pool's first model).
     fn target<'p>(&self, pool: &'p Pool) -> Target<'p> {
         let name = &pool.config.name;
-        let (hash, group) = key::key_hashes(name, &self.plan.facts, self.routing().hash_seed);
+        let facts = &self.plan.facts;
+        let (hash, group) = key::key_hashes(name, facts, self.routing().hash_seed);
         let fallback = name != &self.table.pools[self.plan.pool].config.name;
+        let b = &pool.balancer;
+        let stakes = Stakes::of(facts, group, b.home_of(hash).is_some());
         let edits = Edits {
             model: fallback.then(|| pool.config.models.first().unwrap_or(name).as_str()),
             include_usage: self.strip_usage(),
         };
         Target {
             pool,
-            body: edit::apply(&self.body, &self.plan.facts.spans, edits),
-            walk: pool.balancer.target(hash, group),
+            body: edit::apply(&self.body, &facts.spans, edits),
+            walk: b.place(hash, group, facts.turn_seen()),
+            stakes,
             fallback,
         }
     }
@@ -176,6 +183,7 @@ impl Exchange<'_> {
                 target.pool,
                 self.routing(),
                 target.walk,
+                &target.stakes,
                 &tried,
                 self.metrics,
             )
@@ -193,6 +201,7 @@ impl Exchange<'_> {
                 Err(e) if failures.is_empty() => return Err(e),
                 Err(_) => break, // nothing left to fail over to
             };
+            let admitted_at = Instant::now();
             attempt += 1;
             tried.push(choice.index);
             let pool = target.pool;
@@ -212,6 +221,9 @@ impl Exchange<'_> {
                         route,
                         attempts: attempt,
                         choice,
+                        walk: target.walk,
+                        stakes: target.stakes,
+                        since: admitted_at,
                     };
                     return Ok(self.commit(ctx, answer, health));
                 }
@@ -317,6 +329,23 @@ impl Exchange<'_> {
         let settings = c.pool.balancer.settings().clone();
         self.metrics
             .count_decision(&c.pool.config.name, &c.route, c.choice.distance);
+        c.pool
+            .balancer
+            .settle(c.walk, c.choice.index, c.choice.distance);
+        let pool_index = self
+            .table
+            .pools
+            .iter()
+            .position(|p| std::ptr::eq(p, c.pool))
+            .unwrap_or(0);
+        let learn = || Learn {
+            table: self.table.clone(),
+            pool: pool_index,
+            target: c.walk,
+            stakes: c.stakes,
+            node: c.choice.index,
+            since: c.since,
+        };
         let finish = |status: StatusCode, ttft: Option<Duration>| Finish {
             metrics: self.metrics.clone(),
             pool: c.pool.config.name.clone(),
@@ -327,6 +356,7 @@ impl Exchange<'_> {
             outcome: RequestOutcome::of_status(status.as_u16()),
             started: self.started,
             ttft,
+            learn: Some(learn()),
         };
         let (head, body) = match answer {
             Answer::Stream {
@@ -377,6 +407,10 @@ struct Decision<'t> {
     route: Route,
     attempts: u32,
     choice: Choice,
+    walk: walk::Target,
+    stakes: Stakes,
+    /// When the slot was taken.
+    since: Instant,
 }
 
 fn route_of(target: &Target<'_>, queued: bool, choice: &Choice) -> Route {

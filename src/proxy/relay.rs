@@ -31,7 +31,10 @@ use super::body::BodyError;
 use super::outcome::RequestOutcome;
 use super::sse::{Block, SseScanner};
 use crate::routing::breaker::{BreakerSettings, Outcome};
+use crate::routing::cost::Stakes;
 use crate::routing::node::Reservation;
+use crate::routing::table::Table;
+use crate::routing::walk::{self, Finished};
 use crate::server::metrics::Metrics;
 
 /// What is known of a request when its response body ends: counted and logged once.
@@ -46,11 +49,36 @@ pub struct Finish {
     pub outcome: RequestOutcome,
     pub started: Instant,
     pub ttft: Option<Duration>,
+    /// What the balancer learns from the request when it succeeds.
+    pub learn: Option<Learn>,
+}
+
+/// The routing facts a finished request teaches its pool's balancer.
+pub struct Learn {
+    pub table: Arc<Table>,
+    pub pool: usize,
+    pub target: walk::Target,
+    pub stakes: Stakes,
+    pub node: usize,
+    /// When its slot was taken.
+    pub since: Instant,
 }
 
 impl Finish {
     fn complete(self, outcome: RequestOutcome, usage: &UsageScan) {
         let duration = self.started.elapsed();
+        if let (Some(l), RequestOutcome::Success) = (&self.learn, outcome) {
+            let tokens = |n: Option<u64>| n.unwrap_or(0).min(u64::from(u32::MAX)) as u32;
+            l.table.pools[l.pool].balancer.finished(&Finished {
+                target: l.target,
+                stakes: l.stakes,
+                node: l.node,
+                held: l.since.elapsed(),
+                ttft: self.ttft,
+                prompt_tokens: tokens(usage.prompt),
+                cached_tokens: tokens(usage.cached),
+            });
+        }
         self.metrics
             .observe_request(&self.pool, &self.node, outcome, duration);
         if let Some(prompt) = usage.prompt {
