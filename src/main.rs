@@ -308,9 +308,21 @@ mod tools {
         /// Also write the workload as a Mooncake trace to this file.
         #[arg(long)]
         write_trace: Option<PathBuf>,
+        /// Balancer replicas for the `prefixlb` policy, each with its own state.
+        #[arg(long, default_value_t = 1)]
+        replicas: usize,
+        /// How requests are spread over the replicas: round-robin or random.
+        #[arg(long, value_enum, default_value_t = SpreadArg::RoundRobin)]
+        spread: SpreadArg,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+    }
+
+    #[derive(Clone, Copy, clap::ValueEnum)]
+    pub enum SpreadArg {
+        RoundRobin,
+        Random,
     }
 
     #[derive(Args)]
@@ -421,11 +433,14 @@ mod tools {
         if let Some(path) = a.write_trace {
             std::fs::write(&path, workload::to_trace(&w))?;
         }
-        let fleet = sim::Fleet {
-            nodes: a.nodes.unwrap_or(config.pools[0].nodes.len()).max(1),
-            cache_tokens: a.cache_tokens,
-            costs: Costs::default(),
-            max_num_seqs: 64,
+        let mut fleet = sim::Fleet::of(
+            a.nodes.unwrap_or(config.pools[0].nodes.len()).max(1),
+            a.cache_tokens,
+        );
+        fleet.replicas = a.replicas.max(1);
+        fleet.spread = match a.spread {
+            SpreadArg::RoundRobin => sim::Spread::RoundRobin,
+            SpreadArg::Random => sim::Spread::Random,
         };
         let policies: Vec<String> = if a.policies.is_empty() {
             sim::POLICIES.iter().map(|p| p.to_string()).collect()
@@ -442,11 +457,15 @@ mod tools {
                 .map(|()| ExitCode::SUCCESS);
         }
         emit(format!(
-            "workload {} ({} requests) on {} engines, {} cached tokens each\n\n",
+            "workload {} ({} requests) on {} engines, {} cached tokens each{}\n\n",
             w.name,
             w.requests(),
             fleet.nodes,
-            fleet.cache_tokens
+            fleet.cache_tokens,
+            match fleet.replicas {
+                1 => String::new(),
+                n => format!(", {n} balancer replicas"),
+            }
         ))?;
         emit(sim::table(&reports))?;
         Ok(ExitCode::SUCCESS)

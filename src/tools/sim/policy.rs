@@ -7,12 +7,15 @@ use std::cmp::Reverse;
 use std::time::Instant;
 
 use super::Engine;
+use std::time::Duration;
+
 use crate::config::{Config, NodeConfig};
-use crate::routing::node::Reservation;
+use crate::routing::cost::Stakes;
+use crate::routing::node::{HomeTicket, Reservation};
 use crate::routing::table::{Registry, Table};
-use crate::routing::walk::{Target, Walk};
+use crate::routing::walk::{Balancer, Finished, Target, Walk};
 use crate::tools::engine_model::{PrefixCache, Prompt};
-use crate::tools::workload::Turn;
+use crate::tools::workload::{Rng, Turn};
 
 /// The routing policies compared, by name.
 pub const POLICIES: [&str; 7] = [
@@ -37,9 +40,32 @@ pub struct View<'a> {
 pub struct Pending<'a> {
     pub turn: &'a Turn,
     pub prompt: &'a Prompt,
-    /// The pool and walk target once computed (kept across waits, so the request is
-    /// counted once toward its prefix group, as the proxy counts it).
-    pub target: &'a mut Option<(usize, Target)>,
+    /// What the policy keeps of the request across waits (prefixlb: its replica, plan
+    /// and walk target, computed once so it is counted once, as the proxy counts it).
+    pub state: &'a mut Option<Routed>,
+    /// Now, in µs of virtual time.
+    pub now: u64,
+}
+
+/// prefixlb's state of one request while it waits to be placed.
+pub struct Routed {
+    replica: usize,
+    pool: usize,
+    target: Target,
+    stakes: Stakes,
+    /// Waiting for its full home until then (µs), counted there meanwhile.
+    home_wait: Option<(u64, HomeTicket)>,
+}
+
+/// A request that finished, as its balancer learns of it.
+pub struct Done<'a> {
+    pub state: Option<&'a Routed>,
+    pub engine: usize,
+    /// Placement to first token, and to the end, in µs.
+    pub ttft_us: u64,
+    pub held_us: u64,
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
 }
 
 /// Where a policy sends a request.
@@ -53,6 +79,8 @@ pub enum Placement {
     },
     /// Every engine is at the policy's bound: wait for one to free.
     Wait,
+    /// Wait for its home until then (µs) at the latest.
+    WaitUntil(u64),
 }
 
 impl Placement {
@@ -69,16 +97,45 @@ impl Placement {
 /// A routing policy.
 pub trait Policy {
     fn place(&mut self, req: Pending<'_>, view: &View<'_>) -> Result<Placement, String>;
+
+    /// A request it placed finished.
+    fn finished(&mut self, _done: &Done<'_>) {}
+
+    /// How often its replicas disagreed on a request's first node (share of
+    /// placements), for policies with replicas.
+    fn disagreement(&self) -> Option<f64> {
+        None
+    }
 }
 
-/// Builds a policy by name for a fleet of `nodes` engines.
-pub fn by_name(
-    name: &str,
-    config: &Config,
-    nodes: usize,
-    cache_tokens: usize,
-    block_tokens: usize,
-) -> Result<Box<dyn Policy>, String> {
+/// How requests are spread over balancer replicas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Spread {
+    RoundRobin,
+    /// Uniformly at random (seeded).
+    Random,
+}
+
+/// The fleet a policy routes for.
+#[derive(Debug, Clone, Copy)]
+pub struct Setup {
+    pub nodes: usize,
+    pub cache_tokens: usize,
+    pub block_tokens: usize,
+    /// Balancer replicas (prefixlb): each with its own state, none shared.
+    pub replicas: usize,
+    pub spread: Spread,
+    pub seed: u64,
+}
+
+/// Builds a policy by name.
+pub fn by_name(name: &str, config: &Config, setup: Setup) -> Result<Box<dyn Policy>, String> {
+    let Setup {
+        nodes,
+        cache_tokens,
+        block_tokens,
+        ..
+    } = setup;
     let model = config
         .pools
         .first()
@@ -92,17 +149,28 @@ pub fn by_name(
             table: fleet_table(config, nodes, None, None),
             model,
         }),
-        "prefixlb" => Box::new(Bounded {
-            table: fleet_table(config, nodes, None, None),
+        "prefixlb" => Box::new(Bounded::new(
+            (0..setup.replicas.max(1))
+                .map(|_| {
+                    let t = fleet_table(config, nodes, None, None);
+                    for p in &t.pools {
+                        p.balancer.load().set_replicas(setup.replicas as u32);
+                    }
+                    t
+                })
+                .collect(),
             model,
-            epoch: Instant::now(),
-        }),
-        // The CHWBL relative bound alone (the absolute cap out of the way).
-        "chwbl" => Box::new(Bounded {
-            table: fleet_table(config, nodes, Some(1.25), Some(u32::MAX / 2)),
+            setup,
+            true,
+        )),
+        // The CHWBL relative bound alone (the absolute cap out of the way), walked as
+        // CHWBL walks: no homes, no waiting.
+        "chwbl" => Box::new(Bounded::new(
+            vec![fleet_table(config, nodes, Some(1.25), Some(u32::MAX / 2))],
             model,
-            epoch: Instant::now(),
-        }),
+            setup,
+            false,
+        )),
         "cache_aware" => Box::new(CacheAware {
             trees: (0..nodes)
                 .map(|_| PrefixCache::new(cache_tokens, block_tokens))
@@ -201,35 +269,156 @@ impl Policy for ConsistentHash {
     }
 }
 
-/// The proxy's own table and walk: `prefixlb` (the config's bounds) or `chwbl`.
+/// The proxy's own tables and walk: `prefixlb` (the config's bounds, its
+/// conversations' homes, waiting for a full home when it pays; one table per replica)
+/// or `chwbl` (the plain bounded walk).
 struct Bounded {
-    table: Table,
+    replicas: Vec<Table>,
+    spread: Spread,
+    rng: Rng,
+    next: usize,
     model: String,
     /// The balancer's clock, which only breakers read (they never trip here).
     epoch: Instant,
+    /// prefixlb's placement (homes, waits) rather than the plain walk.
+    smart: bool,
+    placements: u64,
+    disagreements: u64,
+}
+
+impl Bounded {
+    fn new(replicas: Vec<Table>, model: String, setup: Setup, smart: bool) -> Self {
+        Bounded {
+            replicas,
+            spread: setup.spread,
+            rng: Rng::new(setup.seed ^ 0x5EED),
+            next: 0,
+            model,
+            epoch: Instant::now(),
+            smart,
+            placements: 0,
+            disagreements: 0,
+        }
+    }
+
+    fn pick_replica(&mut self) -> usize {
+        let n = self.replicas.len();
+        match self.spread {
+            Spread::RoundRobin => {
+                self.next += 1;
+                (self.next - 1) % n
+            }
+            Spread::Random => (self.rng.next_u64() % n as u64) as usize,
+        }
+    }
+
+    /// Plans a request on a replica and decides where its walk starts.
+    fn route(&mut self, turn: &Turn) -> Result<Routed, String> {
+        let replica = self.pick_replica();
+        let table = &self.replicas[replica];
+        let plan = table
+            .plan(turn.path(), None, &turn.body(&self.model))
+            .map_err(|e| e.to_string())?;
+        let b = &table.pools[plan.pool].balancer;
+        let target = if self.smart {
+            b.place(plan.hash, plan.group, plan.facts.turn_seen())
+        } else {
+            b.target(plan.hash, plan.group)
+        };
+        let stakes = Stakes::of(&plan.facts, plan.group, b.home_of(plan.hash).is_some());
+        if self.replicas.len() > 1 {
+            self.placements += 1;
+            let first = b.order(target).next();
+            let disagree =
+                self.replicas.iter().enumerate().any(|(r, other)| {
+                    r != replica && other_first(other, turn, &self.model) != first
+                });
+            self.disagreements += u64::from(disagree);
+        }
+        Ok(Routed {
+            replica,
+            pool: plan.pool,
+            target,
+            stakes,
+            home_wait: None,
+        })
+    }
+}
+
+/// The first node another replica would walk to for a turn (counting nothing).
+fn other_first(table: &Table, turn: &Turn, model: &str) -> Option<usize> {
+    let plan = table.peek_plan(turn.path(), None, &turn.body(model)).ok()?;
+    let b = &table.pools[plan.pool].balancer;
+    b.order(b.peek_place(plan.hash, plan.group, plan.facts.turn))
+        .next()
 }
 
 impl Policy for Bounded {
     fn place(&mut self, req: Pending<'_>, _: &View<'_>) -> Result<Placement, String> {
-        let (pool, target) = match *req.target {
-            Some(t) => t,
-            None => plan_of(&self.table, req.turn, &self.model)?,
+        if req.state.is_none() {
+            *req.state = Some(self.route(req.turn)?);
+        }
+        let Some(r) = req.state.as_mut() else {
+            return Err("unrouted".into());
         };
-        match self.table.pools[pool]
-            .balancer
-            .choose(target, &[], self.epoch)
-        {
-            Walk::Chosen(c) => Ok(Placement::To {
-                engine: c.index,
-                spilled: c.distance > 0,
-                reservation: Some(c.reservation),
-            }),
-            _ => {
-                *req.target = Some((pool, target));
-                Ok(Placement::Wait)
+        let b = &self.replicas[r.replica].pools[r.pool].balancer;
+        let c = match b.choose(r.target, &[], self.epoch) {
+            Walk::Chosen(c) => c,
+            _ => return Ok(Placement::Wait),
+        };
+        if self.smart && c.distance > 0 {
+            if let Some(until) = home_wait(b, r, c.index, req.now) {
+                // `c` is dropped: its slot goes back.
+                return Ok(Placement::WaitUntil(until));
             }
         }
+        if self.smart {
+            b.settle(r.target, c.index, c.distance);
+        }
+        r.home_wait = None;
+        Ok(Placement::To {
+            engine: c.index,
+            spilled: c.distance > 0,
+            reservation: Some(c.reservation),
+        })
     }
+
+    fn finished(&mut self, done: &Done<'_>) {
+        let Some(r) = done.state else {
+            return;
+        };
+        let b = &self.replicas[r.replica].pools[r.pool].balancer;
+        let stakes = Stakes {
+            guessed: r.stakes.guessed && self.smart,
+            ..r.stakes
+        };
+        let tokens = |n: usize| n.min(u32::MAX as usize) as u32;
+        b.finished(&Finished {
+            target: r.target,
+            stakes,
+            node: done.engine,
+            held: Duration::from_micros(done.held_us),
+            ttft: Some(Duration::from_micros(done.ttft_us)),
+            prompt_tokens: tokens(done.prompt_tokens),
+            cached_tokens: tokens(done.cached_tokens),
+        });
+    }
+
+    fn disagreement(&self) -> Option<f64> {
+        (self.replicas.len() > 1).then(|| self.disagreements as f64 / self.placements.max(1) as f64)
+    }
+}
+
+/// Whether a request whose walk found its home full should wait for it rather than
+/// spill to `spill`, and until when (µs): decided once, on the first spill offered.
+fn home_wait(b: &Balancer, r: &mut Routed, spill: usize, now: u64) -> Option<u64> {
+    if let Some((until, _)) = &r.home_wait {
+        return (now < *until).then_some(*until);
+    }
+    let (home, budget) = b.home_wait(r.target, &r.stakes, spill)?;
+    let until = now + budget.as_micros() as u64;
+    r.home_wait = Some((until, b.node(home).state().wait_here()));
+    Some(until)
 }
 
 /// SGLang-router style: an approximate per-engine tree of what was sent there; follow
