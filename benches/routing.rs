@@ -55,6 +55,32 @@ fn balancer(nodes: usize, vnodes: u32) -> Balancer {
     Balancer::uniform(nodes, vnodes, 4, None)
 }
 
+/// `n` conversations that share `shared` (a system prompt, or the start of the first
+/// user message) and differ in their first user message: real traffic, whose routing
+/// keys differ and whose shared prefix the balancer has learned.
+fn conversations(
+    n: usize,
+    shared_system: Option<&str>,
+    preamble: &str,
+    turns: usize,
+) -> Vec<Vec<u8>> {
+    (0..n)
+        .map(|c| {
+            let text = |n: usize| PROSE.repeat(n / PROSE.len() + 1)[..n].to_string();
+            let mut messages = Vec::new();
+            if let Some(system) = shared_system {
+                messages.push(serde_json::json!({"role": "system", "content": system}));
+            }
+            for i in 0..turns {
+                let role = if i % 2 == 0 { "user" } else { "assistant" };
+                let lead = if i == 0 { preamble } else { "" };
+                messages.push(serde_json::json!({"role": role, "content": format!("{lead}conversation {c} turn {i}: {}", text(520))}));
+            }
+            serde_json::to_vec(&serde_json::json!({"messages": messages, "temperature": 0.7, "model": "llama", "stream": true})).unwrap()
+        })
+        .collect()
+}
+
 fn routing_decision(c: &mut Criterion) {
     let body = chat_body(30, 520);
     assert!(
@@ -64,17 +90,27 @@ fn routing_decision(c: &mut Criterion) {
     );
     let t = table(8);
     let dense = chat_body_of(DENSE, 30, 520);
-    for (name, body) in [
-        ("18KB_31_messages", &body),
-        ("18KB_31_messages_escape_dense", &dense),
+    let system = PROSE.repeat(2000 / PROSE.len() + 1)[..2000].to_string();
+    let chats = conversations(1024, Some(&system), "", 31);
+    let preamble = PROSE.repeat(32 * 1024 / PROSE.len() + 1)[..32 * 1024].to_string();
+    let preambled = conversations(1024, None, &preamble, 1);
+    for (name, bodies) in [
+        ("18KB_31_messages_1024_conversations", &chats),
+        ("32KB_hot_preamble_1024_conversations", &preambled),
+        ("18KB_31_messages", &vec![body.clone()]),
+        ("18KB_31_messages_escape_dense", &vec![dense.clone()]),
     ] {
+        let mut next = 0;
         c.bench_function(&format!("routing_decision/{name}"), |b| {
             b.iter(|| {
+                let body = &bodies[next % bodies.len()];
+                next += 1;
                 let plan = t
                     .plan("/v1/chat/completions", None, black_box(body))
                     .unwrap();
                 let b = &t.pools[plan.pool].balancer;
-                match b.choose(b.target(plan.hash, plan.group), &[], Instant::now()) {
+                let target = b.place(plan.hash, plan.group, plan.facts.turn_seen());
+                match b.choose(target, &[], Instant::now()) {
                     Walk::Chosen(choice) => drop(black_box(choice)),
                     _ => unreachable!(),
                 }
@@ -94,10 +130,7 @@ fn key_extraction(c: &mut Criterion) {
     let mut group = c.benchmark_group("key_extraction");
     for (name, turns, chars) in [("1KB", 2, 100), ("18KB", 30, 520), ("128KB", 60, 2100)] {
         let body = chat_body(turns, chars);
-        let spec = KeySpec {
-            mode: KeyMode::Conversation,
-            prefix_chars: 1024,
-        };
+        let spec = KeySpec::new(KeyMode::Conversation, 1024);
         group.bench_with_input(BenchmarkId::from_parameter(name), &body, |b, body| {
             b.iter(|| key::extract(Api::Chat, black_box(body), None, spec).unwrap())
         });
@@ -159,6 +192,7 @@ fn ring(c: &mut Criterion) {
             let target = Target {
                 hash: black_box(h),
                 group: Some((9 << 54, 2)),
+                first: None,
             };
             match b64.choose(target, &[], Instant::now()) {
                 Walk::Chosen(choice) => drop(black_box(choice)),

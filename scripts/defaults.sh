@@ -1,34 +1,46 @@
 #!/usr/bin/env bash
-# Regenerates the tables of docs/evidence.md ("Why these defaults"): the hit rate and TTFT p50 of
-# prefixlb (one routing setting changed from the defaults per row) and of the reference
-# policies, per workload, on 8 engines with 30,000 cached tokens each (--cache-tokens to
-# change), each number the mean over workload seeds 1, 2 and 3.
-# Usage: cargo build --release && ./scripts/defaults.sh [CACHE_TOKENS]
+# Regenerates the tables of docs/evidence.md ("Why these defaults"): the hit rate and TTFT
+# p50 of prefixlb (one routing setting changed from the defaults per row; "replicas"
+# rows run 2 balancer replicas, each with its own state) and of the reference policies,
+# per workload, on 8 engines with 30,000 cached tokens each (first argument to change),
+# each number the mean over workload seeds 1, 2 and 3.
+# Usage: cargo build --release && ./scripts/defaults.sh [CACHE_TOKENS] [WORKLOAD...]
+# The default workloads are the five of issue 5; `production` stands for the shapes of
+# issue 10 (long preambles inside the first user message, completions-API chats).
 set -euo pipefail
 B=${B:-./target/release/prefixlb}
 CACHE=${1:-30000}
+shift || true
 SEEDS=(1 2 3)
-WORKLOADS=(multi-turn shared-prefix rag agentic multi-tenant)
+WORKLOADS=("$@")
+if [[ ${#WORKLOADS[@]} -eq 0 ]]; then
+  WORKLOADS=(multi-turn shared-prefix rag agentic multi-tenant)
+elif [[ ${WORKLOADS[0]} == production ]]; then
+  WORKLOADS=(long-preamble-512 long-preamble-2048 long-preamble-8192
+    long-preamble-512-completions long-preamble-2048-completions
+    long-preamble-8192-completions multi-turn-completions)
+fi
 variants=(
-  '(defaults: key = "hybrid", max_in_flight = 16)'
+  '(defaults: key = "hybrid", max_in_flight = 4)'
+  'replicas: 2, round-robin'
+  'replicas: 2, random'
   'key = "conversation"'
   'key = "prefix"'
   'prefix_chars = 256'
   'prefix_chars = 4096'
-  'max_in_flight = 4'
   'max_in_flight = 8'
+  'max_in_flight = 16'
   'max_in_flight = 32'
   'load_factor = 1.25'
-  'vnodes = 40'
-  'vnodes = 640'
 )
 
 # mean "hit% / TTFT p50 ms" of one policy over the seeds
 cell() {
   local config=$1 workload=$2 policy=$3
+  shift 3
   for seed in "${SEEDS[@]}"; do
     $B simulate --config "$config" --workload "$workload" --nodes 8 --cache-tokens "$CACHE" \
-      --seed "$seed" --policies "$policy" --json
+      --seed "$seed" --policies "$policy" --json "$@"
   done | python3 -c '
 import json, sys
 text, dec, runs, at = sys.stdin.read(), json.JSONDecoder(), [], 0
@@ -44,18 +56,31 @@ config_with() {
   local f
   f=$(mktemp)
   case $1 in
-    \(*) printf '[[pools]]\nname = "sim"\nnodes = [{ id = "a", url = "http://127.0.0.1:1" }]\n' > "$f" ;;
+    \(* | replicas*) printf '[[pools]]\nname = "sim"\nnodes = [{ id = "a", url = "http://127.0.0.1:1" }]\n' > "$f" ;;
     *) printf '[routing]\n%s\n[[pools]]\nname = "sim"\nnodes = [{ id = "a", url = "http://127.0.0.1:1" }]\n' "$1" > "$f" ;;
   esac
   echo "$f"
 }
 
-printf "| routing | %s |\n|---|---|---|---|---|---|\n" "$(IFS='|'; echo "${WORKLOADS[*]}" | sed 's/|/ | /g')"
+flags_of() {
+  case $1 in
+    'replicas: 2, round-robin') echo "--replicas 2 --spread round-robin" ;;
+    'replicas: 2, random') echo "--replicas 2 --spread random" ;;
+    *) echo "" ;;
+  esac
+}
+
+header="| routing |"
+rule="|---|"
+for w in "${WORKLOADS[@]}"; do header="$header $w |"; rule="$rule---|"; done
+echo "$header"
+echo "$rule"
 for v in "${variants[@]}"; do
   f=$(config_with "$v")
   row="| \`$v\` |"
-  [[ $v == \(* ]] && row="| $v |"
-  for w in "${WORKLOADS[@]}"; do row="$row $(cell "$f" "$w" prefixlb) |"; done
+  [[ $v == \(* || $v == replicas* ]] && row="| $v |"
+  # shellcheck disable=SC2046
+  for w in "${WORKLOADS[@]}"; do row="$row $(cell "$f" "$w" prefixlb $(flags_of "$v")) |"; done
   echo "$row"
   rm -f "$f"
 done

@@ -536,7 +536,10 @@ fn route_explains_offline_like_admin_explain() {
     ]);
     let x: Value = serde_json::from_slice(&out).unwrap();
     assert_eq!(x["pool"], "p");
-    assert_eq!(x["key"], "system\nsys\nuser\nhello\n");
+    // A hybrid key is the conversation part after the shared prefix (here, before
+    // anything is learned, the system part), as raw JSON text.
+    assert_eq!(x["key"], "user\n\"hello\"\n");
+    assert_eq!(x["prefix"]["found_by"], "system part");
     assert_eq!(x["hash"].as_str().unwrap().len(), 16);
     assert_eq!(x["successors"].as_array().unwrap().len(), 2);
     assert_eq!(x["choice"], x["successors"][0]["node"]);

@@ -1,0 +1,156 @@
+//! Finding the cache in real traffic (issue 10), end to end over real sockets: a shared
+//! preamble inside the first user message is learned from the traffic, conversations
+//! behind it spread while every turn stays at home, explanations show what was learned,
+//! and a later turn waits for its full home when that saves more than it costs.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use common::*;
+use serde_json::{json, Value};
+
+const FAST: [&str; 4] = ["--decode-ms-per-token", "0", "--prefill-us-per-token", "0"];
+
+/// A chat whose first user message starts with `preamble`, with `turns` user turns.
+fn chat_with_preamble(preamble: &str, conv: usize, answers: &[String]) -> Value {
+    let mut messages = vec![
+        json!({"role": "user", "content": format!("{preamble}\n\nConversation {conv}: {}", "tell me more. ".repeat(20))}),
+    ];
+    for (t, a) in answers.iter().enumerate() {
+        messages.push(json!({"role": "assistant", "content": a}));
+        messages.push(json!({"role": "user", "content": format!("follow-up {t} of {conv}")}));
+    }
+    json!({"model": "mock", "messages": messages, "max_tokens": 4})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_preamble_inside_the_first_user_message_is_learned() {
+    let engines: Vec<Proc> = (0..4).map(|i| engine(&format!("e{i}"), &FAST)).collect();
+    let refs: Vec<&Proc> = engines.iter().collect();
+    let lb = balancer(&config(&refs, "", ""));
+    let preamble = format!(
+        "Operating instructions. {}",
+        "Follow the runbook exactly. ".repeat(200)
+    );
+    let url = lb.url("/v1/chat/completions");
+    let mut answers: Vec<Vec<String>> = vec![Vec::new(); 16];
+    let mut homes: HashMap<usize, HashSet<String>> = HashMap::new();
+    for turn in 0..4 {
+        for (c, history) in answers.iter_mut().enumerate() {
+            let reply = post_json(&url, &chat_with_preamble(&preamble, c, history), &[]).await;
+            assert_eq!(reply.status, 200, "{}", reply.text());
+            // The first turns of the first conversations teach the balancer the
+            // preamble; from the second round on every turn must stay at home.
+            if turn > 0 {
+                homes
+                    .entry(c)
+                    .or_default()
+                    .insert(reply.header("x-prefixlb-node").to_string());
+            }
+            let answer = reply.json()["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string();
+            history.push(answer);
+        }
+    }
+    for (c, nodes) in &homes {
+        assert_eq!(nodes.len(), 1, "conversation {c} moved: {nodes:?}");
+    }
+    let used: HashSet<&String> = homes.values().flatten().collect();
+    assert!(
+        used.len() >= 3,
+        "conversations behind one preamble spread: {used:?}"
+    );
+    // What was learned, as explained for one more conversation's later turn.
+    let body = serde_json::to_vec(&chat_with_preamble(&preamble, 3, &answers[3])).unwrap();
+    let x = call("POST", &lb.admin_url("/admin/explain"), &[], body)
+        .await
+        .json();
+    assert_eq!(x["prefix"]["found_by"], "learned", "{x}");
+    assert!(
+        x["prefix"]["bytes"].as_u64().unwrap() + 512 > preamble.len() as u64,
+        "{x}"
+    );
+    assert_eq!(x["turn"], "later");
+    let home = x["home"].as_str().unwrap();
+    assert!(homes[&3].contains(home), "{x}");
+    assert_eq!(x["choice"], home, "the next turn goes home: {x}");
+    // The engines' caches agree: later turns reuse the preamble and the history.
+    let (mut hits, mut queries) = (0.0, 0.0);
+    for e in &engines {
+        hits += metric(&e.url("/metrics"), "vllm:prefix_cache_hits_total").await;
+        queries += metric(&e.url("/metrics"), "vllm:prefix_cache_queries_total").await;
+    }
+    assert!(hits / queries > 0.8, "fleet hit rate {}", hits / queries);
+}
+
+/// A session key whose first node is `node`.
+async fn session_on(lb: &Proc, node: &str) -> String {
+    for i in 0..200 {
+        let s = format!("hold-{i}");
+        if walk_of(lb, &s).await[0] == node {
+            return s;
+        }
+    }
+    panic!("no session key starts at {node}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_later_turn_waits_for_its_full_home_when_that_pays() {
+    let flags = ["--decode-ms-per-token", "20", "--prefill-us-per-token", "0"];
+    let engines: Vec<Proc> = (0..2).map(|i| engine(&format!("e{i}"), &flags)).collect();
+    let refs: Vec<&Proc> = engines.iter().collect();
+    let lb = balancer(&config(&refs, "", "max_in_flight = 1"));
+    let url = lb.url("/v1/chat/completions");
+    // Two conversations: one with a long history (≈ 10,000 tokens), one with a short.
+    let long = "a long shared document. ".repeat(1700);
+    let first = |conv: &str, text: &str| json!({"model": "mock", "max_tokens": 10, "messages": [{"role": "user", "content": format!("{conv}: {text}")}]});
+    let later = |conv: &str, text: &str| {
+        json!({"model": "mock", "max_tokens": 2, "messages": [
+            {"role": "user", "content": format!("{conv}: {text}")},
+            {"role": "assistant", "content": "noted"},
+            {"role": "user", "content": "and now?"}]})
+    };
+    let mut homes = Vec::new();
+    for (conv, text) in [("big", long.as_str()), ("small", "hi")] {
+        let reply = post_json(&url, &first(conv, text), &[]).await;
+        assert_eq!(reply.status, 200);
+        homes.push(reply.header("x-prefixlb-node").to_string());
+    }
+    for (i, (conv, text)) in [("big", long.as_str()), ("small", "hi")]
+        .into_iter()
+        .enumerate()
+    {
+        let home = &homes[i];
+        // Hold the home's one slot for ~0.6 s with another key's stream.
+        let session = session_on(&lb, home).await;
+        let body = serde_json::to_vec(&json!({"model": "mock", "stream": true, "max_tokens": 30, "messages": [{"role": "user", "content": "hold"}]})).unwrap();
+        let mut held = send(
+            "POST",
+            &url,
+            &[
+                ("content-type", "application/json"),
+                ("x-session-id", &session),
+            ],
+            body,
+        )
+        .await;
+        assert_eq!(held.headers()["x-prefixlb-node"], home.as_str());
+        let _ = next_chunk(held.body_mut()).await;
+        let reply = post_json(&url, &later(conv, text), &[]).await;
+        assert_eq!(reply.status, 200);
+        if conv == "big" {
+            // ≈ 10,000 cached tokens: 2 s of prefill saved vs ~0.2 s for a slot.
+            assert_eq!(reply.header("x-prefixlb-node"), home, "waited for home");
+            assert_eq!(reply.header("x-prefixlb-route"), "queued");
+        } else {
+            assert_ne!(reply.header("x-prefixlb-node"), home, "spilled at once");
+            assert_eq!(reply.header("x-prefixlb-route"), "spill:1");
+        }
+        drop(held);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
