@@ -159,8 +159,12 @@ pub struct BreakerSection {
     pub failure_threshold: Spanned<u32>,
     /// How long an open breaker refuses traffic. Default `"30s"`.
     pub open_for: Dur,
-    /// A stream slower than this to its first token counts as slow. Default `"3s"`.
+    /// A stream that reached its first token within this is never slow, whatever its
+    /// normalized TTFT. Default `"1s"`.
     pub slow_ttft: Dur,
+    /// A stream is slow when its normalized TTFT is over this multiple of its pool
+    /// peers' reference (the median of their P90s). Default 3.0.
+    pub slow_factor: Spanned<f64>,
     /// Share of slow streams in the window that opens the breaker. Default 0.5.
     pub slow_ratio: Spanned<f64>,
     /// Streams the window needs before it may open the breaker or shunt. Default 10.
@@ -172,15 +176,24 @@ pub struct BreakerSection {
     pub canary_steps: Spanned<Vec<f64>>,
     /// Duration of each canary step. Default `"10s"`.
     pub canary_step: Dur,
-    /// Latency-staged shunting. Default `[{ p90 = "2s", divert = 0.2 }, { p90 = "2.5s", divert = 0.5 }]`.
+    /// Latency-staged shunting, by the median normalized TTFT over the peers' reference.
+    /// Default `[{ over_pool = 1.5, divert = 0.2 }, { over_pool = 2.0, divert = 0.5 }]`.
     pub shunt_steps: Spanned<Vec<ShuntStepSection>>,
+    /// Latency never takes more than this share of a pool's nodes out of rotation.
+    /// Default 0.5.
+    pub max_ejected_share: Spanned<f64>,
 }
 
 /// One `[[breaker.shunt_steps]]` entry.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ShuntStepSection {
-    pub p90: Dur,
+    /// A multiple of the peers' reference (the median of their P90 normalized TTFT).
+    #[serde(default)]
+    pub over_pool: Option<f64>,
+    /// The raw-TTFT threshold of before issue 12: read only to say what replaced it.
+    #[serde(default)]
+    pub p90: Option<toml::Value>,
     pub divert: f64,
 }
 
@@ -191,6 +204,7 @@ impl Default for BreakerSection {
             failure_threshold: unspanned(d.failure_threshold),
             open_for: Dur(d.open_for),
             slow_ttft: Dur(d.slow_ttft),
+            slow_factor: unspanned(d.slow_factor),
             slow_ratio: unspanned(d.slow_ratio),
             min_samples: unspanned(d.min_samples),
             window: Dur(d.window),
@@ -200,11 +214,13 @@ impl Default for BreakerSection {
                 d.shunt_steps
                     .iter()
                     .map(|s| ShuntStepSection {
-                        p90: Dur(s.p90),
+                        over_pool: Some(s.over_pool),
+                        p90: None,
                         divert: s.divert,
                     })
                     .collect(),
             ),
+            max_ejected_share: unspanned(d.max_ejected_share),
         }
     }
 }

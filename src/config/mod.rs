@@ -164,7 +164,10 @@ impl NodeConfig {
 /// One shunting stage: at P90 TTFT ≥ `p90`, divert `divert` of the node's keys.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ShuntStep {
-    pub p90: Duration,
+    /// The node's median normalized TTFT is at least this multiple of its peers'
+    /// reference (the median of their P90s).
+    pub over_pool: f64,
+    /// Share of the node's keys sent on.
     pub divert: f64,
 }
 
@@ -175,8 +178,11 @@ pub struct BreakerSettings {
     pub failure_threshold: u32,
     /// How long an open breaker refuses traffic. Default 30 s.
     pub open_for: Duration,
-    /// A stream slower than this to its first token is slow. Default 3 s.
+    /// A stream that reached its first token within this is never slow. Default 1 s.
     pub slow_ttft: Duration,
+    /// A stream is slow when its normalized TTFT is over this multiple of its peers'
+    /// reference (the median of their P90s). Default 3.
+    pub slow_factor: f64,
     /// Share of slow streams in the window that opens the breaker. Default 0.5.
     pub slow_ratio: f64,
     /// Streams the window must hold before it may open the breaker or shunt. Default 10.
@@ -188,8 +194,11 @@ pub struct BreakerSettings {
     pub canary_steps: Vec<f64>,
     /// Duration of each canary step. Default 10 s.
     pub canary_step: Duration,
-    /// Shunting stages, ascending. Default 2 s → 20 %, 2.5 s → 50 %.
+    /// Shunting stages, ascending. Default a median 1.5× the peers' reference → 20 %, 2× → 50 %.
     pub shunt_steps: Vec<ShuntStep>,
+    /// Latency never takes more than this share of a pool's nodes out of rotation.
+    /// Default 0.5.
+    pub max_ejected_share: f64,
 }
 
 impl Default for BreakerSettings {
@@ -197,7 +206,8 @@ impl Default for BreakerSettings {
         BreakerSettings {
             failure_threshold: 2,
             open_for: Duration::from_secs(30),
-            slow_ttft: Duration::from_secs(3),
+            slow_ttft: Duration::from_secs(1),
+            slow_factor: 3.0,
             slow_ratio: 0.5,
             min_samples: 10,
             window: Duration::from_secs(60),
@@ -205,14 +215,15 @@ impl Default for BreakerSettings {
             canary_step: Duration::from_secs(10),
             shunt_steps: vec![
                 ShuntStep {
-                    p90: Duration::from_secs(2),
+                    over_pool: 1.5,
                     divert: 0.2,
                 },
                 ShuntStep {
-                    p90: Duration::from_millis(2500),
+                    over_pool: 2.0,
                     divert: 0.5,
                 },
             ],
+            max_ejected_share: 0.5,
         }
     }
 }
@@ -353,6 +364,23 @@ nodes = [{ id = "a", url = "http://127.0.0.1:8001" }]
 
         let lf = err("[routing]\nload_factor=0.5\n[[pools]]\nname=\"p\"\nnodes=[{id=\"a\",url=\"http://h:1\"}]\n");
         assert_eq!(lf.line, 2);
+    }
+
+    #[test]
+    fn the_breaker_judges_normalized_ttft() {
+        let b = Config::parse(MIN, "t.toml").unwrap().breaker;
+        assert_eq!((b.slow_factor, b.max_ejected_share), (3.0, 0.5));
+        assert_eq!(b.slow_ttft, Duration::from_secs(1));
+        // A config written for raw-TTFT shunt steps says what replaced them.
+        let old = err(&format!(
+            "[breaker]\nshunt_steps = [{{ p90 = \"2s\", divert = 0.2 }}]\n{MIN}"
+        ));
+        assert_eq!(old.line, 2);
+        assert!(old.message.contains("over_pool"), "{old}");
+        let share = err(&format!("[breaker]\nmax_ejected_share = 1.5\n{MIN}"));
+        assert!(share.message.contains("max_ejected_share 1.5"), "{share}");
+        let factor = err(&format!("[breaker]\nslow_factor = 0.5\n{MIN}"));
+        assert!(factor.message.contains("slow_factor 0.5"), "{factor}");
     }
 
     #[test]

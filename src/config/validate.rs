@@ -11,7 +11,7 @@ use toml::Spanned;
 
 use super::file::{
     AuthSection, BreakerSection, FileConfig, HealthSection, NodeSection, PoolSection,
-    RoutingSection, ServerSection,
+    RoutingSection, ServerSection, ShuntStepSection,
 };
 use super::{
     AuthConfig, BreakerSettings, Config, HealthConfig, NodeConfig, PoolConfig, RoutingConfig,
@@ -256,15 +256,19 @@ fn validate_breaker(b: BreakerSection) -> Result<BreakerSettings, Invalid> {
             "canary_steps must be ascending shares in (0, 1] ending with 1.0, e.g. [0.1, 0.3, 0.7, 1.0]",
         );
     }
-    let shunts = b.shunt_steps.get_ref();
-    if shunts
-        .windows(2)
-        .any(|w| w[0].p90.0 >= w[1].p90.0 || w[0].divert > w[1].divert)
-        || shunts.iter().any(|s| !(s.divert > 0.0 && s.divert < 1.0))
-    {
+    let shunts = shunt_steps(&b.shunt_steps)?;
+    let factor = *b.slow_factor.get_ref();
+    if !(1.0..=100.0).contains(&factor) {
         return invalid(
-            b.shunt_steps.span(),
-            "shunt_steps must ascend in p90 and divert, with divert in (0, 1)",
+            b.slow_factor.span(),
+            format!("slow_factor {factor} must be in [1, 100] (a multiple of the pool's median normalized TTFT)"),
+        );
+    }
+    let share = *b.max_ejected_share.get_ref();
+    if !(0.0..=1.0).contains(&share) {
+        return invalid(
+            b.max_ejected_share.span(),
+            format!("max_ejected_share {share} must be in [0, 1]"),
         );
     }
     if b.canary_step.0.is_zero() || b.open_for.0.is_zero() || b.window.0.is_zero() {
@@ -277,19 +281,47 @@ fn validate_breaker(b: BreakerSection) -> Result<BreakerSettings, Invalid> {
         failure_threshold,
         open_for: b.open_for.0,
         slow_ttft: b.slow_ttft.0,
+        slow_factor: factor,
         slow_ratio: ratio,
         min_samples,
         window: b.window.0,
         canary_steps: steps.clone(),
         canary_step: b.canary_step.0,
-        shunt_steps: shunts
-            .iter()
-            .map(|s| ShuntStep {
-                p90: s.p90.0,
-                divert: s.divert,
-            })
-            .collect(),
+        shunt_steps: shunts,
+        max_ejected_share: share,
     })
+}
+
+/// `shunt_steps`: ascending in `over_pool` and `divert`, each divert in (0, 1).
+fn shunt_steps(steps: &Spanned<Vec<ShuntStepSection>>) -> Result<Vec<ShuntStep>, Invalid> {
+    let mut out = Vec::with_capacity(steps.get_ref().len());
+    for s in steps.get_ref() {
+        let Some(over_pool) = s.over_pool else {
+            let why = if s.p90.is_some() {
+                "shunt_steps now take `over_pool` (a multiple of the pool's normalized TTFT), not a raw `p90` time; e.g. [{ over_pool = 1.5, divert = 0.2 }, { over_pool = 2.0, divert = 0.5 }] (see docs/resilience.md)"
+            } else {
+                "each shunt step needs `over_pool` and `divert`, e.g. { over_pool = 1.5, divert = 0.2 }"
+            };
+            return invalid(steps.span(), why);
+        };
+        out.push(ShuntStep {
+            over_pool,
+            divert: s.divert,
+        });
+    }
+    if out
+        .windows(2)
+        .any(|w| w[0].over_pool >= w[1].over_pool || w[0].divert > w[1].divert)
+        || out
+            .iter()
+            .any(|s| !(s.divert > 0.0 && s.divert < 1.0 && (1.0..=100.0).contains(&s.over_pool)))
+    {
+        return invalid(
+            steps.span(),
+            "shunt_steps must ascend in over_pool (each in [1, 100]) and divert (each in (0, 1))",
+        );
+    }
+    Ok(out)
 }
 
 fn validate_health(h: HealthSection) -> Result<HealthConfig, Invalid> {

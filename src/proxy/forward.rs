@@ -24,9 +24,9 @@ use crate::clip::clip;
 use crate::config::RoutingConfig;
 use crate::routing::breaker::{BreakerSettings, Outcome};
 use crate::routing::cost::Stakes;
+use crate::routing::facts::RequestFacts;
 use crate::routing::key;
-use crate::routing::node::Node;
-use crate::routing::node::NodeState;
+use crate::routing::node::{Node, NodeState, Prefilling};
 use crate::routing::route::Route;
 use crate::routing::table::{Plan, Pool, Table};
 use crate::routing::walk::{self, Choice};
@@ -47,17 +47,39 @@ impl Failure {
 /// The health outcome of one attempt, recorded exactly once: by [`Attempt::finish`],
 /// or as neutral when the attempt is dropped unfinished (the client left), so a
 /// half-open probe slot is never leaked.
+///
+/// Until then its estimated uncached prompt counts in the node's prefill backlog, so a
+/// later stream's latency is judged knowing what was ahead of it.
 struct Attempt {
     node: Arc<NodeState>,
     probe: bool,
     settings: Arc<BreakerSettings>,
     done: bool,
+    /// Its uncached prompt tokens as estimated, and the backlog ahead of it.
+    uncached_estimate: u32,
+    ahead: u32,
+    _prefilling: Prefilling,
 }
 
 impl Attempt {
-    fn finish(mut self, outcome: Outcome, ttft: Option<Duration>) {
+    /// Starts an attempt on the chosen node.
+    fn start(choice: &Choice, settings: &Arc<BreakerSettings>, uncached_estimate: u32) -> Self {
+        let node = choice.reservation.node().clone();
+        let (ahead, prefilling) = node.start_prefill(uncached_estimate);
+        Attempt {
+            node,
+            probe: choice.probe,
+            settings: settings.clone(),
+            done: false,
+            uncached_estimate,
+            ahead,
+            _prefilling: prefilling,
+        }
+    }
+
+    fn finish(mut self, outcome: Outcome) {
         self.done = true;
-        self.node.record(outcome, ttft, self.probe, &self.settings);
+        self.node.record(outcome, self.probe, &self.settings);
     }
 }
 
@@ -65,7 +87,7 @@ impl Drop for Attempt {
     fn drop(&mut self) {
         if !self.done {
             self.node
-                .record(Outcome::Neutral, None, self.probe, &self.settings);
+                .record(Outcome::Neutral, self.probe, &self.settings);
         }
     }
 }
@@ -206,12 +228,8 @@ impl Exchange<'_> {
             tried.push(choice.index);
             let pool = target.pool;
             let node = pool.balancer.node(choice.index);
-            let health = Attempt {
-                node: choice.reservation.node().clone(),
-                probe: choice.probe,
-                settings: pool.balancer.settings().clone(),
-                done: false,
-            };
+            let estimate = uncached_estimate(&self.plan.facts, &target.stakes, &choice);
+            let health = Attempt::start(&choice, pool.balancer.settings(), estimate);
             let failure = match self.ask(pool, node, &target.body).await {
                 Ok(answer) => {
                     let route = route_of(&target, queued, &choice);
@@ -232,10 +250,10 @@ impl Exchange<'_> {
             self.metrics
                 .count_failover(&pool.config.name, failure.reason);
             if failure.reason == FailoverReason::Busy {
-                health.finish(Outcome::Neutral, None);
+                health.finish(Outcome::Neutral);
             } else {
                 tracing::info!(pool = %pool.config.name, reason = %failure.text, attempt, "attempt failed; failing over");
-                health.finish(Outcome::Failure, None);
+                health.finish(Outcome::Failure);
             }
             failures.push(failure);
         }
@@ -338,6 +356,7 @@ impl Exchange<'_> {
             .iter()
             .position(|p| std::ptr::eq(p, c.pool))
             .unwrap_or(0);
+        let (uncached_estimate, ahead) = (health.uncached_estimate, health.ahead);
         let learn = || Learn {
             table: self.table.clone(),
             pool: pool_index,
@@ -345,6 +364,8 @@ impl Exchange<'_> {
             stakes: c.stakes,
             node: c.choice.index,
             since: c.since,
+            uncached_estimate,
+            ahead,
         };
         let finish = |status: StatusCode, ttft: Option<Duration>| Finish {
             metrics: self.metrics.clone(),
@@ -367,7 +388,6 @@ impl Exchange<'_> {
                 // fine, and its latency says nothing.
                 let client_error = committed.by == Commit::ClientError;
                 let ttft = (!client_error).then_some(committed.ttft);
-                health.finish(Outcome::Success, ttft);
                 if let Some(t) = ttft {
                     self.metrics
                         .observe_ttft(&c.pool.config.name, c.node.id(), t);
@@ -377,6 +397,7 @@ impl Exchange<'_> {
                     finish.outcome = RequestOutcome::ClientError;
                 }
                 head.headers.remove(header::CONTENT_LENGTH);
+                health.finish(Outcome::Success);
                 let body = RelayBody::stream(
                     committed.held,
                     committed.rest,
@@ -389,7 +410,7 @@ impl Exchange<'_> {
                 (head, body)
             }
             Answer::Plain(resp) => {
-                health.finish(Outcome::Success, None);
+                health.finish(Outcome::Success);
                 let (head, body) = resp.into_parts();
                 let finish = finish(head.status, None);
                 let body = RelayBody::plain(body, c.choice.reservation, finish, idle, settings);
@@ -411,6 +432,18 @@ struct Decision<'t> {
     stakes: Stakes,
     /// When the slot was taken.
     since: Instant,
+}
+
+/// A request's uncached prompt tokens on the node chosen, as estimated before it goes:
+/// at its home (the walk's first node) what it should find cached there (its history,
+/// or its group's prefix) is left out; anywhere else all of it.
+fn uncached_estimate(facts: &RequestFacts, stakes: &Stakes, choice: &Choice) -> u32 {
+    let prompt = facts.tokens.prompt;
+    if choice.distance > 0 {
+        return prompt;
+    }
+    let cached = (stakes.expect * f64::from(prompt)) as u32;
+    prompt.saturating_sub(cached.max(stakes.group_tokens))
 }
 
 fn route_of(target: &Target<'_>, queued: bool, choice: &Choice) -> Route {

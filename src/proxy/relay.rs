@@ -62,6 +62,10 @@ pub struct Learn {
     pub node: usize,
     /// When its slot was taken.
     pub since: Instant,
+    /// Its uncached prompt tokens as estimated when sent, and the node's prefill
+    /// backlog ahead of it then.
+    pub uncached_estimate: u32,
+    pub ahead: u32,
 }
 
 impl Finish {
@@ -69,7 +73,7 @@ impl Finish {
         let duration = self.started.elapsed();
         if let (Some(l), RequestOutcome::Success) = (&self.learn, outcome) {
             let tokens = |n: Option<u64>| n.unwrap_or(0).min(u64::from(u32::MAX)) as u32;
-            l.table.pools[l.pool].balancer.finished(&Finished {
+            let finished = Finished {
                 target: l.target,
                 stakes: l.stakes,
                 node: l.node,
@@ -77,7 +81,12 @@ impl Finish {
                 ttft: self.ttft,
                 prompt_tokens: tokens(usage.prompt),
                 cached_tokens: tokens(usage.cached),
-            });
+                uncached_estimate: l.uncached_estimate,
+                ahead: l.ahead,
+            };
+            let balancer = &l.table.pools[l.pool].balancer;
+            balancer.judge_latency(&finished, std::time::Instant::now());
+            balancer.finished(&finished);
         }
         self.metrics
             .observe_request(&self.pool, &self.node, outcome, duration);
@@ -258,8 +267,7 @@ impl RelayBody {
     fn fail(&mut self, why: String) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         if let Some(r) = &self.reservation {
             tracing::warn!(node = %r.node().id, reason = %why, "response failed after commit");
-            r.node()
-                .record(Outcome::Failure, None, false, &self.settings);
+            r.node().record(Outcome::Failure, false, &self.settings);
         }
         self.end(RequestOutcome::Interrupted);
         if self.sse.is_none() {

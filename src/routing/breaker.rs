@@ -1,24 +1,29 @@
 //! The per-node health state machine, measured by time-to-first-token:
 //! `closed → open → half_open → recovering → closed`, plus latency-staged shunting.
-//! Pure: the clock is passed in (`now`), so every transition is tested in virtual time.
+//! Pure: the clock is passed in (`now`), and the node's peers are summarized by the
+//! caller ([`Peers`]), so every transition is tested in virtual time.
 //!
-//! - closed: traffic flows. `failure_threshold` consecutive failures, or a window in
-//!   which at least `slow_ratio` of at least `min_samples` streams had TTFT over
-//!   `slow_ttft`, open it.
+//! - closed: traffic flows. `failure_threshold` consecutive failures open it. So does
+//!   latency: a window in which at least `slow_ratio` of at least `min_samples`
+//!   streams had a normalized TTFT ([`super::latency`]) over `slow_factor` times the
+//!   peers' reference ([`Peers`]), but only while the pool's nodes out of rotation stay
+//!   under `max_ejected_share`; past it the node stays in, marked degraded.
 //! - open: no traffic for `open_for`; then half_open.
 //! - half_open: exactly one probe request in flight; success → recovering, failure → open.
 //! - recovering (canary): admits a growing share of the node's keys, `canary_steps`
 //!   each for `canary_step`, chosen by key-hash bits so the same conversations come
 //!   back first and stay; any failure → open.
-//! - shunting (while closed): when the window's P90 TTFT passes a `shunt_steps`
-//!   threshold, that share of the node's keys (again by key-hash bits) goes to the
-//!   key's next node.
+//! - shunting (while closed): when the window's median normalized TTFT passes a
+//!   `shunt_steps` multiple (`over_pool`) of the peers' reference, that share of the
+//!   node's keys (again by key-hash bits) goes to the key's next node. A node a little
+//!   slow is shunted; one `slow_factor` slow is opened.
 
-use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use super::latency::{Norm, Peers};
 use super::ttft_window::TtftWindow;
 
 pub use crate::config::{BreakerSettings, ShuntStep};
@@ -79,6 +84,13 @@ pub struct Breaker {
     state: AtomicU8,
     /// Share of keys currently shunted, in 1/65536.
     shunt: AtomicU32,
+    /// Latency says open, the ejection cap says no.
+    degraded: AtomicBool,
+    /// The window's median and P90 normalized TTFT and its size, for peers to read
+    /// without the lock.
+    norm_p50: AtomicU32,
+    norm_p90: AtomicU32,
+    samples: AtomicU32,
     inner: Mutex<Inner>,
 }
 
@@ -113,6 +125,10 @@ impl Breaker {
         Breaker {
             state: AtomicU8::new(BreakerState::Closed as u8),
             shunt: AtomicU32::new(0),
+            degraded: AtomicBool::new(false),
+            norm_p50: AtomicU32::new(0),
+            norm_p90: AtomicU32::new(0),
+            samples: AtomicU32::new(0),
             inner: Mutex::new(Inner {
                 state: BreakerState::Closed,
                 since: now,
@@ -137,6 +153,11 @@ impl Breaker {
         shunt_point(hash) < self.shunt.load(Ordering::Relaxed)
     }
 
+    /// Latency would have opened this node, but the pool's ejection cap keeps it in.
+    pub fn is_degraded(&self) -> bool {
+        self.degraded.load(Ordering::Relaxed)
+    }
+
     /// P50 and P90 TTFT over the window, if any samples.
     pub fn ttft_quantiles(
         &self,
@@ -145,7 +166,22 @@ impl Breaker {
     ) -> Option<(Duration, Duration)> {
         let mut inner = self.inner.lock();
         inner.window.prune(s.window, now);
-        Some((inner.window.quantile(0.5)?, inner.window.quantile(0.9)?))
+        Some((
+            inner.window.ttft_quantile(0.5)?,
+            inner.window.ttft_quantile(0.9)?,
+        ))
+    }
+
+    /// The window's median and P90 normalized TTFT as last published, when it holds at
+    /// least `min_samples` (what its peers are judged against).
+    pub fn summary(&self, min_samples: usize) -> Option<(Norm, Norm)> {
+        let n = self.samples.load(Ordering::Relaxed) as usize;
+        (n >= min_samples.max(1)).then(|| {
+            (
+                Norm(self.norm_p50.load(Ordering::Relaxed)),
+                Norm(self.norm_p90.load(Ordering::Relaxed)),
+            )
+        })
     }
 
     /// What [`Breaker::admit`] would answer now, changing nothing (for explanations).
@@ -209,13 +245,12 @@ impl Breaker {
         (admission, flip)
     }
 
-    /// Records how an exchange ended. `ttft` is given for streams that produced a
-    /// first token; `probe` says whether it was the half-open probe. Returns the state
-    /// flipped to, if any.
+    /// Records how an exchange ended, as far as errors go (latency is judged apart, by
+    /// [`Breaker::observe_latency`], once the stream's work is known); `probe` says
+    /// whether it was the half-open probe. Returns the state flipped to, if any.
     pub fn record(
         &self,
         outcome: Outcome,
-        ttft: Option<Duration>,
         probe: bool,
         s: &BreakerSettings,
         now: Instant,
@@ -228,21 +263,11 @@ impl Breaker {
             Outcome::Neutral => None,
             Outcome::Success => {
                 inner.consecutive_failures = 0;
-                if let Some(t) = ttft {
-                    inner.window.push(now, t);
-                }
-                inner.window.prune(s.window, now);
                 match inner.state {
                     BreakerState::HalfOpen if probe => {
                         self.enter(&mut inner, BreakerState::Recovering, now)
                     }
-                    BreakerState::Closed if inner.too_slow(s) => {
-                        self.enter(&mut inner, BreakerState::Open, now)
-                    }
-                    _ => {
-                        self.update_shunt(&inner, s);
-                        None
-                    }
+                    _ => None,
                 }
             }
             Outcome::Failure => {
@@ -261,6 +286,38 @@ impl Breaker {
         }
     }
 
+    /// Judges one successful stream's latency: its raw `ttft` (kept for operators) and
+    /// its normalized TTFT, against the node's `peers`. A closed node too slow for its
+    /// peers opens, if `peers.may_eject`, or is marked degraded; otherwise its P90 sets
+    /// the shunted share. Returns the state flipped to, if any.
+    pub fn observe_latency(
+        &self,
+        ttft: Duration,
+        norm: Norm,
+        peers: &Peers,
+        s: &BreakerSettings,
+        now: Instant,
+    ) -> Option<BreakerState> {
+        let mut inner = self.inner.lock();
+        if !matches!(inner.state, BreakerState::Closed | BreakerState::Recovering) {
+            // Streams sent before it opened: stale evidence either way.
+            return None;
+        }
+        inner.window.push(now, ttft, norm);
+        inner.window.prune(s.window, now);
+        self.publish(&inner);
+        if inner.state != BreakerState::Closed {
+            return None;
+        }
+        let too_slow = inner.too_slow(peers, s);
+        self.degraded
+            .store(too_slow && !peers.may_eject, Ordering::Relaxed);
+        if too_slow && peers.may_eject {
+            return self.enter(&mut inner, BreakerState::Open, now);
+        }
+        self.update_shunt(&inner, peers, s);
+        None
+    }
     /// An active health check answered. A passing check moves an open breaker whose
     /// `open_for` is over to half_open, so recovery starts even with no traffic.
     pub fn on_health_check(
@@ -290,29 +347,32 @@ impl Breaker {
         if to == BreakerState::Open {
             // The evidence that opened it must not re-open it after recovery.
             inner.window.clear();
+            self.publish(inner);
         }
         self.state.store(to as u8, Ordering::Release);
         self.shunt.store(0, Ordering::Relaxed);
+        self.degraded.store(false, Ordering::Relaxed);
         Some(to)
     }
 
-    fn update_shunt(&self, inner: &Inner, s: &BreakerSettings) {
-        let p90 = match inner.window.quantile(0.9) {
-            Some(p90)
-                if inner.state == BreakerState::Closed && inner.window.len() >= s.min_samples =>
-            {
-                Some(p90)
-            }
-            _ => None,
-        };
-        let ratio = if let Some(p90) = p90 {
-            s.shunt_steps
+    fn publish(&self, inner: &Inner) {
+        let w = &inner.window;
+        let q = |q| w.norm_quantile(q).unwrap_or_default().0;
+        self.norm_p50.store(q(0.5), Ordering::Relaxed);
+        self.norm_p90.store(q(0.9), Ordering::Relaxed);
+        self.samples
+            .store(w.len().min(u32::MAX as usize) as u32, Ordering::Relaxed);
+    }
+
+    fn update_shunt(&self, inner: &Inner, peers: &Peers, s: &BreakerSettings) {
+        let ratio = match (inner.window.norm_quantile(0.5), peers.reference) {
+            (Some(p50), Some(pool)) if inner.window.len() >= s.min_samples => s
+                .shunt_steps
                 .iter()
-                .filter(|step| p90 >= step.p90)
+                .filter(|step| p50 >= pool.scaled(step.over_pool))
                 .map(|step| step.divert)
-                .fold(0.0, f64::max)
-        } else {
-            0.0
+                .fold(0.0, f64::max),
+            _ => 0.0,
         };
         self.shunt
             .store((ratio * 65536.0) as u32, Ordering::Relaxed);
@@ -320,10 +380,15 @@ impl Breaker {
 }
 
 impl Inner {
-    fn too_slow(&self, s: &BreakerSettings) -> bool {
+    /// At least `slow_ratio` of at least `min_samples` streams were over `slow_factor`
+    /// times the peers' reference; never without peers to compare with.
+    fn too_slow(&self, peers: &Peers, s: &BreakerSettings) -> bool {
         let n = self.window.len();
+        let Some(pool) = peers.reference else {
+            return false;
+        };
         n >= s.min_samples.max(1)
-            && self.window.slower_than(s.slow_ttft) as f64 / n as f64 >= s.slow_ratio
+            && self.window.norm_above(pool.scaled(s.slow_factor)) as f64 / n as f64 >= s.slow_ratio
     }
 }
 
@@ -346,9 +411,9 @@ mod tests {
     }
 
     fn open_it(b: &Breaker, s: &BreakerSettings, t0: Instant) {
-        assert_eq!(b.record(Outcome::Failure, None, false, s, t0), None);
+        assert_eq!(b.record(Outcome::Failure, false, s, t0), None);
         assert_eq!(
-            b.record(Outcome::Failure, None, false, s, t0),
+            b.record(Outcome::Failure, false, s, t0),
             Some(BreakerState::Open)
         );
     }
@@ -357,16 +422,16 @@ mod tests {
     fn consecutive_failures_open_and_success_resets_the_count() {
         let (s, t0) = (settings(), Instant::now());
         let b = Breaker::new(t0);
-        b.record(Outcome::Failure, None, false, &s, t0);
-        b.record(Outcome::Success, None, false, &s, t0);
+        b.record(Outcome::Failure, false, &s, t0);
+        b.record(Outcome::Success, false, &s, t0);
         assert_eq!(
-            b.record(Outcome::Failure, None, false, &s, t0),
+            b.record(Outcome::Failure, false, &s, t0),
             None,
             "the count was reset"
         );
-        assert_eq!(b.record(Outcome::Neutral, None, false, &s, t0), None);
+        assert_eq!(b.record(Outcome::Neutral, false, &s, t0), None);
         assert_eq!(
-            b.record(Outcome::Failure, None, false, &s, t0),
+            b.record(Outcome::Failure, false, &s, t0),
             Some(BreakerState::Open)
         );
         assert_eq!(b.admit(1, &s, t0 + secs(29)).0, Admission::Refuse);
@@ -388,13 +453,7 @@ mod tests {
             "one probe at a time"
         );
         assert_eq!(
-            b.record(
-                Outcome::Success,
-                Some(Duration::from_millis(100)),
-                true,
-                &s,
-                t1
-            ),
+            b.record(Outcome::Success, true, &s, t1),
             Some(BreakerState::Recovering)
         );
     }
@@ -407,7 +466,7 @@ mod tests {
         let t1 = t0 + secs(30);
         assert_eq!(b.admit(1, &s, t1).0, Admission::Probe);
         assert_eq!(
-            b.record(Outcome::Failure, None, true, &s, t1),
+            b.record(Outcome::Failure, true, &s, t1),
             Some(BreakerState::Open)
         );
         assert_eq!(b.admit(1, &s, t1 + secs(29)).0, Admission::Refuse);
@@ -421,7 +480,7 @@ mod tests {
         open_it(&b, &s, t0);
         let t1 = t0 + secs(30);
         assert_eq!(b.admit(1, &s, t1).0, Admission::Probe);
-        b.record(Outcome::Neutral, None, true, &s, t1);
+        b.record(Outcome::Neutral, true, &s, t1);
         assert_eq!(b.state(), BreakerState::HalfOpen);
         assert_eq!(b.admit(2, &s, t1).0, Admission::Probe);
     }
@@ -433,7 +492,7 @@ mod tests {
         open_it(&b, &s, t0);
         let t1 = t0 + secs(30);
         b.admit(0, &s, t1);
-        b.record(Outcome::Success, None, true, &s, t1);
+        b.record(Outcome::Success, true, &s, t1);
         let admitted = |at: Instant| {
             (0..1000)
                 .filter(|i| {
@@ -464,9 +523,9 @@ mod tests {
         open_it(&b, &s, t0);
         let t1 = t0 + secs(30);
         b.admit(0, &s, t1);
-        b.record(Outcome::Success, None, true, &s, t1);
+        b.record(Outcome::Success, true, &s, t1);
         assert_eq!(
-            b.record(Outcome::Failure, None, false, &s, t1 + secs(12)),
+            b.record(Outcome::Failure, false, &s, t1 + secs(12)),
             Some(BreakerState::Open)
         );
         assert_eq!(
@@ -475,39 +534,35 @@ mod tests {
         );
     }
 
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    /// Peers whose P90 is as expected.
+    fn healthy_peers(may_eject: bool) -> Peers {
+        Peers {
+            reference: Some(Norm::EXPECTED),
+            may_eject,
+        }
+    }
+
     #[test]
-    fn slow_ttft_shunts_then_opens() {
+    fn slow_for_its_peers_shunts_then_opens() {
         let (s, t0) = (settings(), Instant::now());
         let b = Breaker::new(t0);
-        // 10 fast streams: nothing happens.
+        let peers = healthy_peers(true);
+        // 10 streams as expected: nothing happens, however long they took.
         for i in 0..10 {
-            assert_eq!(
-                b.record(
-                    Outcome::Success,
-                    Some(Duration::from_millis(500)),
-                    false,
-                    &s,
-                    t0 + Duration::from_millis(i)
-                ),
-                None
-            );
+            let flip = b.observe_latency(secs(20), Norm(1100), &peers, &s, t0 + ms(i));
+            assert_eq!(flip, None);
         }
         assert_eq!(b.shunt_ratio(), 0.0);
-        // P90 passes 2 s (2 of 12 at 2.2 s): 20 % of keys shunted, by their own bits.
-        b.record(
-            Outcome::Success,
-            Some(Duration::from_millis(2200)),
-            false,
-            &s,
-            t0 + secs(1),
-        );
-        b.record(
-            Outcome::Success,
-            Some(Duration::from_millis(2200)),
-            false,
-            &s,
-            t0 + secs(1),
-        );
+        assert_eq!(b.summary(10), Some((Norm(1100), Norm(1100))));
+        // The median passes 1.5× the peers' reference: 20 % of keys shunted, by their
+        // own bits; at 2×, half.
+        for i in 0..12 {
+            b.observe_latency(ms(900), Norm(1600), &peers, &s, t0 + secs(1) + ms(i));
+        }
         assert!((b.shunt_ratio() - 0.2).abs() < 1e-3, "{}", b.shunt_ratio());
         assert!(b.shunts(key(0.0, 0.1)));
         assert!(!b.shunts(key(0.0, 0.3)));
@@ -516,34 +571,84 @@ mod tests {
             Admission::Admit,
             "shunting is not refusal"
         );
-        // More than half slow over 3 s: open.
+        for i in 0..30 {
+            b.observe_latency(ms(900), Norm(2200), &peers, &s, t0 + secs(2) + ms(i));
+        }
+        assert!((b.shunt_ratio() - 0.5).abs() < 1e-3, "{}", b.shunt_ratio());
+        assert_eq!(
+            b.state(),
+            BreakerState::Closed,
+            "2.2× is shunted, not opened"
+        );
+        // More than half over 3× the peers' reference: open.
         let mut flip = None;
-        for i in 0..12 {
-            flip = flip.or(b.record(
-                Outcome::Success,
-                Some(Duration::from_millis(4000)),
-                false,
-                &s,
-                t0 + secs(2) + Duration::from_millis(i),
-            ));
+        for i in 0..60 {
+            let at = t0 + secs(3) + ms(i);
+            flip = flip.or(b.observe_latency(ms(900), Norm(4000), &peers, &s, at));
         }
         assert_eq!(flip, Some(BreakerState::Open));
         assert_eq!(b.shunt_ratio(), 0.0);
+        assert_eq!(b.summary(1), None, "the evidence is cleared");
+    }
+
+    #[test]
+    fn as_slow_as_its_peers_is_not_slow() {
+        let (s, t0) = (settings(), Instant::now());
+        let b = Breaker::new(t0);
+        let peers = Peers {
+            reference: Some(Norm(5500)),
+            may_eject: true,
+        };
+        for i in 0..40 {
+            let flip =
+                b.observe_latency(secs(5), Norm(5000 + 20 * i), &peers, &s, t0 + ms(i as u64));
+            assert_eq!(flip, None);
+        }
+        assert_eq!(b.shunt_ratio(), 0.0);
+        // With no peer to compare with, nothing is judged either.
+        let alone = Peers::default();
+        for i in 0..40 {
+            assert_eq!(
+                b.observe_latency(secs(5), Norm(9000), &alone, &s, t0 + secs(1) + ms(i)),
+                None
+            );
+        }
+        assert_eq!((b.state(), b.shunt_ratio()), (BreakerState::Closed, 0.0));
+    }
+
+    #[test]
+    fn past_the_ejection_cap_a_slow_node_stays_in_degraded() {
+        let (s, t0) = (settings(), Instant::now());
+        let b = Breaker::new(t0);
+        for i in 0..12 {
+            let flip =
+                b.observe_latency(secs(3), Norm(6000), &healthy_peers(false), &s, t0 + ms(i));
+            assert_eq!(flip, None);
+        }
+        assert!(b.is_degraded());
+        assert_eq!(b.state(), BreakerState::Closed);
+        assert!(b.shunt_ratio() >= 0.5, "still shunted");
+        // Once a node of the pool comes back, the cap allows it: it opens.
+        let flip = b.observe_latency(secs(3), Norm(6000), &healthy_peers(true), &s, t0 + secs(1));
+        assert_eq!(flip, Some(BreakerState::Open));
+        assert!(!b.is_degraded());
     }
 
     #[test]
     fn samples_leave_the_window() {
         let (s, t0) = (settings(), Instant::now());
         let b = Breaker::new(t0);
+        let peers = healthy_peers(true);
         for _ in 0..9 {
-            b.record(Outcome::Success, Some(secs(5)), false, &s, t0);
+            b.observe_latency(secs(5), Norm(9000), &peers, &s, t0);
         }
         // 61 s later the old slow samples no longer count: one more does not trip.
         assert_eq!(
-            b.record(Outcome::Success, Some(secs(5)), false, &s, t0 + secs(61)),
+            b.observe_latency(secs(5), Norm(9000), &peers, &s, t0 + secs(61)),
             None
         );
         assert_eq!(b.ttft_quantiles(&s, t0 + secs(61)).unwrap().1, secs(5));
+        assert_eq!(b.summary(1), Some((Norm(9000), Norm(9000))));
     }
 
     #[test]
@@ -571,11 +676,11 @@ mod tests {
                 match op {
                     0 | 1 if b.admit(h, &s, now).0 == Admission::Probe => probes_in_flight += 1,
                     2 if probes_in_flight > 0 => {
-                        b.record(Outcome::Neutral, None, true, &s, now);
+                        b.record(Outcome::Neutral, true, &s, now);
                         probes_in_flight -= 1;
                     }
                     3 if probes_in_flight > 0 => {
-                        b.record(Outcome::Failure, None, true, &s, now);
+                        b.record(Outcome::Failure, true, &s, now);
                         probes_in_flight -= 1;
                     }
                     _ => {}

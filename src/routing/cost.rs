@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use super::facts::{RequestFacts, TokenEstimate, Turn};
 use super::group::Grouping;
+use super::latency::Expectation;
 
 /// Samples in the median.
 const SAMPLES: usize = 63;
@@ -18,36 +19,31 @@ const MIN_UNCACHED: u32 = 64;
 /// Until samples arrive: 100 µs per token (an 8B model on one GPU prefills ≈ 10k
 /// tokens per second; the same as `mock-engine`'s default).
 const DEFAULT_PER_TOKEN_NS: u32 = 100_000;
+/// Until samples arrive: a base TTFT of 20 ms (one decode step and scheduling).
+const DEFAULT_BASE_US: u32 = 20_000;
 
-/// A pool's prefill time per uncached token.
+/// A running median of the last [`SAMPLES`] values, lock-free (a racing writer may
+/// overwrite a sample; a median does not mind).
 #[derive(Debug)]
-pub struct PrefillRate {
-    /// Recent samples, ns per token (0 = empty).
+struct RunningMedian {
+    /// Recent samples (0 = empty).
     samples: Box<[AtomicU32]>,
     next: AtomicU32,
-    median_ns: AtomicU32,
+    median: AtomicU32,
 }
 
-impl Default for PrefillRate {
-    fn default() -> Self {
-        PrefillRate {
+impl RunningMedian {
+    fn new(initial: u32) -> Self {
+        RunningMedian {
             samples: (0..SAMPLES).map(|_| AtomicU32::new(0)).collect(),
             next: AtomicU32::new(0),
-            median_ns: AtomicU32::new(DEFAULT_PER_TOKEN_NS),
+            median: AtomicU32::new(initial),
         }
     }
-}
 
-impl PrefillRate {
-    /// One stream: its time to first token and the prompt tokens the engine did not
-    /// have cached.
-    pub fn observe(&self, ttft: Duration, uncached: u32) {
-        if uncached < MIN_UNCACHED {
-            return;
-        }
-        let ns = (ttft.as_nanos() / u128::from(uncached)).clamp(1, u32::MAX as u128) as u32;
+    fn push(&self, v: u32) {
         let at = self.next.fetch_add(1, Ordering::Relaxed) as usize % SAMPLES;
-        self.samples[at].store(ns, Ordering::Relaxed);
+        self.samples[at].store(v.max(1), Ordering::Relaxed);
         let mut v: Vec<u32> = self
             .samples
             .iter()
@@ -55,11 +51,56 @@ impl PrefillRate {
             .filter(|&s| s > 0)
             .collect();
         v.sort_unstable();
-        self.median_ns.store(v[v.len() / 2], Ordering::Relaxed);
+        self.median.store(v[v.len() / 2], Ordering::Relaxed);
+    }
+
+    fn get(&self) -> u32 {
+        self.median.load(Ordering::Relaxed)
+    }
+}
+
+/// A pool's prefill time per uncached token, and its base TTFT (a stream with almost
+/// nothing to prefill).
+#[derive(Debug)]
+pub struct PrefillRate {
+    /// ns per token, over streams with at least [`MIN_UNCACHED`] tokens to prefill.
+    per_token_ns: RunningMedian,
+    /// µs, over streams with fewer.
+    base_us: RunningMedian,
+}
+
+impl Default for PrefillRate {
+    fn default() -> Self {
+        PrefillRate {
+            per_token_ns: RunningMedian::new(DEFAULT_PER_TOKEN_NS),
+            base_us: RunningMedian::new(DEFAULT_BASE_US),
+        }
+    }
+}
+
+impl PrefillRate {
+    /// One stream: its time to first token and the prompt tokens its node had to
+    /// prefill before it (its own uncached ones, and those of the streams ahead of it).
+    pub fn observe(&self, ttft: Duration, uncached: u32) {
+        if uncached < MIN_UNCACHED {
+            self.base_us
+                .push(ttft.as_micros().min(u32::MAX as u128) as u32);
+            return;
+        }
+        let ns = (ttft.as_nanos() / u128::from(uncached)).min(u32::MAX as u128) as u32;
+        self.per_token_ns.push(ns);
     }
 
     pub fn per_token(&self) -> Duration {
-        Duration::from_nanos(u64::from(self.median_ns.load(Ordering::Relaxed)))
+        Duration::from_nanos(u64::from(self.per_token_ns.get()))
+    }
+
+    /// What a stream of the pool should take to its first token.
+    pub fn expectation(&self) -> Expectation {
+        Expectation {
+            base: Duration::from_micros(u64::from(self.base_us.get())),
+            per_token: self.per_token(),
+        }
     }
 }
 
@@ -178,8 +219,9 @@ mod tests {
             r.observe(Duration::from_millis(200), 1000); // 200 µs per token
         }
         r.observe(Duration::from_secs(30), 1000); // one engine stall
-        r.observe(Duration::from_millis(5), 10); // too few tokens to count
+        r.observe(Duration::from_millis(5), 10); // too few tokens: a base sample
         assert_eq!(r.per_token(), Duration::from_micros(200));
+        assert_eq!(r.expectation().base, Duration::from_millis(5));
     }
 
     #[test]

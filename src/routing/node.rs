@@ -7,7 +7,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use tokio::sync::Notify;
 
@@ -107,6 +107,8 @@ pub struct NodeState {
     waiting: AtomicU32,
     /// Wakes a request waiting for a slot here, one per freed slot.
     freed: Notify,
+    /// See [`NodeState::start_prefill`].
+    prefill_backlog: AtomicU32,
 }
 
 impl NodeState {
@@ -123,6 +125,7 @@ impl NodeState {
             slot_time: SlotTime::default(),
             waiting: AtomicU32::new(0),
             freed: Notify::new(),
+            prefill_backlog: AtomicU32::new(0),
         }
     }
 
@@ -149,15 +152,26 @@ impl NodeState {
     }
 
     /// Records how an exchange with this node ended (see [`Breaker::record`]).
-    pub fn record(
-        &self,
-        outcome: Outcome,
-        ttft: Option<Duration>,
-        probe: bool,
-        s: &BreakerSettings,
-    ) {
-        let flip = self.breaker.record(outcome, ttft, probe, s, Instant::now());
+    pub fn record(&self, outcome: Outcome, probe: bool, s: &BreakerSettings) {
+        let flip = self.breaker.record(outcome, probe, s, Instant::now());
         self.log_flip(flip);
+    }
+
+    /// Counts `tokens` (a request's estimated uncached prompt) as waiting to be
+    /// prefilled here until the guard is dropped (at its first token, or its end);
+    /// returns the tokens that were ahead of it.
+    pub fn start_prefill(self: &Arc<Self>, tokens: u32) -> (u32, Prefilling) {
+        let ahead = self.prefill_backlog.fetch_add(tokens, Ordering::AcqRel);
+        let guard = Prefilling {
+            node: self.clone(),
+            tokens,
+        };
+        (ahead, guard)
+    }
+
+    /// Estimated prompt tokens sent here and not yet past their first token.
+    pub fn prefill_backlog(&self) -> u32 {
+        self.prefill_backlog.load(Ordering::Acquire)
     }
 
     /// Records an active health check: `unhealthy_after` consecutive failures mark the
@@ -344,5 +358,21 @@ pub struct HomeTicket {
 impl Drop for HomeTicket {
     fn drop(&mut self) {
         self.node.waiting.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A request's prompt counted in its node's prefill backlog; dropping it stops
+/// counting it.
+#[derive(Debug)]
+pub struct Prefilling {
+    node: Arc<NodeState>,
+    tokens: u32,
+}
+
+impl Drop for Prefilling {
+    fn drop(&mut self) {
+        self.node
+            .prefill_backlog
+            .fetch_sub(self.tokens, Ordering::AcqRel);
     }
 }

@@ -16,6 +16,7 @@ use super::cost::{self, Stakes};
 use super::facts::Turn;
 use super::group::{rendezvous, weighted_rendezvous, Grouping};
 use super::home::node_tag;
+use super::latency::{self, Peers};
 use super::node::{Node, NodeSource, NodeState, PoolLoad, Reservation};
 use super::ring::{Ring, RingMember, Successors};
 use crate::config::NodeConfig;
@@ -117,9 +118,25 @@ pub struct Finished {
     pub held: Duration,
     /// Its time to first token (streams).
     pub ttft: Option<Duration>,
-    /// As the engine reported them (`usage`).
+    /// As the engine reported them (`usage`; 0 when it did not).
     pub prompt_tokens: u32,
     pub cached_tokens: u32,
+    /// Its uncached prompt tokens as estimated when it was sent (used when the engine
+    /// reports no usage).
+    pub uncached_estimate: u32,
+    /// Estimated prompt tokens other streams had to prefill on its node before it.
+    pub ahead: u32,
+}
+
+impl Finished {
+    /// Its uncached prompt tokens: as the engine reported, else as estimated.
+    pub fn uncached(&self) -> u32 {
+        if self.prompt_tokens > 0 {
+            self.prompt_tokens.saturating_sub(self.cached_tokens)
+        } else {
+            self.uncached_estimate
+        }
+    }
 }
 
 /// What [`Balancer::peek`] finds.
@@ -444,9 +461,10 @@ impl Balancer {
     /// to first token), the node's slot time, and, for a request routed with no
     /// remembered home, where its conversation lives ([`Balancer::learn`]).
     pub fn finished(&self, f: &Finished) {
-        let uncached = f.prompt_tokens.saturating_sub(f.cached_tokens);
-        if let Some(ttft) = f.ttft {
-            self.load.prefill.observe(ttft, uncached);
+        if let (Some(ttft), true) = (f.ttft, f.prompt_tokens > 0) {
+            self.load
+                .prefill
+                .observe(ttft, f.ahead.saturating_add(f.uncached()));
         }
         let node = &self.nodes[f.node];
         node.state().slot_time.observe(f.held);
@@ -454,6 +472,36 @@ impl Balancer {
             let found = f64::from(f.cached_tokens) / f64::from(f.prompt_tokens);
             self.learn(f.target, f.node, f.stakes.expect, found);
         }
+    }
+
+    /// Judges a finished stream's latency against its work and the node's peers (see
+    /// [`latency`]): may shunt, open, or mark the node degraded. Call before
+    /// [`Balancer::finished`], so the sample is judged by what the pool knew before it.
+    pub fn judge_latency(&self, f: &Finished, now: Instant) {
+        let Some(ttft) = f.ttft else {
+            return;
+        };
+        let s = &self.settings;
+        let norm =
+            self.load
+                .prefill
+                .expectation()
+                .normalize(ttft, f.ahead, f.uncached(), s.slow_ttft);
+        let mut out = 0;
+        let mut peers = Vec::with_capacity(self.nodes.len());
+        for (i, n) in self.nodes.iter().enumerate() {
+            let b = &n.state().breaker;
+            if matches!(b.state(), BreakerState::Open | BreakerState::HalfOpen) {
+                out += 1;
+            }
+            if i != f.node {
+                peers.extend(b.summary(s.min_samples).map(|(_, p90)| p90));
+            }
+        }
+        let may_eject = latency::may_eject(out, self.nodes.len(), s.max_ejected_share);
+        let peers = Peers::of(&mut peers, may_eject);
+        let state = self.nodes[f.node].state();
+        state.log_flip(state.breaker.observe_latency(ttft, norm, &peers, s, now));
     }
 
     /// Remembers the node that served `hash`: its conversation's home from now on.
@@ -607,8 +655,7 @@ impl Balancer {
                 None => {
                     // Lost a race for the last slot: give the probe back.
                     if probe {
-                        m.state()
-                            .record(Outcome::Neutral, None, true, &self.settings);
+                        m.state().record(Outcome::Neutral, true, &self.settings);
                     }
                     Try::Lost
                 }
@@ -705,6 +752,7 @@ impl Balancer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::routing::latency::Norm;
     use proptest::prelude::*;
     use std::sync::atomic::{AtomicU32, Ordering};
     use std::time::Duration;
@@ -790,13 +838,10 @@ mod tests {
             // Give a half-open probe back, so every key sees the same state.
             if let Walk::Chosen(c) = taken {
                 if c.probe {
-                    c.reservation.node().breaker.record(
-                        Outcome::Neutral,
-                        None,
-                        true,
-                        &b.settings,
-                        now,
-                    );
+                    c.reservation
+                        .node()
+                        .breaker
+                        .record(Outcome::Neutral, true, &b.settings, now);
                 }
             }
         }
@@ -812,8 +857,8 @@ mod tests {
         let n0 = &b.nodes[0].state().breaker;
         assert_peek_is_choose(&b, &keys, t0, "all closed");
         // Open: skipped until open_for is over.
-        n0.record(Outcome::Failure, None, false, &s, t0);
-        n0.record(Outcome::Failure, None, false, &s, t0);
+        n0.record(Outcome::Failure, false, &s, t0);
+        n0.record(Outcome::Failure, false, &s, t0);
         assert_peek_is_choose(&b, &keys, at(1), "open");
         // Past open_for: the next asker becomes the half-open probe.
         assert_peek_is_choose(&b, &keys, at(31), "open, past open_for");
@@ -821,16 +866,20 @@ mod tests {
         assert!(matches!(n0.admit(0, &s, at(31)).0, Admission::Probe));
         assert_peek_is_choose(&b, &keys, at(31), "half-open, probe taken");
         // Recovering: each canary step admits a share of the keys.
-        n0.record(Outcome::Success, None, true, &s, at(31));
+        n0.record(Outcome::Success, true, &s, at(31));
         assert_eq!(n0.state(), BreakerState::Recovering);
         for step in 0..4 {
             assert_peek_is_choose(&b, &keys, at(31 + 10 * step), "recovering");
         }
-        // Shunting (another node): a fifth of its keys go on, by P90 TTFT.
+        // Shunting (another node): a fifth of its keys go on, by P90 normalized TTFT.
         let n1 = &b.nodes[1].state().breaker;
+        let peers = Peers {
+            reference: Some(Norm::EXPECTED),
+            may_eject: true,
+        };
         for i in 0..12 {
-            let ttft = Duration::from_millis(if i < 2 { 2200 } else { 400 });
-            n1.record(Outcome::Success, Some(ttft), false, &s, at(80));
+            let norm = Norm(if i < 2 { 1000 } else { 1600 });
+            n1.observe_latency(Duration::from_secs(2), norm, &peers, &s, at(80));
         }
         assert!(n1.shunt_ratio() > 0.0);
         assert_peek_is_choose(&b, &keys, at(80), "shunting");

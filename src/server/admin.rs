@@ -94,6 +94,7 @@ fn nodes(proxy: &Proxy) -> Value {
                 let ttft = state
                     .breaker
                     .ttft_quantiles(b.settings(), std::time::Instant::now());
+                let norm = state.breaker.summary(1);
                 let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
                 json!({
                     "id": n.id(),
@@ -107,7 +108,11 @@ fn nodes(proxy: &Proxy) -> Value {
                     "draining": state.is_draining(),
                     "ttft_p50_ms": ttft.map(|t| ms(t.0)),
                     "ttft_p90_ms": ttft.map(|t| ms(t.1)),
+                    "normalized_ttft_p50": norm.map(|n| n.0.as_f64()),
+                    "normalized_ttft_p90": norm.map(|n| n.1.as_f64()),
                     "shunt_ratio": state.breaker.shunt_ratio(),
+                    "degraded": state.breaker.is_degraded(),
+                    "prefill_backlog_tokens": state.prefill_backlog(),
                     "source": n.source().as_str(),
                 })
             })

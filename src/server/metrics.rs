@@ -48,6 +48,8 @@ pub struct Metrics {
     breaker_state: IntGaugeVec,
     breaker_transitions: IntCounterVec,
     shunt_ratio: GaugeVec,
+    node_degraded: IntGaugeVec,
+    normalized_ttft_p90: GaugeVec,
     node_healthy: IntGaugeVec,
     queue_depth: IntGaugeVec,
     queue_wait: HistogramVec,
@@ -118,6 +120,8 @@ impl Metrics {
                 &["node", "to"]
             )),
             shunt_ratio: reg!(GaugeVec::new(opts("shunt_ratio", "Share of a node's keys shunted to their next node."), &["node"])),
+            node_degraded: reg!(IntGaugeVec::new(opts("node_degraded", "1 if latency would open the node's breaker but the pool's ejection cap keeps it in rotation."), &["node"])),
+            normalized_ttft_p90: reg!(GaugeVec::new(opts("normalized_ttft_p90", "P90 over the breaker window of TTFT divided by the TTFT the work should take (1 = as expected)."), &["node"])),
             node_healthy: reg!(IntGaugeVec::new(opts("node_healthy", "1 if the node passes its health checks."), &["node"])),
             queue_depth: reg!(IntGaugeVec::new(opts("queue_depth", "Requests waiting for a slot."), &["pool"])),
             queue_wait: reg!(HistogramVec::new(
@@ -197,6 +201,7 @@ impl Metrics {
             &self.in_flight,
             &self.node_cap,
             &self.breaker_state,
+            &self.node_degraded,
             &self.node_healthy,
             &self.queue_depth,
             &self.ring_nodes,
@@ -204,6 +209,7 @@ impl Metrics {
             g.reset();
         }
         self.shunt_ratio.reset();
+        self.normalized_ttft_p90.reset();
         for result in ["ok", "error"] {
             self.config_reloads.with_label_values(&[result]);
         }
@@ -240,6 +246,14 @@ impl Metrics {
                 self.shunt_ratio
                     .with_label_values(&[n])
                     .set(state.breaker.shunt_ratio());
+                self.node_degraded
+                    .with_label_values(&[n])
+                    .set(state.breaker.is_degraded() as i64);
+                if let Some((_, p90)) = state.breaker.summary(1) {
+                    self.normalized_ttft_p90
+                        .with_label_values(&[n])
+                        .set(p90.as_f64());
+                }
                 self.node_healthy
                     .with_label_values(&[n])
                     .set(state.is_healthy() as i64);

@@ -67,6 +67,8 @@ pub enum FaultMode {
     Stall,
     /// Add `ttft_ms` before the first token.
     Slow,
+    /// Prefill `factor` times slower (a degraded GPU, a noisy neighbour).
+    SlowPrefill,
     /// End the stream with no content and no `finish_reason` (a broken engine).
     Empty,
     /// Answer a stream with a 400 inside it: an SSE error event with code 400 after the
@@ -80,6 +82,9 @@ pub struct Fault {
     pub mode: FaultMode,
     #[serde(default)]
     pub ttft_ms: u64,
+    /// For `slow_prefill`.
+    #[serde(default)]
+    pub factor: u32,
 }
 
 /// A running mock engine's shared state.
@@ -194,6 +199,12 @@ impl MockEngine {
         match serde_json::from_slice::<Fault>(&body.to_bytes()) {
             Ok(f) => {
                 *self.fault.lock() = f;
+                let factor = match f.mode {
+                    FaultMode::SlowPrefill => f.factor.max(1),
+                    _ => 1,
+                };
+                self.model.lock().costs.prefill_per_token =
+                    self.config.costs.prefill_per_token * factor;
                 tracing::info!(engine = %self.config.id, mode = ?f.mode, ttft_ms = f.ttft_ms, "fault set");
                 json_response(StatusCode::OK, &json!(f))
             }

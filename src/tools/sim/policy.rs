@@ -401,6 +401,8 @@ impl Policy for Bounded {
             ttft: Some(Duration::from_micros(done.ttft_us)),
             prompt_tokens: tokens(done.prompt_tokens),
             cached_tokens: tokens(done.cached_tokens),
+            uncached_estimate: 0,
+            ahead: 0,
         });
     }
 
