@@ -330,7 +330,7 @@ mod tools {
         /// Base URL, e.g. http://127.0.0.1:8080 (repeat to round-robin over several).
         #[arg(long, required = true)]
         target: Vec<String>,
-        /// multi-turn, shared-prefix, rag, agentic, multi-tenant.
+        /// multi-turn, shared-prefix, rag, agentic, multi-tenant, doc-qa, long-preamble-N.
         #[arg(long, required_unless_present = "trace")]
         workload: Option<String>,
         /// A Mooncake JSON-lines trace instead: each request is sent as one user
@@ -360,6 +360,9 @@ mod tools {
         /// Multiplies the workload's number of conversations.
         #[arg(long, default_value_t = 1.0)]
         scale: f64,
+        /// Caps every answer's `max_tokens` (small CPU engines decode slowly).
+        #[arg(long)]
+        max_tokens: Option<usize>,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -488,7 +491,12 @@ mod tools {
             stream: a.stream,
             progress: !a.json,
         };
-        let scripts = load_test::Script::from_workload(&w);
+        let mut scripts = load_test::Script::from_workload(&w);
+        if let Some(cap) = a.max_tokens {
+            for t in scripts.iter_mut().flat_map(|s| s.turns.iter_mut()) {
+                t.max_tokens = t.max_tokens.min(cap.max(1));
+            }
+        }
         let report = runtime()?.block_on(load_test::run(scripts, &opts));
         if a.json {
             emit(format!("{}\n", serde_json::to_string_pretty(&report)?))?;

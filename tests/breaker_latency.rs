@@ -65,10 +65,11 @@ async fn keys_by_node(lb: &Proc, nodes: usize, per_node: usize) -> Vec<Vec<Strin
     panic!("not enough keys per node: {keys:?}");
 }
 
-/// Every node serves a few cold prompts one at a time: each has a window of streams
-/// as expected, and the pool has learned its prefill rate.
+/// Every node serves a few cold prompts one at a time: the pool learns its prefill
+/// rate (nothing is judged before 8 streams), then each node has a window of streams
+/// as expected.
 async fn warm_up(lb: &Proc, keys: &[Vec<String>]) {
-    for round in 0..5 {
+    for round in 0..7 {
         for node_keys in keys {
             let r = cold(lb, &node_keys[round % node_keys.len()], 2000).await;
             assert_eq!(r.status, 200, "{}", r.text());

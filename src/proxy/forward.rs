@@ -48,32 +48,30 @@ impl Failure {
 /// or as neutral when the attempt is dropped unfinished (the client left), so a
 /// half-open probe slot is never leaked.
 ///
-/// Until then its estimated uncached prompt counts in the node's prefill backlog, so a
-/// later stream's latency is judged knowing what was ahead of it.
+/// Until then its estimated uncached prompt counts in the node's prefill backlog, so
+/// each stream's latency is judged knowing what the node prefilled besides it.
 struct Attempt {
     node: Arc<NodeState>,
     probe: bool,
     settings: Arc<BreakerSettings>,
     done: bool,
-    /// Its uncached prompt tokens as estimated, and the backlog ahead of it.
+    /// Its uncached prompt tokens as estimated.
     uncached_estimate: u32,
-    ahead: u32,
-    _prefilling: Prefilling,
+    prefilling: Prefilling,
 }
 
 impl Attempt {
     /// Starts an attempt on the chosen node.
     fn start(choice: &Choice, settings: &Arc<BreakerSettings>, uncached_estimate: u32) -> Self {
         let node = choice.reservation.node().clone();
-        let (ahead, prefilling) = node.start_prefill(uncached_estimate);
+        let prefilling = node.start_prefill(uncached_estimate);
         Attempt {
             node,
             probe: choice.probe,
             settings: settings.clone(),
             done: false,
             uncached_estimate,
-            ahead,
-            _prefilling: prefilling,
+            prefilling,
         }
     }
 
@@ -356,7 +354,7 @@ impl Exchange<'_> {
             .iter()
             .position(|p| std::ptr::eq(p, c.pool))
             .unwrap_or(0);
-        let (uncached_estimate, ahead) = (health.uncached_estimate, health.ahead);
+        let (uncached_estimate, ahead) = (health.uncached_estimate, health.prefilling.ahead());
         let learn = || Learn {
             table: self.table.clone(),
             pool: pool_index,

@@ -291,13 +291,20 @@ fn method_not_allowed(method: &Method, path: &str) -> ProxyError {
     }
 }
 
+/// How long an idle upstream connection is kept for reuse.
+const UPSTREAM_IDLE: Duration = Duration::from_secs(4);
+
 fn upstream_client(connect_timeout: Duration) -> UpstreamClient {
     let mut connector = HttpConnector::new();
     connector.set_connect_timeout(Some(connect_timeout));
     connector.set_nodelay(true);
     Client::builder(TokioExecutor::new())
         .pool_timer(TokioTimer::new())
-        .pool_idle_timeout(Duration::from_secs(90))
+        // Engines close idle keep-alive connections early (uvicorn under vLLM and
+        // SGLang after 5 s, llama.cpp's server after 5 s): a connection reused past
+        // that fails mid-request (`IncompleteMessage`), which would count against a
+        // healthy node. Drop idle ones before.
+        .pool_idle_timeout(UPSTREAM_IDLE)
         .build(connector)
 }
 

@@ -22,6 +22,12 @@ const DEFAULT_PER_TOKEN_NS: u32 = 100_000;
 /// Until samples arrive: a base TTFT of 20 ms (one decode step and scheduling).
 const DEFAULT_BASE_US: u32 = 20_000;
 
+/// Whether a stream with `tokens` to prefill measures the base TTFT rather than the
+/// time per token.
+pub fn is_base(tokens: u32) -> bool {
+    tokens < MIN_UNCACHED
+}
+
 /// A running median of the last [`SAMPLES`] values, lock-free (a racing writer may
 /// overwrite a sample; a median does not mind).
 #[derive(Debug)]
@@ -57,7 +63,15 @@ impl RunningMedian {
     fn get(&self) -> u32 {
         self.median.load(Ordering::Relaxed)
     }
+
+    /// Whether at least `n` samples were pushed.
+    fn has(&self, n: u32) -> bool {
+        self.next.load(Ordering::Relaxed) >= n
+    }
 }
+
+/// Samples an estimate needs before latency is judged by it.
+const LEARNED: u32 = 8;
 
 /// A pool's prefill time per uncached token, and its base TTFT (a stream with almost
 /// nothing to prefill).
@@ -82,7 +96,7 @@ impl PrefillRate {
     /// One stream: its time to first token and the prompt tokens its node had to
     /// prefill before it (its own uncached ones, and those of the streams ahead of it).
     pub fn observe(&self, ttft: Duration, uncached: u32) {
-        if uncached < MIN_UNCACHED {
+        if is_base(uncached) {
             self.base_us
                 .push(ttft.as_micros().min(u32::MAX as u128) as u32);
             return;
@@ -100,6 +114,8 @@ impl PrefillRate {
         Expectation {
             base: Duration::from_micros(u64::from(self.base_us.get())),
             per_token: self.per_token(),
+            learned_base: self.base_us.has(LEARNED),
+            learned_rate: self.per_token_ns.has(LEARNED),
         }
     }
 }

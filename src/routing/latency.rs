@@ -17,6 +17,8 @@
 
 use std::time::Duration;
 
+use super::cost::is_base;
+
 /// A normalized TTFT in thousandths: 1000 = exactly as expected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct Norm(pub u32);
@@ -43,6 +45,10 @@ pub struct Expectation {
     pub base: Duration,
     /// Prefill time per uncached prompt token.
     pub per_token: Duration,
+    /// Whether each was learned from enough streams yet (else it is a default, and a
+    /// stream that it would judge is not judged).
+    pub learned_base: bool,
+    pub learned_rate: bool,
 }
 
 /// An expectation below this is not trusted as a denominator.
@@ -59,15 +65,30 @@ impl Expectation {
     }
 
     /// The stream's normalized TTFT; one that reached its first token within `floor`
-    /// counts as no worse than expected.
-    pub fn normalize(&self, ttft: Duration, ahead: u32, uncached: u32, floor: Duration) -> Norm {
+    /// counts as no worse than expected. `None` until the pool has learned the part of
+    /// the expectation this stream depends on: a default says nothing of an engine.
+    pub fn normalize(
+        &self,
+        ttft: Duration,
+        ahead: u32,
+        uncached: u32,
+        floor: Duration,
+    ) -> Option<Norm> {
+        let learned = if is_base(ahead.saturating_add(uncached)) {
+            self.learned_base
+        } else {
+            self.learned_rate
+        };
+        if !learned {
+            return None;
+        }
         let expected = self.ttft(ahead, uncached).as_secs_f64();
         let norm = Norm((ttft.as_secs_f64() / expected * 1000.0).min(f64::from(u32::MAX)) as u32);
-        if ttft < floor {
+        Some(if ttft < floor {
             norm.min(Norm::EXPECTED)
         } else {
             norm
-        }
+        })
     }
 }
 
@@ -127,18 +148,30 @@ mod tests {
         let e = Expectation {
             base: ms(30),
             per_token: Duration::from_micros(100),
+            learned_base: true,
+            learned_rate: true,
         };
+        let norm =
+            |ttft, ahead, uncached, floor| e.normalize(ttft, ahead, uncached, floor).unwrap();
         // 20,000 uncached tokens: 2.03 s expected, 2.1 s measured.
-        assert_eq!(e.normalize(ms(2100), 0, 20_000, ms(100)), Norm(1034));
+        assert_eq!(norm(ms(2100), 0, 20_000, ms(100)), Norm(1034));
         // A warm turn: 12 tokens to prefill, 32 ms.
-        assert_eq!(e.normalize(ms(32), 0, 12, Duration::ZERO), Norm(1025));
+        assert_eq!(norm(ms(32), 0, 12, Duration::ZERO), Norm(1025));
         // Behind 3 other prompts of 5,000 tokens, 1.6 s is as expected too.
-        assert_eq!(e.normalize(ms(1530), 15_000, 0, ms(100)), Norm(1000));
+        assert_eq!(norm(ms(1530), 15_000, 0, ms(100)), Norm(1000));
         // Five times slower prefill.
-        assert_eq!(e.normalize(ms(10_030), 0, 20_000, ms(100)), Norm(4940));
+        assert_eq!(norm(ms(10_030), 0, 20_000, ms(100)), Norm(4940));
         // Under the floor: never slow.
-        assert_eq!(e.normalize(ms(90), 0, 12, ms(100)), Norm::EXPECTED);
-        assert_eq!(e.normalize(ms(1), 0, 12, ms(100)), Norm(32));
+        assert_eq!(norm(ms(90), 0, 12, ms(100)), Norm::EXPECTED);
+        assert_eq!(norm(ms(1), 0, 12, ms(100)), Norm(32));
+        // Until the pool has learned what a part of the expectation is, nothing that
+        // depends on it is judged.
+        let fresh = Expectation {
+            learned_base: false,
+            ..e
+        };
+        assert_eq!(fresh.normalize(ms(900), 0, 12, ms(100)), None);
+        assert!(fresh.normalize(ms(900), 0, 2_000, ms(100)).is_some());
     }
 
     #[test]

@@ -107,8 +107,10 @@ pub struct NodeState {
     waiting: AtomicU32,
     /// Wakes a request waiting for a slot here, one per freed slot.
     freed: Notify,
-    /// See [`NodeState::start_prefill`].
+    /// See [`NodeState::start_prefill`]: estimated prompt tokens sent here and not yet
+    /// past their first token, and all ever sent here.
     prefill_backlog: AtomicU32,
+    prefill_arrived: AtomicU64,
 }
 
 impl NodeState {
@@ -126,6 +128,7 @@ impl NodeState {
             waiting: AtomicU32::new(0),
             freed: Notify::new(),
             prefill_backlog: AtomicU32::new(0),
+            prefill_arrived: AtomicU64::new(0),
         }
     }
 
@@ -158,15 +161,18 @@ impl NodeState {
     }
 
     /// Counts `tokens` (a request's estimated uncached prompt) as waiting to be
-    /// prefilled here until the guard is dropped (at its first token, or its end);
-    /// returns the tokens that were ahead of it.
-    pub fn start_prefill(self: &Arc<Self>, tokens: u32) -> (u32, Prefilling) {
-        let ahead = self.prefill_backlog.fetch_add(tokens, Ordering::AcqRel);
-        let guard = Prefilling {
+    /// prefilled here until the guard is dropped (at its first token, or its end).
+    pub fn start_prefill(self: &Arc<Self>, tokens: u32) -> Prefilling {
+        let backlog = self.prefill_backlog.fetch_add(tokens, Ordering::AcqRel);
+        let arrived = self
+            .prefill_arrived
+            .fetch_add(u64::from(tokens), Ordering::AcqRel);
+        Prefilling {
             node: self.clone(),
             tokens,
-        };
-        (ahead, guard)
+            backlog,
+            arrived,
+        }
     }
 
     /// Estimated prompt tokens sent here and not yet past their first token.
@@ -367,6 +373,24 @@ impl Drop for HomeTicket {
 pub struct Prefilling {
     node: Arc<NodeState>,
     tokens: u32,
+    /// The node's backlog and all tokens sent to it, when this request was sent.
+    backlog: u32,
+    arrived: u64,
+}
+
+impl Prefilling {
+    /// Other prompts' tokens the node had to prefill while this one waited for its
+    /// first token: the backlog when it was sent, and every prompt sent there since
+    /// (an engine batches them with it). Read at the first token.
+    pub fn ahead(&self) -> u32 {
+        let since = self
+            .node
+            .prefill_arrived
+            .load(Ordering::Acquire)
+            .saturating_sub(self.arrived + u64::from(self.tokens));
+        self.backlog
+            .saturating_add(since.min(u64::from(u32::MAX)) as u32)
+    }
 }
 
 impl Drop for Prefilling {

@@ -482,11 +482,10 @@ impl Balancer {
             return;
         };
         let s = &self.settings;
-        let norm =
-            self.load
-                .prefill
-                .expectation()
-                .normalize(ttft, f.ahead, f.uncached(), s.slow_ttft);
+        let expectation = self.load.prefill.expectation();
+        let Some(norm) = expectation.normalize(ttft, f.ahead, f.uncached(), s.slow_ttft) else {
+            return;
+        };
         let mut out = 0;
         let mut peers = Vec::with_capacity(self.nodes.len());
         for (i, n) in self.nodes.iter().enumerate() {

@@ -109,6 +109,7 @@ pub struct BenchReport {
     /// cached / prompt tokens, as the engines reported them.
     pub hit_rate: f64,
     pub ttft_p50_ms: f64,
+    pub ttft_p90_ms: f64,
     pub ttft_p99_ms: f64,
     pub latency_p50_ms: f64,
     pub latency_p99_ms: f64,
@@ -130,6 +131,7 @@ impl BenchReport {
         let ms = |v: &[Duration], q: f64| quantile(v, q).as_secs_f64() * 1000.0;
         self.hit_rate = self.cached_tokens as f64 / self.prompt_tokens.max(1) as f64;
         self.ttft_p50_ms = ms(&self.ttft, 0.5);
+        self.ttft_p90_ms = ms(&self.ttft, 0.9);
         self.ttft_p99_ms = ms(&self.ttft, 0.99);
         self.latency_p50_ms = ms(&self.latency, 0.5);
         self.latency_p99_ms = ms(&self.latency, 0.99);
@@ -146,11 +148,12 @@ impl BenchReport {
     /// The report as a small table.
     pub fn table(&self) -> String {
         format!(
-            "requests {}  errors {}  cache hit {:.1}%  TTFT p50 {:.1} ms p99 {:.1} ms  latency p50 {:.1} ms p99 {:.1} ms  {:.1} req/s  {:.0} output tok/s  ({:.1} s)\n",
+            "requests {}  errors {}  cache hit {:.1}%  TTFT p50 {:.1} ms p90 {:.1} ms p99 {:.1} ms  latency p50 {:.1} ms p99 {:.1} ms  {:.1} req/s  {:.0} output tok/s  ({:.1} s)\n",
             self.requests,
             self.errors,
             self.hit_rate * 100.0,
             self.ttft_p50_ms,
+            self.ttft_p90_ms,
             self.ttft_p99_ms,
             self.latency_p50_ms,
             self.latency_p99_ms,
@@ -215,8 +218,13 @@ pub async fn run(scripts: Vec<Script>, opts: &BenchOptions) -> BenchReport {
     } else {
         None
     };
-    let client: Client<HttpConnector, Full<Bytes>> =
-        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let client: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new())
+        // Under the idle timeout of servers that close keep-alive connections
+        // early (llama.cpp's and uvicorn's are 5 s), so a pooled connection is
+        // never stale.
+        .pool_timer(hyper_util::rt::TokioTimer::new())
+        .pool_idle_timeout(Duration::from_secs(3))
+        .build(HttpConnector::new());
     let started = Instant::now();
     let mut workers = tokio::task::JoinSet::new();
     // Closed loop: `concurrency` workers. Open loop: a ticket every 1/rate s, each
@@ -290,7 +298,13 @@ async fn step(
         .next_target
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         % opts.targets.len()];
-    let outcome = exchange(client, target, &body, opts.stream).await;
+    let outcome = match exchange(client, target, &body, opts.stream).await {
+        Ok(reply) => Some(reply),
+        Err(why) => {
+            tracing::warn!(target = %target, error = %why, "request failed");
+            None
+        }
+    };
     {
         let mut r = shared.report.lock();
         r.requests += 1;
@@ -344,24 +358,35 @@ impl Reply {
     }
 }
 
-/// Sends one chat request to `base` and reads the answer (an SSE stream or JSON).
+/// Sends one chat request to `base` and reads the answer (an SSE stream or JSON), or
+/// says why there is none.
 pub async fn exchange(
     client: &Client<HttpConnector, Full<Bytes>>,
     base: &str,
     body: &Value,
     stream: bool,
-) -> Option<Reply> {
+) -> Result<Reply, String> {
     let req = http::Request::post(format!(
         "{}/v1/chat/completions",
         base.trim_end_matches('/')
     ))
     .header("content-type", "application/json")
     .body(Full::new(Bytes::from(body.to_string())))
-    .ok()?;
+    .map_err(|e| format!("bad request: {e}"))?;
     let sent = Instant::now();
-    let resp = client.request(req).await.ok()?;
+    let resp = client
+        .request(req)
+        .await
+        .map_err(|e| format!("transport: {e:?}"))?;
     if !resp.status().is_success() {
-        return None;
+        let status = resp.status();
+        let text = resp
+            .into_body()
+            .collect()
+            .await
+            .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
+            .unwrap_or_default();
+        return Err(format!("HTTP {status}: {}", crate::clip::clip(&text)));
     }
     let mut reply = Reply {
         text: String::new(),
@@ -373,8 +398,12 @@ pub async fn exchange(
     };
     let body = resp.into_body();
     if !stream {
-        let bytes = body.collect().await.ok()?.to_bytes();
-        let v: Value = serde_json::from_slice(&bytes).ok()?;
+        let bytes = body
+            .collect()
+            .await
+            .map_err(|e| format!("body: {e}"))?
+            .to_bytes();
+        let v: Value = serde_json::from_slice(&bytes).map_err(|e| format!("not JSON: {e}"))?;
         reply.latency = sent.elapsed();
         reply.ttft = reply.latency;
         reply.text = v["choices"][0]["message"]["content"]
@@ -382,17 +411,18 @@ pub async fn exchange(
             .unwrap_or("")
             .to_string();
         reply.usage(&v["usage"]);
-        return Some(reply);
+        return Ok(reply);
     }
     read_stream(body, sent, reply).await
 }
 
-/// Reads an SSE answer to its `[DONE]`; `None` on an error event or a stream that ends
-/// without `[DONE]`.
-async fn read_stream(mut body: Incoming, sent: Instant, mut reply: Reply) -> Option<Reply> {
+/// Reads an SSE answer to its `[DONE]`; an error on an error event or a stream that
+/// ends without `[DONE]`.
+async fn read_stream(mut body: Incoming, sent: Instant, mut reply: Reply) -> Result<Reply, String> {
     let mut events = SseScanner::default();
     while let Some(frame) = body.frame().await {
-        let Ok(data) = frame.ok()?.into_data() else {
+        let frame = frame.map_err(|e| format!("stream: {e}"))?;
+        let Ok(data) = frame.into_data() else {
             continue;
         };
         for block in events.push(&data) {
@@ -401,13 +431,16 @@ async fn read_stream(mut body: Incoming, sent: Instant, mut reply: Reply) -> Opt
             };
             if event.data == "[DONE]" {
                 reply.latency = sent.elapsed();
-                return Some(reply);
+                return Ok(reply);
             }
             let Ok(v) = serde_json::from_str::<Value>(&event.data) else {
                 continue;
             };
-            if v.get("error").is_some() {
-                return None;
+            if let Some(e) = v.get("error") {
+                return Err(format!(
+                    "error event: {}",
+                    crate::clip::clip(&e.to_string())
+                ));
             }
             if let Some(content) = v["choices"][0]["delta"]["content"]
                 .as_str()
@@ -423,5 +456,5 @@ async fn read_stream(mut body: Incoming, sent: Instant, mut reply: Reply) -> Opt
             }
         }
     }
-    None // the stream ended without [DONE]
+    Err("the stream ended without [DONE]".into())
 }

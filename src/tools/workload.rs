@@ -222,8 +222,9 @@ pub fn trace_text(p: &Prompt) -> String {
 
 /// The synthetic workloads by name. Any of them with `-completions` appended is sent
 /// to `/v1/completions`, its messages rendered by a ChatML template into one prompt.
-pub const NAMES: [&str; 8] = [
+pub const NAMES: [&str; 9] = [
     "multi-turn",
+    "doc-qa",
     "shared-prefix",
     "rag",
     "agentic",
@@ -243,6 +244,7 @@ pub fn synthetic(name: &str, seed: u64, scale: f64) -> Option<Workload> {
     };
     let mut conversations = match base {
         "multi-turn" => multi_turn(&mut rng, n(96), 8),
+        "doc-qa" => doc_qa(&mut rng, n(12), 4),
         "shared-prefix" => shared_prefix(&mut rng, n(64), 16),
         "rag" => rag(&mut rng, n(800)),
         "agentic" => agentic(&mut rng, n(24), 16),
@@ -277,6 +279,46 @@ fn multi_turn(rng: &mut Rng, users: usize, rounds: usize) -> Vec<Conversation> {
     )
     .into();
     chats(rng, users, rounds, |_| Opening::System(system.clone()))
+}
+
+/// Questions about a document: each conversation opens with its own document (400–800
+/// tokens, no system prompt) and a question, then asks short follow-ups (20–60
+/// tokens). Small enough for CPU engines (`scripts/real_engine.sh`).
+fn doc_qa(rng: &mut Rng, users: usize, rounds: usize) -> Vec<Conversation> {
+    (0..users)
+        .map(|u| {
+            let mut history = Vec::new();
+            let mut turns = Vec::new();
+            for r in 0..rounds {
+                let text = if r == 0 {
+                    let doc = rng.range(400, 800) as usize;
+                    format!(
+                        "Document {u}: {}\n\nQuestion: {}",
+                        prose(rng, doc),
+                        prose(rng, 20)
+                    )
+                } else {
+                    let len = rng.range(20, 60) as usize;
+                    format!("Follow-up {r}: {}", prose(rng, len))
+                };
+                history.push(msg("user", text));
+                let output = rng.range(30, 120) as usize;
+                turns.push(Turn {
+                    messages: history.clone(),
+                    api: TurnApi::Chat,
+                    output_tokens: output,
+                    delay: if r == 0 {
+                        u as f64 * 0.5
+                    } else {
+                        2.0 + rng.unit() * 8.0
+                    },
+                    trace: None,
+                });
+                history.push(msg("assistant", prose(rng, output)));
+            }
+            Conversation { turns }
+        })
+        .collect()
 }
 
 /// `multi-turn` with no system prompt: every conversation's first user message starts
