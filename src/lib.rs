@@ -13,6 +13,7 @@
 
 pub mod clip;
 pub mod config;
+pub mod fleet;
 pub mod proxy;
 pub mod routing;
 pub mod server;

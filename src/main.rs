@@ -40,6 +40,8 @@ enum Command {
     Check(ConfigArg),
     /// Explain offline how one request would be routed (JSON).
     Route(RouteArgs),
+    /// Run beside an engine: heartbeat it into Redis while it is healthy.
+    Agent(AgentArgs),
     /// Simulate a fleet in virtual time and compare routing policies.
     #[cfg(feature = "tools")]
     Simulate(tools::SimulateArgs),
@@ -59,6 +61,43 @@ enum Command {
 struct ConfigArg {
     #[arg(long)]
     config: PathBuf,
+}
+
+#[derive(Args)]
+struct AgentArgs {
+    /// `redis://[user:pass@]host:port[/db]` or `rediss://…` (TLS).
+    #[arg(long)]
+    redis: String,
+    /// An environment variable holding the Redis password (instead of the URL's).
+    #[arg(long)]
+    password_env: Option<String>,
+    /// The fleet's key prefix (the balancers' `redis.key_prefix`).
+    #[arg(long, default_value = "prefixlb")]
+    key_prefix: String,
+    /// The engine's base URL, as the balancers reach it, e.g. http://10.0.0.5:8000.
+    #[arg(long)]
+    backend: String,
+    /// The pool the engine serves (a `[[pools]]` name of the balancers' config).
+    #[arg(long)]
+    pool: String,
+    /// The node id (default: the backend's host:port).
+    #[arg(long)]
+    id: Option<String>,
+    #[arg(long, default_value_t = 1)]
+    weight: u32,
+    /// A model name it serves (repeatable; default: learned from /v1/models).
+    #[arg(long = "model")]
+    models: Vec<String>,
+    /// How often to check the engine and heartbeat.
+    #[arg(long, default_value = "2s", value_parser = parse_dur)]
+    interval: std::time::Duration,
+    /// How long a heartbeat lives.
+    #[arg(long, default_value = "6s", value_parser = parse_dur)]
+    ttl: std::time::Duration,
+}
+
+fn parse_dur(s: &str) -> Result<std::time::Duration, String> {
+    prefixlb::config::parse_duration(s)
 }
 
 #[derive(Args)]
@@ -83,6 +122,7 @@ fn main() -> ExitCode {
         Command::Serve(a) => serve(a),
         Command::Check(a) => check(a),
         Command::Route(a) => route(a),
+        Command::Agent(a) => agent(a),
         #[cfg(feature = "tools")]
         Command::Simulate(a) => tools::simulate(a),
         #[cfg(feature = "tools")]
@@ -121,6 +161,42 @@ fn serve(a: ConfigArg) -> anyhow::Result<ExitCode> {
         prefixlb::server::listener::termination(),
     ))?;
     Ok(ExitCode::SUCCESS)
+}
+
+fn agent(a: AgentArgs) -> anyhow::Result<ExitCode> {
+    let backend: http::Uri = a
+        .backend
+        .parse()
+        .map_err(|e| anyhow::anyhow!("--backend {:?}: {e}", a.backend))?;
+    let Some(authority) = backend.authority().map(|x| x.to_string()) else {
+        anyhow::bail!(
+            "--backend {:?} needs a host, e.g. http://10.0.0.5:8000",
+            a.backend
+        );
+    };
+    if !(1..=1000).contains(&a.weight) || a.ttl < a.interval * 2 {
+        anyhow::bail!("--weight must be 1..=1000 and --ttl at least twice --interval");
+    }
+    let options = prefixlb::fleet::agent::AgentOptions {
+        redis: a.redis,
+        password_env: a.password_env,
+        key_prefix: a.key_prefix,
+        backend: a.backend,
+        pool: a.pool,
+        id: a.id.unwrap_or(authority),
+        weight: a.weight,
+        models: a.models,
+        interval: a.interval,
+        ttl: a.ttl,
+    };
+    let stop = prefixlb::server::listener::termination();
+    match runtime()?.block_on(prefixlb::fleet::agent::run(options, stop)) {
+        Ok(()) => Ok(ExitCode::SUCCESS),
+        Err(e) => {
+            eprintln!("error: {e}");
+            Ok(ExitCode::from(2))
+        }
+    }
 }
 
 fn check(a: ConfigArg) -> anyhow::Result<ExitCode> {

@@ -21,6 +21,8 @@ pub struct FileConfig {
     pub health: HealthSection,
     #[serde(default)]
     pub auth: AuthSection,
+    /// Dynamic membership from Redis heartbeats. Default: none (static nodes only).
+    pub redis: Option<RedisSection>,
     /// Required: at least one pool.
     #[serde(default)]
     pub pools: Vec<PoolSection>,
@@ -128,6 +130,10 @@ pub struct RoutingSection {
     /// Paths forwarded besides the OpenAI APIs and `/generate` (e.g.
     /// `"/v1/rerank"`); any other path is answered 404. Default none.
     pub extra_paths: Spanned<Vec<String>>,
+    /// Divide each node's cap by the number of balancer replicas heartbeating in
+    /// Redis (rounded up, at least 1), so N replicas together keep the cap. Default
+    /// false.
+    pub split_cap_across_replicas: bool,
 }
 
 impl Default for RoutingSection {
@@ -147,6 +153,7 @@ impl Default for RoutingSection {
             track_usage: true,
             max_scan_bytes: unspanned(64 * 1024),
             extra_paths: unspanned(Vec::new()),
+            split_cap_across_replicas: false,
         }
     }
 }
@@ -239,6 +246,39 @@ pub struct HealthSection {
     pub unhealthy_after: Spanned<u32>,
     /// Consecutive passed checks that mark it up again. Default 1.
     pub healthy_after: Spanned<u32>,
+}
+
+/// `[redis]`: membership from heartbeats (`prefixlb agent`), and this balancer's own.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RedisSection {
+    /// `redis://[user:pass@]host:port[/db]` or `rediss://` (TLS). Required.
+    pub url: Spanned<String>,
+    /// An environment variable holding the password (instead of one in the URL).
+    /// Default: none.
+    #[serde(default)]
+    pub password_env: Option<Spanned<String>>,
+    /// Prefix of every key, so several fleets share one Redis. Default `"prefixlb"`.
+    #[serde(default = "default_key_prefix")]
+    pub key_prefix: Spanned<String>,
+    /// How often membership is read (and this balancer heartbeats). Default `"2s"`.
+    #[serde(default = "default_poll")]
+    pub poll_interval: Dur,
+    /// How long this balancer's own heartbeat lives. Default `"6s"`.
+    #[serde(default = "default_ttl")]
+    pub heartbeat_ttl: Dur,
+}
+
+fn default_key_prefix() -> Spanned<String> {
+    unspanned("prefixlb".to_string())
+}
+
+fn default_poll() -> Dur {
+    Dur::secs(2)
+}
+
+fn default_ttl() -> Dur {
+    Dur::secs(6)
 }
 
 /// `[auth]`: optional API keys for the client listener.

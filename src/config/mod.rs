@@ -17,6 +17,7 @@ use serde::Deserialize;
 
 pub use duration::{parse_duration, Dur, MAX_DURATION};
 pub use file::{FileConfig, KeyMode, WhenSaturated};
+pub use validate::parse_node_url;
 
 /// A secret (a token or an API key): compared in constant time, never printed.
 #[derive(Clone, PartialEq, Eq, Deserialize)]
@@ -55,7 +56,20 @@ pub struct Config {
     pub breaker: BreakerSettings,
     pub health: HealthConfig,
     pub auth: AuthConfig,
+    /// Membership from Redis heartbeats, if configured.
+    pub redis: Option<RedisConfig>,
     pub pools: Vec<PoolConfig>,
+}
+
+/// `[redis]` (validated).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RedisConfig {
+    /// The URL as written (it may hold a password: never log it).
+    pub url: Secret,
+    pub password_env: Option<String>,
+    pub key_prefix: String,
+    pub poll_interval: Duration,
+    pub heartbeat_ttl: Duration,
 }
 
 /// Accepted API keys of the client listener (none: no check).
@@ -127,6 +141,7 @@ pub struct RoutingConfig {
     pub track_usage: bool,
     pub max_scan_bytes: usize,
     pub extra_paths: Vec<String>,
+    pub split_cap_across_replicas: bool,
 }
 
 #[derive(Debug, Clone)]

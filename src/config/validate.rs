@@ -10,12 +10,12 @@ use std::path::Path;
 use toml::Spanned;
 
 use super::file::{
-    AuthSection, BreakerSection, FileConfig, HealthSection, NodeSection, PoolSection,
+    AuthSection, BreakerSection, FileConfig, HealthSection, NodeSection, PoolSection, RedisSection,
     RoutingSection, ServerSection, ShuntStepSection,
 };
 use super::{
-    AuthConfig, BreakerSettings, Config, HealthConfig, NodeConfig, PoolConfig, RoutingConfig,
-    Secret, ServerConfig, ShuntStep,
+    AuthConfig, BreakerSettings, Config, HealthConfig, NodeConfig, PoolConfig, RedisConfig,
+    RoutingConfig, Secret, ServerConfig, ShuntStep,
 };
 
 /// What is wrong, and where (no span: the file as a whole).
@@ -61,6 +61,7 @@ pub(super) fn config(raw: FileConfig, dir: &Path) -> Result<Config, Invalid> {
     let breaker = validate_breaker(raw.breaker)?;
     let health = validate_health(raw.health)?;
     let auth = validate_auth(raw.auth, dir)?;
+    let redis = raw.redis.map(validate_redis).transpose()?;
     if raw.pools.is_empty() {
         return invalid(
             0..0,
@@ -69,6 +70,7 @@ pub(super) fn config(raw: FileConfig, dir: &Path) -> Result<Config, Invalid> {
     }
     let mut seen = Seen {
         all_pools: raw.pools.iter().map(|p| p.name.get_ref().clone()).collect(),
+        dynamic: redis.is_some(),
         ..Seen::default()
     };
     let pools = raw
@@ -82,7 +84,40 @@ pub(super) fn config(raw: FileConfig, dir: &Path) -> Result<Config, Invalid> {
         breaker,
         health,
         auth,
+        redis,
         pools,
+    })
+}
+
+fn validate_redis(r: RedisSection) -> Result<RedisConfig, Invalid> {
+    let url = r.url.get_ref().trim();
+    if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+        return invalid(
+            r.url.span(),
+            "redis.url must be redis://[user:pass@]host:port[/db] or rediss://… (TLS)",
+        );
+    }
+    let prefix = r.key_prefix.get_ref().trim();
+    if prefix.is_empty() || prefix.len() > 128 {
+        return invalid(
+            r.key_prefix.span(),
+            "key_prefix must be 1 to 128 characters",
+        );
+    }
+    let poll = r.poll_interval.0;
+    let ttl = r.heartbeat_ttl.0;
+    if poll < std::time::Duration::from_millis(50) || ttl < poll * 2 {
+        return invalid(
+            0..0,
+            "redis.poll_interval must be at least 50ms and heartbeat_ttl at least twice it",
+        );
+    }
+    Ok(RedisConfig {
+        url: Secret::new(url),
+        password_env: r.password_env.map(|e| e.into_inner()),
+        key_prefix: prefix.to_string(),
+        poll_interval: poll,
+        heartbeat_ttl: ttl,
     })
 }
 
@@ -94,6 +129,8 @@ struct Seen {
     node_ids: HashSet<String>,
     model_owner: HashMap<String, String>,
     default_pool: Option<String>,
+    /// Nodes may come from Redis: a pool may list none.
+    dynamic: bool,
 }
 
 fn validate_pool(p: PoolSection, seen: &mut Seen) -> Result<PoolConfig, Invalid> {
@@ -141,10 +178,10 @@ fn validate_pool(p: PoolSection, seen: &mut Seen) -> Result<PoolConfig, Invalid>
         }
         fallbacks.push(target.clone());
     }
-    if p.nodes.is_empty() {
+    if p.nodes.is_empty() && !seen.dynamic {
         return invalid(
             p.name.span(),
-            format!("pool {name:?} has no nodes (add [[pools.nodes]] with id and url)"),
+            format!("pool {name:?} has no nodes (add [[pools.nodes]] with id and url, or a [redis] section for nodes that heartbeat)"),
         );
     }
     let nodes = p
@@ -444,10 +481,12 @@ fn validate_routing(r: RoutingSection) -> Result<RoutingConfig, Invalid> {
         track_usage: r.track_usage,
         max_scan_bytes: within(&r.max_scan_bytes, 512..=16 << 20, "max_scan_bytes")?,
         extra_paths: r.extra_paths.into_inner(),
+        split_cap_across_replicas: r.split_cap_across_replicas,
     })
 }
 
-fn parse_node_url(s: &str) -> Result<http::Uri, String> {
+/// A node's base URL: plain `http`, a host, no query.
+pub fn parse_node_url(s: &str) -> Result<http::Uri, String> {
     let uri: http::Uri = s
         .parse()
         .map_err(|e| format!("url {s:?} is not a URL: {e}"))?;

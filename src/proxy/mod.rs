@@ -37,12 +37,20 @@ pub use error::ProxyError;
 
 use crate::clip::clip;
 use crate::config::{Config, ConfigError};
+use crate::fleet::record::{self, Membership, NodeRecord};
 use crate::routing::key::Api;
 use crate::routing::table::{Registry, Table};
 use crate::server::metrics::Metrics;
 use body::{full, BoxBody};
 use ingress::{BodyLimits, ByteBudget};
 use outcome::RequestOutcome;
+
+/// What a table is built from.
+struct Sources {
+    config: Config,
+    /// Heartbeating engines (their identity: load figures and start times zeroed).
+    members: Vec<NodeRecord>,
+}
 
 /// The upstream HTTP client: pooled keep-alive connections to the engines.
 pub type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
@@ -60,6 +68,9 @@ pub struct Proxy {
     source: Option<PathBuf>,
     /// Reloads run one at a time, whatever triggered them.
     reloading: Mutex<()>,
+    /// The config as loaded and the engines heartbeating in Redis: the table is built
+    /// from both, whichever changed (one rebuild at a time).
+    sources: Mutex<Sources>,
     stopping: AtomicBool,
 }
 
@@ -67,8 +78,12 @@ impl Proxy {
     pub fn new(config: Config, source: Option<PathBuf>) -> Arc<Proxy> {
         let registry = Registry::default();
         let client = upstream_client(config.server.connect_timeout);
-        let table = Table::build(config, &registry);
+        let table = Table::build(config.clone(), &registry);
         Arc::new(Proxy {
+            sources: Mutex::new(Sources {
+                config,
+                members: Vec::new(),
+            }),
             table: ArcSwap::from_pointee(table),
             registry,
             client,
@@ -159,10 +174,51 @@ impl Proxy {
         self.table.load_full()
     }
 
-    /// Builds a snapshot from `config` (carrying node state over by id) and swaps it in.
+    /// Builds a snapshot from `config` and the heartbeating engines (carrying node
+    /// state over by id) and swaps it in.
     pub fn install(&self, config: Config) {
-        self.table
-            .store(Arc::new(Table::build(config, &self.registry)));
+        let mut sources = self.sources.lock();
+        sources.config = config;
+        self.rebuild(&sources);
+    }
+
+    /// Applies what the Redis watcher read: each engine's load figures, the number of
+    /// balancer replicas, and, when the set of engines changed, a new snapshot.
+    pub fn apply_membership(&self, m: &Membership) {
+        for r in &m.nodes {
+            self.registry.node(&r.id).set_engine_load(r.load);
+        }
+        let mut sources = self.sources.lock();
+        for p in &sources.config.pools {
+            self.registry.pool(&p.name).set_replicas(m.replicas.max(1));
+        }
+        let members: Vec<NodeRecord> = m
+            .nodes
+            .iter()
+            .map(|r| NodeRecord {
+                load: None,
+                started_at: 0,
+                ..r.clone()
+            })
+            .collect();
+        if members != sources.members {
+            let (was, now) = (sources.members.len(), members.len());
+            sources.members = members;
+            tracing::info!(nodes_before = was, nodes_now = now, "membership changed");
+            self.rebuild(&sources);
+        }
+    }
+
+    fn rebuild(&self, sources: &Sources) {
+        let (config, from_redis, skipped) = record::merge(&sources.config, &sources.members);
+        for s in skipped {
+            tracing::warn!("{s}");
+        }
+        self.table.store(Arc::new(Table::build_with(
+            config,
+            &self.registry,
+            &from_redis,
+        )));
     }
 
     /// The pooled client to the engines (shared with the health checker).

@@ -23,14 +23,28 @@ use crate::config::NodeConfig;
 pub enum NodeSource {
     /// The config file's `[[pools.nodes]]`.
     Static,
+    /// A heartbeat in Redis (`prefixlb agent`).
+    Redis,
 }
 
 impl NodeSource {
     pub fn as_str(self) -> &'static str {
         match self {
             NodeSource::Static => "static",
+            NodeSource::Redis => "redis",
         }
     }
+}
+
+/// An engine's load as it reports it (vLLM or SGLang metrics, relayed by its agent).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct EngineLoad {
+    /// Sequences running.
+    pub running: Option<f64>,
+    /// Requests waiting in the engine's own queue.
+    pub waiting: Option<f64>,
+    /// Share of the KV cache in use, 0–1.
+    pub kv_cache_usage: Option<f64>,
 }
 
 /// One node of a pool, as a routing table holds it: its configured identity and
@@ -107,6 +121,8 @@ pub struct NodeState {
     waiting: AtomicU32,
     /// Wakes a request waiting for a slot here, one per freed slot.
     freed: Notify,
+    /// The engine's own load figures, from its agent's last heartbeat.
+    engine_load: parking_lot::Mutex<Option<EngineLoad>>,
     /// See [`NodeState::start_prefill`]: estimated prompt tokens sent here and not yet
     /// past their first token, and all ever sent here.
     prefill_backlog: AtomicU32,
@@ -127,6 +143,7 @@ impl NodeState {
             slot_time: SlotTime::default(),
             waiting: AtomicU32::new(0),
             freed: Notify::new(),
+            engine_load: parking_lot::Mutex::new(None),
             prefill_backlog: AtomicU32::new(0),
             prefill_arrived: AtomicU64::new(0),
         }
@@ -173,6 +190,15 @@ impl NodeState {
             backlog,
             arrived,
         }
+    }
+
+    /// The engine's load as its agent last reported it.
+    pub fn engine_load(&self) -> Option<EngineLoad> {
+        *self.engine_load.lock()
+    }
+
+    pub fn set_engine_load(&self, load: Option<EngineLoad>) {
+        *self.engine_load.lock() = load;
     }
 
     /// Estimated prompt tokens sent here and not yet past their first token.

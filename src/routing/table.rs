@@ -4,7 +4,7 @@
 //! it survives every rebuild. Also the pure "which pool, which key, which hash" step
 //! shared by the proxy, `prefixlb route`, `/admin/explain` and the simulator.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -92,6 +92,12 @@ pub enum PlanError {
 impl Table {
     /// Builds a snapshot; state for ids already known to `registry` is reused.
     pub fn build(config: Config, registry: &Registry) -> Table {
+        Table::build_with(config, registry, &HashSet::new())
+    }
+
+    /// [`Table::build`] for a config whose nodes named in `from_redis` came from
+    /// heartbeats.
+    pub fn build_with(config: Config, registry: &Registry, from_redis: &HashSet<String>) -> Table {
         let mut by_model = HashMap::new();
         let breaker = Arc::new(config.breaker.clone());
         let mut default_pool = None;
@@ -111,7 +117,12 @@ impl Table {
                     .iter()
                     .map(|n| {
                         let cap = config.routing.max_in_flight.saturating_mul(n.weight);
-                        Node::new(n.clone(), NodeSource::Static, cap, registry.node(&n.id))
+                        let source = if from_redis.contains(&n.id) {
+                            NodeSource::Redis
+                        } else {
+                            NodeSource::Static
+                        };
+                        Node::new(n.clone(), source, cap, registry.node(&n.id))
                     })
                     .collect();
                 Pool {
@@ -122,7 +133,8 @@ impl Table {
                         registry.pool(&p.name),
                         config.routing.load_factor,
                         breaker.clone(),
-                    ),
+                    )
+                    .with_split_cap(config.routing.split_cap_across_replicas),
                 }
             })
             .collect();

@@ -202,6 +202,8 @@ pub struct Balancer {
     weighted: bool,
     /// Each node's tag in the pool's home table.
     tags: Vec<u32>,
+    /// `routing.split_cap_across_replicas`.
+    split_cap: bool,
 }
 
 impl Balancer {
@@ -234,7 +236,14 @@ impl Balancer {
             id_hashes,
             weighted,
             tags,
+            split_cap: false,
         }
+    }
+
+    /// Divides each node's cap by the balancer replicas known (rounded up, at least 1).
+    pub fn with_split_cap(mut self, split: bool) -> Self {
+        self.split_cap = split;
+        self
     }
 
     /// `nodes` identical nodes (`n0`, `n1`, …, weight 1, cap `cap`) with fresh state:
@@ -551,12 +560,17 @@ impl Balancer {
     /// The cap in force for a member now: the absolute cap, tightened by the relative
     /// bound `ceil(c × (total_in_flight + 1) × weight / total_weight)` when configured.
     pub fn cap_of(&self, m: &Node) -> u32 {
+        let cap = if self.split_cap {
+            m.cap().div_ceil(self.load.replicas()).max(1)
+        } else {
+            m.cap()
+        };
         match self.load_factor {
-            None => m.cap(),
+            None => cap,
             Some(c) => {
                 let total = self.load.in_flight() as f64 + 1.0;
                 let rel = (c * total * m.weight() as f64 / self.total_weight.max(1) as f64).ceil();
-                m.cap().min(rel as u32).max(1)
+                cap.min(rel as u32).max(1)
             }
         }
     }

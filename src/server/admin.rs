@@ -113,6 +113,7 @@ fn nodes(proxy: &Proxy) -> Value {
                     "shunt_ratio": state.breaker.shunt_ratio(),
                     "degraded": state.breaker.is_degraded(),
                     "prefill_backlog_tokens": state.prefill_backlog(),
+                    "engine_load": state.engine_load(),
                     "source": n.source().as_str(),
                 })
             })

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use prometheus::{
-    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 use crate::proxy::outcome::{FailoverReason, RequestOutcome};
@@ -57,6 +57,13 @@ pub struct Metrics {
     pub cached_prompt_tokens: IntCounterVec,
     ring_nodes: IntGaugeVec,
     pub config_reloads: IntCounterVec,
+    /// 1 while the Redis watcher reads membership, 0 while Redis is unreachable.
+    pub redis_up: IntGauge,
+    /// `serve` replicas heartbeating in Redis, this one included.
+    pub balancer_replicas: IntGauge,
+    engine_running: GaugeVec,
+    engine_waiting: GaugeVec,
+    engine_kv_cache_usage: GaugeVec,
     /// Breaker transitions already exported, per (node, state).
     transitions_seen: Mutex<HashMap<(String, BreakerState), u64>>,
 }
@@ -83,7 +90,7 @@ impl Metrics {
                 m
             }};
         }
-        Metrics {
+        let metrics = Metrics {
             requests: reg!(IntCounterVec::new(
                 opts("requests_total", "Requests finished, by pool, final node and outcome."),
                 &["pool", "node", "outcome"]
@@ -138,9 +145,16 @@ impl Metrics {
             )),
             ring_nodes: reg!(IntGaugeVec::new(opts("ring_nodes", "Nodes on a pool's ring."), &["pool"])),
             config_reloads: reg!(IntCounterVec::new(opts("config_reloads_total", "Config reloads, by result."), &["result"])),
+            redis_up: reg!(IntGauge::with_opts(opts("redis_up", "1 while membership is read from Redis; 0 while Redis is unreachable (membership frozen as last known)."))),
+            balancer_replicas: reg!(IntGauge::with_opts(opts("balancer_replicas", "prefixlb serve replicas heartbeating in Redis, this one included (1 without Redis)."))),
+            engine_running: reg!(GaugeVec::new(opts("engine_requests_running", "Sequences the engine reports running (vLLM/SGLang metrics, via its agent)."), &["pool", "node"])),
+            engine_waiting: reg!(GaugeVec::new(opts("engine_requests_waiting", "Requests waiting in the engine's own queue, as it reports (via its agent)."), &["pool", "node"])),
+            engine_kv_cache_usage: reg!(GaugeVec::new(opts("engine_kv_cache_usage", "Share of the engine's KV cache in use, 0-1, as it reports (via its agent)."), &["pool", "node"])),
             transitions_seen: Mutex::new(HashMap::new()),
             registry,
-        }
+        };
+        metrics.balancer_replicas.set(1);
+        metrics
     }
 
     /// Counts a finished request (node `none` when no node answered).
@@ -210,6 +224,13 @@ impl Metrics {
         }
         self.shunt_ratio.reset();
         self.normalized_ttft_p90.reset();
+        for g in [
+            &self.engine_running,
+            &self.engine_waiting,
+            &self.engine_kv_cache_usage,
+        ] {
+            g.reset();
+        }
         for result in ["ok", "error"] {
             self.config_reloads.with_label_values(&[result]);
         }
@@ -249,6 +270,17 @@ impl Metrics {
                 self.node_degraded
                     .with_label_values(&[n])
                     .set(state.breaker.is_degraded() as i64);
+                if let Some(load) = state.engine_load() {
+                    for (g, v) in [
+                        (&self.engine_running, load.running),
+                        (&self.engine_waiting, load.waiting),
+                        (&self.engine_kv_cache_usage, load.kv_cache_usage),
+                    ] {
+                        if let Some(v) = v {
+                            g.with_label_values(&[p, n]).set(v);
+                        }
+                    }
+                }
                 if let Some((_, p90)) = state.breaker.summary(1) {
                     self.normalized_ttft_p90
                         .with_label_values(&[n])

@@ -59,6 +59,10 @@ pub async fn run_on(
     let (admin_stop_tx, mut admin_stop) = watch::channel(false);
     let health_task = tokio::spawn(health::run(proxy.clone(), admin_stop.clone()));
     let reload_task = tokio::spawn(reload::run(proxy.clone(), admin_stop.clone()));
+    let fleet_task = tokio::spawn(crate::fleet::watcher::run(
+        proxy.clone(),
+        admin_stop.clone(),
+    ));
     let admin_task = {
         let proxy = proxy.clone();
         tokio::spawn(listener::serve(
@@ -93,6 +97,7 @@ pub async fn run_on(
     let _ = admin_task.await;
     let _ = health_task.await;
     let _ = reload_task.await;
+    let _ = fleet_task.await;
     tracing::info!("stopped");
 }
 

@@ -1,0 +1,308 @@
+//! What lives in Redis, and how it becomes nodes: the heartbeat records of engines
+//! (`prefixlb agent`) and of balancer replicas, the key names under a fleet's prefix,
+//! and the merge of heartbeating nodes into the configured pools. Pure.
+//!
+//! Keys, under `key_prefix` (default `prefixlb`):
+//! - `{prefix}:node:{id}`: an engine's [`NodeRecord`] as JSON, with a TTL;
+//! - `{prefix}:nodes`: a sorted set of engine ids scored by expiry (Unix ms), so
+//!   membership is read with a constant number of round trips and no `SCAN`;
+//! - `{prefix}:balancer:{id}` and `{prefix}:balancers`: the same for `serve` replicas.
+
+use std::collections::{HashMap, HashSet};
+
+use serde::{Deserialize, Serialize};
+
+pub use crate::routing::node::EngineLoad;
+
+use crate::config::{parse_node_url, Config, NodeConfig};
+
+/// Key names of one fleet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Keys {
+    prefix: String,
+}
+
+impl Keys {
+    pub fn new(prefix: &str) -> Keys {
+        Keys {
+            prefix: prefix.to_string(),
+        }
+    }
+
+    pub fn node(&self, id: &str) -> String {
+        format!("{}:node:{id}", self.prefix)
+    }
+
+    pub fn nodes(&self) -> String {
+        format!("{}:nodes", self.prefix)
+    }
+
+    pub fn balancer(&self, id: &str) -> String {
+        format!("{}:balancer:{id}", self.prefix)
+    }
+
+    pub fn balancers(&self) -> String {
+        format!("{}:balancers", self.prefix)
+    }
+}
+
+/// Reads an engine's load figures ([`EngineLoad`]) from its metrics.
+pub trait FromMetrics: Sized {
+    fn from_metrics(text: &str) -> Option<Self>;
+}
+
+impl FromMetrics for EngineLoad {
+    /// Reads the known gauges out of a Prometheus text exposition: vLLM's
+    /// `vllm:num_requests_running`, `vllm:num_requests_waiting`,
+    /// `vllm:kv_cache_usage_perc` (or `vllm:gpu_cache_usage_perc`) and SGLang's
+    /// `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`,
+    /// summed over label sets (an engine may label by model). `None` if none is found.
+    fn from_metrics(text: &str) -> Option<EngineLoad> {
+        let mut load = EngineLoad::default();
+        for line in text.lines() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let name_end = line.find(['{', ' ']).unwrap_or(line.len());
+            let name = &line[..name_end];
+            let Some(value) = line
+                .rsplit_once(char::is_whitespace)
+                .and_then(|(_, v)| v.parse::<f64>().ok())
+                .filter(|v| v.is_finite())
+            else {
+                continue;
+            };
+            let slot = match name {
+                "vllm:num_requests_running" | "sglang:num_running_reqs" => &mut load.running,
+                "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => &mut load.waiting,
+                "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" | "sglang:token_usage" => {
+                    &mut load.kv_cache_usage
+                }
+                _ => continue,
+            };
+            *slot = Some(slot.unwrap_or(0.0) + value);
+        }
+        (load != EngineLoad::default()).then_some(load)
+    }
+}
+
+/// One engine's heartbeat.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeRecord {
+    pub id: String,
+    pub pool: String,
+    /// The engine's base URL, as the balancers reach it.
+    pub url: String,
+    pub weight: u32,
+    /// Model names it serves (added to its pool's).
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// When its agent started (Unix seconds).
+    pub started_at: u64,
+    #[serde(default)]
+    pub load: Option<EngineLoad>,
+}
+
+/// What the watcher read: the live heartbeating engines (sorted by id) and the
+/// number of balancer replicas (this one included).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Membership {
+    pub nodes: Vec<NodeRecord>,
+    pub replicas: u32,
+}
+
+/// Why a heartbeating node was left out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Skipped {
+    /// A static node has its id: the static one wins.
+    StaticClash { id: String },
+    /// Its pool is not in the config.
+    UnknownPool { id: String, pool: String },
+    /// Its URL or weight is unusable.
+    Invalid { id: String, why: String },
+}
+
+impl std::fmt::Display for Skipped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Skipped::StaticClash { id } => write!(
+                f,
+                "node {id:?} heartbeats in Redis but a static node has that id; the static one is used"
+            ),
+            Skipped::UnknownPool { id, pool } => write!(
+                f,
+                "node {id:?} heartbeats for pool {pool:?}, which the config does not have; ignored"
+            ),
+            Skipped::Invalid { id, why } => write!(f, "node {id:?} from Redis ignored: {why}"),
+        }
+    }
+}
+
+/// The config with the heartbeating nodes added to their pools (after the static
+/// ones, sorted by id, so every replica builds the same ring), the ids that came from
+/// Redis, and what was left out. A model a node announces joins its pool unless
+/// another pool serves it.
+pub fn merge(
+    static_config: &Config,
+    members: &[NodeRecord],
+) -> (Config, HashSet<String>, Vec<Skipped>) {
+    let mut config = static_config.clone();
+    let static_ids: HashSet<&str> = static_config
+        .pools
+        .iter()
+        .flat_map(|p| p.nodes.iter().map(|n| n.id.as_str()))
+        .collect();
+    let mut owner: HashMap<String, usize> = HashMap::new();
+    for (i, p) in config.pools.iter().enumerate() {
+        for m in &p.models {
+            owner.insert(m.clone(), i);
+        }
+    }
+    let mut dynamic = HashSet::new();
+    let mut skipped = Vec::new();
+    let mut sorted: Vec<&NodeRecord> = members.iter().collect();
+    sorted.sort_by(|a, b| a.id.cmp(&b.id));
+    for r in sorted {
+        if static_ids.contains(r.id.as_str()) {
+            skipped.push(Skipped::StaticClash { id: r.id.clone() });
+            continue;
+        }
+        let Some(pool) = config.pools.iter().position(|p| p.name == r.pool) else {
+            skipped.push(Skipped::UnknownPool {
+                id: r.id.clone(),
+                pool: r.pool.clone(),
+            });
+            continue;
+        };
+        let invalid = |why: String| Skipped::Invalid {
+            id: r.id.clone(),
+            why,
+        };
+        if r.id.trim().is_empty() || dynamic.contains(&r.id) {
+            skipped.push(invalid("empty or repeated id".into()));
+            continue;
+        }
+        if !(1..=1000).contains(&r.weight) {
+            skipped.push(invalid(format!(
+                "weight {} is out of range 1..=1000",
+                r.weight
+            )));
+            continue;
+        }
+        let url = match parse_node_url(r.url.trim_end_matches('/')) {
+            Ok(url) => url,
+            Err(why) => {
+                skipped.push(invalid(why));
+                continue;
+            }
+        };
+        for m in &r.models {
+            if !owner.contains_key(m) {
+                owner.insert(m.clone(), pool);
+                config.pools[pool].models.push(m.clone());
+            }
+        }
+        config.pools[pool].nodes.push(NodeConfig {
+            id: r.id.clone(),
+            url,
+            weight: r.weight,
+        });
+        dynamic.insert(r.id.clone());
+    }
+    (config, dynamic, skipped)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(id: &str, pool: &str, url: &str) -> NodeRecord {
+        NodeRecord {
+            id: id.into(),
+            pool: pool.into(),
+            url: url.into(),
+            weight: 1,
+            models: vec!["m-new".into()],
+            started_at: 0,
+            load: None,
+        }
+    }
+
+    #[test]
+    fn heartbeating_nodes_join_their_pools_sorted_and_static_ids_win() {
+        let config = Config::parse(
+            "[redis]\nurl = \"redis://127.0.0.1:6379\"\n[[pools]]\nname = \"a\"\nmodels = [\"m\"]\nnodes = [{ id = \"s1\", url = \"http://h:1\" }]\n[[pools]]\nname = \"b\"\nmodels = [\"m-new\"]\n",
+            "t.toml",
+        )
+        .unwrap();
+        let members = [
+            record("z", "a", "http://h:9/"),
+            record("s1", "a", "http://h:2"),
+            record("y", "a", "http://h:8"),
+            record("x", "nope", "http://h:7"),
+            record("w", "b", "https://h:6"),
+        ];
+        let (merged, dynamic, skipped) = merge(&config, &members);
+        let ids: Vec<&str> = merged.pools[0]
+            .nodes
+            .iter()
+            .map(|n| n.id.as_str())
+            .collect();
+        assert_eq!(ids, ["s1", "y", "z"]);
+        assert_eq!(
+            merged.pools[0].nodes[0].url.to_string(),
+            "http://h:1/",
+            "static wins"
+        );
+        assert_eq!(dynamic, HashSet::from(["y".to_string(), "z".to_string()]));
+        assert_eq!(merged.pools[0].models, ["m"], "m-new belongs to pool b");
+        assert!(merged.pools[1].nodes.is_empty());
+        assert_eq!(skipped.len(), 3, "{skipped:?}");
+        assert!(skipped.contains(&Skipped::StaticClash { id: "s1".into() }));
+        assert!(skipped
+            .iter()
+            .any(|s| matches!(s, Skipped::UnknownPool { id, .. } if id == "x")));
+        assert!(skipped.iter().any(
+            |s| matches!(s, Skipped::Invalid { id, why } if id == "w" && why.contains("https"))
+        ));
+    }
+
+    #[test]
+    fn engine_load_is_read_from_vllm_and_sglang_metrics() {
+        let vllm = "# HELP vllm:num_requests_running x\nvllm:num_requests_running{model_name=\"a\"} 3\nvllm:num_requests_running{model_name=\"b\"} 1\nvllm:num_requests_waiting{model_name=\"a\"} 2.0\nvllm:kv_cache_usage_perc{model_name=\"a\"} 0.25\nvllm:other 9\n";
+        assert_eq!(
+            EngineLoad::from_metrics(vllm),
+            Some(EngineLoad {
+                running: Some(4.0),
+                waiting: Some(2.0),
+                kv_cache_usage: Some(0.25),
+            })
+        );
+        let sglang =
+            "sglang:num_running_reqs{tp_rank=\"0\"} 5\nsglang:num_queue_reqs{tp_rank=\"0\"} 0\n";
+        let load = EngineLoad::from_metrics(sglang).unwrap();
+        assert_eq!(
+            (load.running, load.waiting, load.kv_cache_usage),
+            (Some(5.0), Some(0.0), None)
+        );
+        assert_eq!(
+            EngineLoad::from_metrics("llamacpp:requests_processing 1\n"),
+            None
+        );
+        assert_eq!(
+            EngineLoad::from_metrics("vllm:num_requests_running NaN\n"),
+            None
+        );
+    }
+
+    #[test]
+    fn records_round_trip_as_json() {
+        let r = record("n1", "a", "http://h:1");
+        let text = serde_json::to_string(&r).unwrap();
+        assert_eq!(serde_json::from_str::<NodeRecord>(&text).unwrap(), r);
+        let keys = Keys::new("fleet");
+        assert_eq!(keys.node("n1"), "fleet:node:n1");
+        assert_eq!(keys.nodes(), "fleet:nodes");
+    }
+}
