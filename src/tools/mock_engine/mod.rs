@@ -184,6 +184,13 @@ impl MockEngine {
             (&Method::POST, "/mock/fault") => self.set_fault(req).await,
             (&Method::POST, "/v1/chat/completions") => self.clone().generate(req, Kind::Chat).await,
             (&Method::POST, "/v1/completions") => self.clone().generate(req, Kind::Text).await,
+            (&Method::POST, "/v1/embeddings") => match req.into_body().collect().await {
+                Ok(body) => match wire::embeddings(&body.to_bytes(), &self.config.model) {
+                    Ok(v) => json_response(StatusCode::OK, &v),
+                    Err(msg) => error(StatusCode::BAD_REQUEST, &msg),
+                },
+                Err(_) => error(StatusCode::BAD_REQUEST, "could not read body"),
+            },
             _ => error(StatusCode::NOT_FOUND, &format!("no route for {path}")),
         };
         if let Ok(id) = header::HeaderValue::from_str(&self.config.id) {
@@ -342,6 +349,17 @@ impl MockEngine {
             _ => job.max_tokens,
         };
         let first = plan.first_token() + slow_extra(fault);
+        if let Some(tool) = &job.tool {
+            tokio::time::sleep(first).await;
+            for delta in wire::tool_call_deltas(tool) {
+                if tx.send(chunk(delta, Value::Null)).await.is_err() {
+                    return self.cancel();
+                }
+            }
+            let _ = tx.send(chunk(json!({}), json!("tool_calls"))).await;
+            let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+            return;
+        }
         for i in 0..tokens {
             let wait = if i == 0 {
                 first

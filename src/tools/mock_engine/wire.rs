@@ -34,6 +34,9 @@ pub(super) struct Job {
     /// `"mock_timestamps": true`: each chunk carries `emitted_us` (µs since the Unix
     /// epoch), so a client can measure per-chunk delivery latency.
     pub(super) timestamps: bool,
+    /// The first tool's function name, when the request offers `tools`: a stream
+    /// then calls it instead of writing text.
+    pub(super) tool: Option<String>,
 }
 
 pub(super) fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<Job, String> {
@@ -78,7 +81,49 @@ pub(super) fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<
         include_usage: v["stream_options"]["include_usage"]
             .as_bool()
             .unwrap_or(false),
+        tool: v["tools"][0]["function"]["name"].as_str().map(str::to_string),
     })
+}
+
+/// The deltas of a streamed call of `tool` (arguments `{"x": 1}` in three pieces).
+pub(super) fn tool_call_deltas(tool: &str) -> [Value; 3] {
+    [
+        json!({"tool_calls": [{"index": 0, "id": "call_0", "type": "function", "function": {"name": tool, "arguments": ""}}]}),
+        json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"x\""}}]}),
+        json!({"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}),
+    ]
+}
+
+/// `POST /v1/embeddings`: 8 numbers per input, derived from its text.
+pub(super) fn embeddings(body: &[u8], default_model: &str) -> Result<Value, String> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| format!("invalid JSON: {e}"))?;
+    let inputs: Vec<String> = match &v["input"] {
+        Value::String(s) => vec![s.clone()],
+        Value::Array(items) => items
+            .iter()
+            .map(|i| i.as_str().map(str::to_string).unwrap_or_else(|| i.to_string()))
+            .collect(),
+        _ => return Err("'input' is required".into()),
+    };
+    let mut tokens = 0;
+    let data: Vec<Value> = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, text)| {
+            tokens += Prompt::from_text(text).tokens;
+            let h = xxhash_rust::xxh3::xxh3_64(text.as_bytes());
+            let embedding: Vec<f64> = (0..8)
+                .map(|k| ((h >> (k * 8)) & 0xFF) as f64 / 255.0 - 0.5)
+                .collect();
+            json!({"object": "embedding", "index": i, "embedding": embedding})
+        })
+        .collect();
+    Ok(json!({
+        "object": "list",
+        "data": data,
+        "model": v["model"].as_str().unwrap_or(default_model),
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }))
 }
 
 const WORDS: [&str; 8] = [

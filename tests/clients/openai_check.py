@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""The official `openai` Python client against prefixlb in front of two mock engines.
+
+    python3 tests/clients/openai_check.py target/debug/prefixlb
+
+Starts the engines and the balancer itself (loopback, ports chosen by the OS), then
+checks what a user of the client sees: chat completions with and without streaming,
+completions, models, embeddings, a streamed tool call, and that our errors become the
+client's exceptions (404 -> NotFoundError, 503 on saturation -> APIStatusError,
+401 -> AuthenticationError). Exits non-zero on the first failure.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+
+import openai
+
+BIN = sys.argv[1] if len(sys.argv) > 1 else "target/debug/prefixlb"
+KEY = "sk-openai-check"
+procs = []
+
+
+def start(args, env=None):
+    """Starts a prefixlb process and returns the addresses on its 'listening' line."""
+    p = subprocess.Popen([BIN, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                         env={**os.environ, "RUST_LOG": "warn", **(env or {})}, text=True)
+    procs.append(p)
+    line = p.stdout.readline()
+    addrs = re.findall(r"http://([0-9.]+:[0-9]+)", line)
+    assert addrs, f"no address in {line!r}"
+    return addrs
+
+
+def check(name, cond, detail=""):
+    if not cond:
+        raise AssertionError(f"{name}: {detail}")
+    print(f"ok  {name}")
+
+
+def main():
+    engines = [start(["mock-engine", "--listen", "127.0.0.1:0", "--id", f"e{i}",
+                      "--decode-ms-per-token", "5"])[0] for i in range(2)]
+    nodes = "".join(f'[[pools.nodes]]\nid = "n{i}"\nurl = "http://{a}"\n' for i, a in enumerate(engines))
+    config = (
+        '[server]\nlisten = "127.0.0.1:0"\nadmin_listen = "127.0.0.1:0"\n'
+        '[routing]\nmax_in_flight = 1\nwhen_saturated = "reject"\n'
+        '[auth]\napi_keys_env = "OPENAI_CHECK_KEYS"\n'
+        f'[[pools]]\nname = "mock"\nmodels = ["mock"]\n{nodes}'
+    )
+    path = os.path.join(tempfile.mkdtemp(), "prefixlb.toml")
+    with open(path, "w") as f:
+        f.write(config)
+    lb = start(["serve", "--config", path], env={"OPENAI_CHECK_KEYS": KEY})[0]
+    client = openai.OpenAI(base_url=f"http://{lb}/v1", api_key=KEY, max_retries=0, timeout=20)
+
+    r = client.chat.completions.create(model="mock", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    check("chat.completions.create", r.choices[0].message.content.strip() != "" and r.usage.prompt_tokens > 0, r)
+
+    text, usage = "", None
+    stream = client.chat.completions.create(model="mock", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=4, stream=True, stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
+        if chunk.usage:
+            usage = chunk.usage
+    check("chat.completions.create(stream=True)", len(text.split()) == 4 and usage is not None, (text, usage))
+
+    r = client.completions.create(model="mock", prompt="Once upon a time", max_tokens=3)
+    check("completions.create", r.choices[0].text.strip() != "", r)
+
+    models = [m.id for m in client.models.list()]
+    check("models.list", models == ["mock"], models)
+
+    e = client.embeddings.create(model="mock", input=["a", "b"])
+    check("embeddings.create", len(e.data) == 2 and len(e.data[0].embedding) == 8, e)
+
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    name, args, finish = "", "", None
+    for chunk in client.chat.completions.create(model="mock", messages=[{"role": "user", "content": "x"}],
+                                                tools=tools, stream=True):
+        if not chunk.choices:
+            continue
+        c = chunk.choices[0]
+        for call in c.delta.tool_calls or []:
+            name += call.function.name or ""
+            args += call.function.arguments or ""
+        finish = c.finish_reason or finish
+    check("a tool call in a stream", name == "lookup" and args == '{"x": 1}' and finish == "tool_calls",
+          (name, args, finish))
+
+    try:
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+        check("404 -> NotFoundError", False, "no exception")
+    except openai.NotFoundError as err:
+        check("404 -> NotFoundError", err.status_code == 404 and "no-such-model" in str(err), err)
+
+    try:
+        openai.OpenAI(base_url=f"http://{lb}/v1", api_key="sk-wrong", max_retries=0).models.list()
+        check("401 -> AuthenticationError", False, "no exception")
+    except openai.AuthenticationError as err:
+        check("401 -> AuthenticationError", err.status_code == 401, err)
+
+    # Saturation: both nodes (cap 1 each) busy with long streams; the next is refused.
+    started = threading.Barrier(3)
+
+    def hold(session):
+        s = client.chat.completions.create(model="mock", messages=[{"role": "user", "content": session}],
+                                           max_tokens=400, stream=True, extra_headers={"x-session-id": session})
+        first = True
+        for _ in s:
+            if first:
+                started.wait()
+                first = False
+
+    holders = [threading.Thread(target=hold, args=(f"hold-{i}",)) for i in range(2)]
+    for t in holders:
+        t.start()
+    started.wait()
+    try:
+        client.chat.completions.create(model="mock", messages=[{"role": "user", "content": "one more"}], max_tokens=1)
+        check("503 -> APIStatusError", False, "no exception")
+    except openai.APIStatusError as err:
+        check("503 -> APIStatusError", err.status_code == 503 and err.response.headers.get("retry-after"), err)
+    for t in holders:
+        t.join()
+    print("openai client check: all passed")
+
+
+try:
+    main()
+except Exception as e:  # noqa: BLE001 - any failure fails the check
+    print(f"FAILED: {e!r}", file=sys.stderr)
+    sys.exit(1)
+finally:
+    for p in procs:
+        p.kill()
