@@ -104,6 +104,14 @@ pub fn engine(id: &str, flags: &[&str]) -> Proc {
     spawn(&args)
 }
 
+/// Starts a `mock-engine` on a given address (to restart one where it was).
+pub fn engine_at(id: &str, addr: SocketAddr, flags: &[&str]) -> Proc {
+    let listen = addr.to_string();
+    let mut args = vec!["mock-engine", "--listen", &listen, "--id", id];
+    args.extend_from_slice(flags);
+    spawn(&args)
+}
+
 static CONFIGS: AtomicUsize = AtomicUsize::new(0);
 
 /// Writes a config file for this test run and returns its path.

@@ -69,6 +69,9 @@ pub enum FaultMode {
     Slow,
     /// Prefill `factor` times slower (a degraded GPU, a noisy neighbour).
     SlowPrefill,
+    /// Streams: send two tokens, then drop the connection mid-body (no terminating
+    /// chunk): a crashed engine or a reset connection.
+    Reset,
     /// End the stream with no content and no `finish_reason` (a broken engine).
     Empty,
     /// Answer a stream with a 400 inside it: an SSE error event with code 400 after the
@@ -369,6 +372,10 @@ impl MockEngine {
             tokio::select! {
                 _ = tokio::time::sleep(wait) => {}
                 _ = tx.closed() => return self.cancel(),
+            }
+            if fault.mode == FaultMode::Reset && i == 2 {
+                let _ = tx.send(Bytes::from_static(wire::RESET)).await;
+                return;
             }
             if tx
                 .send(chunk(json!({"content": token_text(i)}), Value::Null))

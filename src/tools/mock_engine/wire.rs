@@ -198,6 +198,10 @@ pub(super) fn error(status: StatusCode, msg: &str) -> Response<BoxBody> {
     )
 }
 
+/// Sent into a [`ChannelBody`], it ends the body with an error: hyper drops the
+/// connection mid-body, as a crashed or reset engine does.
+pub(super) const RESET: &[u8] = b"\0mock:reset\0";
+
 /// A body fed by a channel: each message is sent as one frame as soon as it arrives.
 /// The sender sees `send` fail once the receiver (the connection) is gone, which is how
 /// a producer learns that its client disconnected.
@@ -221,9 +225,15 @@ impl Body for ChannelBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
-        self.rx
-            .poll_recv(cx)
-            .map(|chunk| chunk.map(|b| Ok(Frame::data(b))))
+        self.rx.poll_recv(cx).map(|chunk| {
+            chunk.map(|b| {
+                if b == RESET {
+                    Err("injected fault: connection reset mid-stream".into())
+                } else {
+                    Ok(Frame::data(b))
+                }
+            })
+        })
     }
 
     fn size_hint(&self) -> SizeHint {

@@ -1,0 +1,251 @@
+//! Faults and load together (issue 13): a real balancer and four `mock-engine`s, 16
+//! clients sending streaming and plain chat requests without pause, while every 1.5 s
+//! one engine is put into a fault (stall, error, slow, empty stream, connection reset
+//! mid-stream, process killed and restarted) or the config is reloaded, and some
+//! clients walk away mid-stream. Asserted: every request ends in a complete response or
+//! an explicit error (an HTTP error with a JSON body, or a final SSE error event),
+//! never a silent truncation or a hang; nearly all succeed (three engines are always
+//! healthy); every in-flight count returns to 0; memory and file descriptors are flat.
+//!
+//! The short run is part of `cargo test` (~40 s); the long one is
+//! `cargo test --release --test soak -- --ignored` (10 minutes).
+
+mod common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use parking_lot::Mutex;
+
+const ENGINE: &[&str] = &["--decode-ms-per-token", "2", "--prefill-us-per-token", "5"];
+
+/// A request's fate.
+#[derive(Debug, Default)]
+struct Tally {
+    ok: AtomicU64,
+    /// An HTTP error status with a JSON error body.
+    http_error: AtomicU64,
+    /// A stream that ended with an SSE error event.
+    sse_error: AtomicU64,
+    /// A plain body the balancer cut (an engine stalled after its head).
+    cut: AtomicU64,
+    /// The client walked away on purpose.
+    left: AtomicU64,
+    /// Failures of the contract: truncated streams, non-JSON errors, hangs, no answer.
+    broken: Mutex<Vec<String>>,
+}
+
+impl Tally {
+    fn total(&self) -> u64 {
+        [&self.ok, &self.http_error, &self.sse_error, &self.cut, &self.left]
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .sum::<u64>()
+            + self.broken.lock().len() as u64
+    }
+}
+
+/// xorshift: enough randomness for a schedule, no dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+fn rss_kb(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+fn fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+/// One client request, classified.
+async fn one(lb: &Proc, rng: &mut Rng, tally: &Tally) {
+    let session = format!("s{}", rng.below(60));
+    let stream = rng.below(4) != 0;
+    let leave = stream && rng.below(10) == 0;
+    let body = serde_json::to_vec(&chat(
+        &[("user", &format!("question for {session}"))],
+        stream,
+        8 + rng.below(32) as u32,
+    ))
+    .unwrap();
+    let url = lb.url("/v1/chat/completions");
+    let exchange = async {
+        let resp = send(
+            "POST",
+            &url,
+            &[("content-type", "application/json"), ("x-session-id", &session)],
+            body,
+        )
+        .await;
+        let status = resp.status();
+        let mut body = resp.into_body();
+        if leave && status == 200 {
+            let _ = http_body_util::BodyExt::frame(&mut body).await;
+            tally.left.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let bytes = http_body_util::BodyExt::collect(body).await.map(|b| b.to_bytes());
+        let text = bytes
+            .as_ref()
+            .map(|b| String::from_utf8_lossy(b).into_owned())
+            .unwrap_or_default();
+        let fate = match (status.as_u16(), stream, &bytes) {
+            (200, true, Ok(_)) if text.ends_with("data: [DONE]\n\n") => &tally.ok,
+            (200, true, Ok(_)) if text.contains("data: {\"error\"") => &tally.sse_error,
+            (200, false, Ok(_)) if text.contains("\"choices\"") => &tally.ok,
+            (200, false, Err(_)) => &tally.cut,
+            (s, _, Ok(_)) if s >= 400 && text.contains("\"error\"") => &tally.http_error,
+            (s, _, r) => {
+                tally.broken.lock().push(format!(
+                    "status {s}, stream {stream}, body {:?}: {}",
+                    r.as_ref().err(),
+                    text.chars().rev().take(120).collect::<String>()
+                ));
+                return;
+            }
+        };
+        fate.fetch_add(1, Ordering::Relaxed);
+    };
+    // Longest legitimate wait: three attempts' first-token budgets plus the stream.
+    if tokio::time::timeout(Duration::from_secs(15), exchange)
+        .await
+        .is_err()
+    {
+        tally
+            .broken
+            .lock()
+            .push(format!("hung past 15 s (stream {stream})"));
+    }
+}
+
+async fn soak(duration: Duration, clients: usize) {
+    let mut engines: Vec<Option<Proc>> = (0..4)
+        .map(|i| Some(engine(&format!("e{i}"), ENGINE)))
+        .collect();
+    let addrs: Vec<_> = engines.iter().map(|e| e.as_ref().unwrap().addr).collect();
+    let refs: Vec<&Proc> = engines.iter().flatten().collect();
+    let config_text = config_ext(
+        &refs,
+        "idle_stream_timeout = \"1s\"\nrequest_timeout = \"4s\"\n[breaker]\nopen_for = \"1s\"\ncanary_step = \"200ms\"\n[health]\ninterval = \"300ms\"\n",
+        "first_token_timeout = \"1s\"",
+    );
+    let config_path = write_config(&config_text);
+    let lb = Arc::new(balancer_from_file(&config_path));
+    // Warm up, then take the baseline.
+    for i in 0..50 {
+        stream_chat(&lb, &format!("warm{i}"), 4).await;
+    }
+    let (rss0, fds0) = (rss_kb(lb.pid()), fds(lb.pid()));
+    let tally = Arc::new(Tally::default());
+    let end = Instant::now() + duration;
+    let workers: Vec<_> = (0..clients)
+        .map(|c| {
+            let (lb, tally) = (lb.clone(), tally.clone());
+            tokio::spawn(async move {
+                let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ (c as u64 + 1) * 0x1000_0001);
+                while Instant::now() < end {
+                    one(&lb, &mut rng, &tally).await;
+                }
+            })
+        })
+        .collect();
+    // The fault schedule: one engine at a time, so three are always healthy.
+    let faults = ["stall", "error", "slow", "empty", "reset", "kill", "reload"];
+    let mut tick = 0usize;
+    let mut faulted: Option<(usize, &str)> = None;
+    while Instant::now() + Duration::from_millis(1500) < end {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        if let Some((i, f)) = faulted.take() {
+            match (f, &engines[i]) {
+                ("kill", _) => engines[i] = Some(engine_at(&format!("e{i}"), addrs[i], ENGINE)),
+                ("reload", _) => {}
+                (_, Some(e)) => set_fault(e, "ok", 0).await,
+                (_, None) => {}
+            }
+        }
+        let (i, f) = (tick % 4, faults[tick % faults.len()]);
+        let target = engines[i].as_ref().expect("every engine runs between faults");
+        match f {
+            // Dropping the process kills it (SIGKILL).
+            "kill" => engines[i] = None,
+            "reload" => {
+                std::fs::write(&config_path, &config_text).unwrap();
+                let r = call("POST", &lb.admin_url("/admin/reload"), &[], Vec::new()).await;
+                assert_eq!(r.status, 200, "{}", r.text());
+            }
+            "slow" => set_fault(target, "slow", 300).await,
+            mode => set_fault(target, mode, 0).await,
+        }
+        faulted = Some((i, f));
+        tick += 1;
+    }
+    for w in workers {
+        w.await.unwrap();
+    }
+    if let Some((i, "kill")) = faulted {
+        engines[i] = Some(engine_at(&format!("e{i}"), addrs[i], ENGINE));
+    }
+    // Every slot comes back.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let nodes = get_json(&lb.admin_url("/admin/nodes")).await;
+        let busy: u64 = nodes["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n["in_flight"].as_u64().unwrap())
+            .sum();
+        if busy == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "in-flight stuck at {busy}: {nodes}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (rss1, fds1) = (rss_kb(lb.pid()), fds(lb.pid()));
+    let total = tally.total();
+    let ok = tally.ok.load(Ordering::Relaxed);
+    eprintln!(
+        "soak {duration:?}: {total} requests, {ok} ok, {} http errors, {} sse errors, {} cut, {} left by the client, {} broken; RSS {rss0} -> {rss1} kB, fds {fds0} -> {fds1}, {tick} faults",
+        tally.http_error.load(Ordering::Relaxed),
+        tally.sse_error.load(Ordering::Relaxed),
+        tally.cut.load(Ordering::Relaxed),
+        tally.left.load(Ordering::Relaxed),
+        tally.broken.lock().len(),
+    );
+    let broken = tally.broken.lock();
+    assert!(broken.is_empty(), "{} broken: {:?}", broken.len(), &broken[..broken.len().min(5)]);
+    assert!(ok * 100 >= total * 90, "only {ok} of {total} succeeded with three healthy engines");
+    assert!(rss1 <= rss0 + rss0 / 2 + 20_000, "RSS grew: {rss0} -> {rss1} kB");
+    assert!(fds1 <= fds0 + 40, "fds grew: {fds0} -> {fds1}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faults_and_load_lose_nothing_short() {
+    soak(Duration::from_secs(30), 16).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "10 minutes: cargo test --release --test soak -- --ignored"]
+async fn faults_and_load_lose_nothing_long() {
+    soak(Duration::from_secs(600), 32).await;
+}
