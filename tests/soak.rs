@@ -39,10 +39,16 @@ struct Tally {
 
 impl Tally {
     fn total(&self) -> u64 {
-        [&self.ok, &self.http_error, &self.sse_error, &self.cut, &self.left]
-            .iter()
-            .map(|c| c.load(Ordering::Relaxed))
-            .sum::<u64>()
+        [
+            &self.ok,
+            &self.http_error,
+            &self.sse_error,
+            &self.cut,
+            &self.left,
+        ]
+        .iter()
+        .map(|c| c.load(Ordering::Relaxed))
+        .sum::<u64>()
             + self.broken.lock().len() as u64
     }
 }
@@ -92,7 +98,10 @@ async fn one(lb: &Proc, rng: &mut Rng, tally: &Tally) {
         let resp = send(
             "POST",
             &url,
-            &[("content-type", "application/json"), ("x-session-id", &session)],
+            &[
+                ("content-type", "application/json"),
+                ("x-session-id", &session),
+            ],
             body,
         )
         .await;
@@ -103,7 +112,9 @@ async fn one(lb: &Proc, rng: &mut Rng, tally: &Tally) {
             tally.left.fetch_add(1, Ordering::Relaxed);
             return;
         }
-        let bytes = http_body_util::BodyExt::collect(body).await.map(|b| b.to_bytes());
+        let bytes = http_body_util::BodyExt::collect(body)
+            .await
+            .map(|b| b.to_bytes());
         let text = bytes
             .as_ref()
             .map(|b| String::from_utf8_lossy(b).into_owned())
@@ -161,7 +172,7 @@ async fn soak(duration: Duration, clients: usize) {
         .map(|c| {
             let (lb, tally) = (lb.clone(), tally.clone());
             tokio::spawn(async move {
-                let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ (c as u64 + 1) * 0x1000_0001);
+                let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ ((c as u64 + 1) * 0x1000_0001));
                 while Instant::now() < end {
                     one(&lb, &mut rng, &tally).await;
                 }
@@ -183,7 +194,9 @@ async fn soak(duration: Duration, clients: usize) {
             }
         }
         let (i, f) = (tick % 4, faults[tick % faults.len()]);
-        let target = engines[i].as_ref().expect("every engine runs between faults");
+        let target = engines[i]
+            .as_ref()
+            .expect("every engine runs between faults");
         match f {
             // Dropping the process kills it (SIGKILL).
             "kill" => engines[i] = None,
@@ -217,7 +230,10 @@ async fn soak(duration: Duration, clients: usize) {
         if busy == 0 {
             break;
         }
-        assert!(Instant::now() < deadline, "in-flight stuck at {busy}: {nodes}");
+        assert!(
+            Instant::now() < deadline,
+            "in-flight stuck at {busy}: {nodes}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -233,9 +249,20 @@ async fn soak(duration: Duration, clients: usize) {
         tally.broken.lock().len(),
     );
     let broken = tally.broken.lock();
-    assert!(broken.is_empty(), "{} broken: {:?}", broken.len(), &broken[..broken.len().min(5)]);
-    assert!(ok * 100 >= total * 90, "only {ok} of {total} succeeded with three healthy engines");
-    assert!(rss1 <= rss0 + rss0 / 2 + 20_000, "RSS grew: {rss0} -> {rss1} kB");
+    assert!(
+        broken.is_empty(),
+        "{} broken: {:?}",
+        broken.len(),
+        &broken[..broken.len().min(5)]
+    );
+    assert!(
+        ok * 100 >= total * 90,
+        "only {ok} of {total} succeeded with three healthy engines"
+    );
+    assert!(
+        rss1 <= rss0 + rss0 / 2 + 20_000,
+        "RSS grew: {rss0} -> {rss1} kB"
+    );
     assert!(fds1 <= fds0 + 40, "fds grew: {fds0} -> {fds1}");
 }
 

@@ -81,7 +81,9 @@ pub(super) fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<
         include_usage: v["stream_options"]["include_usage"]
             .as_bool()
             .unwrap_or(false),
-        tool: v["tools"][0]["function"]["name"].as_str().map(str::to_string),
+        tool: v["tools"][0]["function"]["name"]
+            .as_str()
+            .map(str::to_string),
     })
 }
 
@@ -101,7 +103,11 @@ pub(super) fn embeddings(body: &[u8], default_model: &str) -> Result<Value, Stri
         Value::String(s) => vec![s.clone()],
         Value::Array(items) => items
             .iter()
-            .map(|i| i.as_str().map(str::to_string).unwrap_or_else(|| i.to_string()))
+            .map(|i| {
+                i.as_str()
+                    .map(str::to_string)
+                    .unwrap_or_else(|| i.to_string())
+            })
             .collect(),
         _ => return Err("'input' is required".into()),
     };

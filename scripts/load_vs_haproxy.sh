@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# prefixlb vs HAProxy, same load, same machine, one run: 2 zero-latency mock engines
+# behind each, `wrk` POSTing chat bodies of ~1 KB and ~18 KB with 32 and 256
+# connections, the two proxies alternating, ROUNDS rounds. Prints requests/s, p50/p99
+# latency and proxy CPU seconds per 1,000 requests (from /proc), and the ratios.
+#   scripts/load_vs_haproxy.sh                  # 3 rounds of 10 s per cell
+#   ROUNDS=1 DURATION=5 scripts/load_vs_haproxy.sh
+# HAProxy is configured as its users would for prefix affinity: the whole body
+# buffered, hashed on its first 1,024 bytes, consistent hashing with bounded loads.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROUNDS=${ROUNDS:-3}
+DURATION=${DURATION:-10}
+THREADS=${THREADS:-2}
+WORK=${WORK:-target/load}
+mkdir -p "$WORK"
+
+need() {
+    command -v "$1" >/dev/null && return
+    SUDO=""
+    if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "$2" >/dev/null
+}
+need haproxy haproxy
+need wrk wrk
+
+cargo build --release --quiet
+BIN=target/release/prefixlb
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT
+
+for i in 0 1; do
+    "$BIN" mock-engine --listen "127.0.0.1:1920$i" --id "e$i" \
+        --decode-ms-per-token 0 --prefill-us-per-token 0 >/dev/null 2>&1 &
+    PIDS+=($!)
+done
+
+cat >"$WORK/prefixlb.toml" <<'EOF'
+[server]
+listen = "127.0.0.1:19180"
+admin_listen = "127.0.0.1:19190"
+[routing]
+# High enough never to bind: this measures the proxy, not bounded loads.
+max_in_flight = 100000
+[[pools]]
+name = "mock"
+models = ["mock"]
+[[pools.nodes]]
+id = "e0"
+url = "http://127.0.0.1:19200"
+[[pools.nodes]]
+id = "e1"
+url = "http://127.0.0.1:19201"
+EOF
+RUST_LOG=warn "$BIN" serve --config "$WORK/prefixlb.toml" >/dev/null 2>&1 &
+LB_PID=$!
+PIDS+=($LB_PID)
+
+cat >"$WORK/haproxy.cfg" <<'EOF'
+global
+    maxconn 20000
+    nbthread 2
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 60s
+    timeout server 60s
+    option http-keep-alive
+frontend fe
+    bind 127.0.0.1:19181
+    option http-buffer-request
+    default_backend engines
+backend engines
+    balance hash req.body,bytes(0,1024)
+    hash-type consistent
+    hash-balance-factor 125
+    http-reuse always
+    server e0 127.0.0.1:19200 maxconn 10000
+    server e1 127.0.0.1:19201 maxconn 10000
+EOF
+haproxy -f "$WORK/haproxy.cfg" -db >/dev/null 2>&1 &
+HA_PID=$!
+PIDS+=($HA_PID)
+sleep 1
+
+# Two bodies: ~1 KB and ~18 KB of chat (a system prompt, turns), non-streaming.
+python3 - "$WORK" <<'EOF'
+import json, sys
+work = sys.argv[1]
+def body(n_turns, words):
+    msgs = [{"role": "system", "content": "You are a helpful assistant for GPU operators. " * 4}]
+    for i in range(n_turns):
+        msgs.append({"role": "user", "content": f"turn {i}: " + "tell me about prefix caching " * words})
+        msgs.append({"role": "assistant", "content": "It keeps the KV blocks of shared prefixes. " * words})
+    msgs.append({"role": "user", "content": "and then?"})
+    return json.dumps({"model": "mock", "messages": msgs, "max_tokens": 1})
+for name, (turns, words) in {"1k": (1, 5), "18k": (15, 18)}.items():
+    b = body(turns, words)
+    with open(f"{work}/{name}.lua", "w") as f:
+        f.write('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n')
+        f.write("wrk.body = " + json.dumps(b) + "\n")
+    print(f"{name}: {len(b)} bytes", file=sys.stderr)
+EOF
+
+cpu_s() { # utime + stime of a pid, in seconds
+    awk -v hz="$(getconf CLK_TCK)" '{print ($14 + $15) / hz}' "/proc/$1/stat"
+}
+
+run() { # proxy-name port pid body conns -> "rps p50_ms p99_ms cpu_per_1k"
+    local before after out rps p50 p99 reqs
+    before=$(cpu_s "$3")
+    out=$(wrk -t"$THREADS" -c"$5" -d"${DURATION}s" --latency -s "$WORK/$4.lua" "http://127.0.0.1:$2/v1/chat/completions")
+    after=$(cpu_s "$3")
+    rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
+    reqs=$(echo "$out" | awk '/requests in/ {print $1}')
+    p50=$(echo "$out" | awk '$1 == "50%" {print $2}')
+    p99=$(echo "$out" | awk '$1 == "99%" {print $2}')
+    non2xx=$(echo "$out" | awk '/Non-2xx/ {print $4}')
+    python3 - "$rps" "$p50" "$p99" "$before" "$after" "$reqs" "${non2xx:-0}" <<'EOF'
+import sys
+def ms(v):
+    for unit, f in (("us", 0.001), ("ms", 1.0), ("s", 1000.0)):
+        if v.endswith(unit):
+            return float(v[: -len(unit)]) * f
+    return float(v)
+rps, p50, p99, before, after, reqs, bad = sys.argv[1:]
+print(f"{float(rps):.0f} {ms(p50):.2f} {ms(p99):.2f} {(float(after) - float(before)) / max(int(reqs), 1) * 1000:.3f} {bad}")
+EOF
+}
+
+echo
+echo "round body conns | prefixlb rps p50 p99 cpu/1k | haproxy rps p50 p99 cpu/1k"
+for round in $(seq "$ROUNDS"); do
+    for body in 1k 18k; do
+        for conns in 32 256; do
+            a=$(run prefixlb 19180 "$LB_PID" "$body" "$conns")
+            b=$(run haproxy 19181 "$HA_PID" "$body" "$conns")
+            echo "$round $body $conns | $a | $b" | tee -a "$WORK/rows.txt"
+        done
+    done
+done
+
+echo
+echo "== medians over $ROUNDS rounds (rps, p50 ms, p99 ms, CPU s per 1,000 requests; ratio = prefixlb / haproxy)"
+python3 - "$WORK/rows.txt" "$ROUNDS" <<'EOF'
+import statistics, sys
+rows = [l.split() for l in open(sys.argv[1]).read().splitlines()][-4 * int(sys.argv[2]):]
+cells = {}
+for r in rows:
+    key = (r[1], int(r[2]))
+    a = [float(x) for x in r[4:8]]
+    b = [float(x) for x in r[10:14]]
+    cells.setdefault(key, []).append((a, b))
+print(f"{'body':>5} {'conns':>5} | {'prefixlb rps':>12} {'p50':>7} {'p99':>7} {'cpu/1k':>7} | {'haproxy rps':>11} {'p50':>7} {'p99':>7} {'cpu/1k':>7} | {'rps x':>6} {'p99 x':>6}")
+for (body, conns), runs in sorted(cells.items()):
+    med = lambda side, i: statistics.median(r[side][i] for r in runs)
+    a = [med(0, i) for i in range(4)]
+    b = [med(1, i) for i in range(4)]
+    print(f"{body:>5} {conns:>5} | {a[0]:>12.0f} {a[1]:>7.2f} {a[2]:>7.2f} {a[3]:>7.3f} | {b[0]:>11.0f} {b[1]:>7.2f} {b[2]:>7.2f} {b[3]:>7.3f} | {a[0] / b[0]:>6.2f} {a[2] / b[2]:>6.2f}")
+EOF
