@@ -14,14 +14,25 @@ if [ ${#targets[@]} -eq 0 ]; then
     targets=(routing_key sse_scanner body_edit config)
 fi
 mkdir -p fuzz/corpus
+failed=()
 for t in "${targets[@]}"; do
     mkdir -p "fuzz/corpus/$t"
+    # cargo fuzz looks for fuzz/corpus/TARGET from the fuzz/ folder's parent.
     # Seed the corpus with real bodies and configs.
     case $t in
         routing_key|body_edit) cp tests/fixtures/fuzz/*.json "fuzz/corpus/$t/" 2>/dev/null || true ;;
         config) cp config/prefixlb.toml "fuzz/corpus/$t/shipped.toml" ;;
     esac
     echo "== $t for ${SECONDS_EACH}s"
-    cargo +nightly fuzz run "$t" -- -max_total_time="$SECONDS_EACH" -rss_limit_mb=2048 2>&1 | tail -4
+    if (cd fuzz && cargo +nightly fuzz run "$t" -- -max_total_time="$SECONDS_EACH" -rss_limit_mb=2048) >"fuzz/$t.log" 2>&1; then
+        grep -E "^Done" "fuzz/$t.log" || true
+    else
+        failed+=("$t")
+        grep -E "panicked|assertion|SUMMARY|Test unit written" "fuzz/$t.log" | head -5
+    fi
     echo "corpus: $(ls "fuzz/corpus/$t" | wc -l) inputs"
 done
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "crashes in: ${failed[*]} (inputs in fuzz/artifacts/)"
+    exit 1
+fi

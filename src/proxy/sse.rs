@@ -34,6 +34,9 @@ pub struct SseScanner {
     line_start: usize,
     /// The last byte scanned was a CR: a following LF belongs to that line end.
     after_cr: bool,
+    /// The last byte pending is a CR ending a blank line, not scanned yet: whether an
+    /// LF follows decides which block that LF belongs to, so the block waits for it.
+    held_cr: bool,
     kind: Vec<u8>,
     data: Vec<u8>,
     has_data: bool,
@@ -57,7 +60,7 @@ impl SseScanner {
         let (buf, mut pos) = if self.pending.is_empty() {
             (chunk.clone(), 0)
         } else {
-            let scanned = self.pending.len();
+            let scanned = self.pending.len() - usize::from(std::mem::take(&mut self.held_cr));
             self.pending.extend_from_slice(chunk);
             (std::mem::take(&mut self.pending).freeze(), scanned)
         };
@@ -79,6 +82,12 @@ impl SseScanner {
                 match bytes.get(next) {
                     Some(b'\n') => next += 1,
                     Some(_) => {}
+                    // A blank line whose CR may be half of a CRLF: wait for the next
+                    // byte before ending the block, so the LF is not left behind.
+                    None if line.is_empty() => {
+                        self.held_cr = true;
+                        break;
+                    }
                     None => self.after_cr = true,
                 }
             }
