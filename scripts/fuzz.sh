@@ -17,7 +17,6 @@ mkdir -p fuzz/corpus
 failed=()
 for t in "${targets[@]}"; do
     mkdir -p "fuzz/corpus/$t"
-    # cargo fuzz looks for fuzz/corpus/TARGET from the fuzz/ folder's parent.
     # Seed the corpus with real bodies and configs.
     case $t in
         routing_key|body_edit) cp tests/fixtures/fuzz/*.json "fuzz/corpus/$t/" 2>/dev/null || true ;;

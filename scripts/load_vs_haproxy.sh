@@ -60,7 +60,7 @@ PIDS+=($LB_PID)
 
 cat >"$WORK/haproxy.cfg" <<'EOF'
 global
-    maxconn 20000
+    maxconn 4096
     nbthread 2
 defaults
     mode http
@@ -96,7 +96,7 @@ def body(n_turns, words):
         msgs.append({"role": "assistant", "content": "It keeps the KV blocks of shared prefixes. " * words})
     msgs.append({"role": "user", "content": "and then?"})
     return json.dumps({"model": "mock", "messages": msgs, "max_tokens": 1})
-for name, (turns, words) in {"1k": (1, 5), "18k": (15, 18)}.items():
+for name, (turns, words) in {"1k": (1, 8), "18k": (13, 18)}.items():
     b = body(turns, words)
     with open(f"{work}/{name}.lua", "w") as f:
         f.write('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n')
