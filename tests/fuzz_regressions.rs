@@ -4,9 +4,11 @@
 use bytes::Bytes;
 use prefixlb::proxy::sse::SseScanner;
 
-/// Blocks (raw bytes and event data) and the unfinished rest, pushing `stream` in
-/// chunks of `step` bytes.
-fn scan(stream: &[u8], step: usize) -> (Vec<(Vec<u8>, Option<String>)>, Bytes) {
+/// One block: its raw bytes and its event's data.
+type Block = (Vec<u8>, Option<String>);
+
+/// Blocks and the unfinished rest, pushing `stream` in chunks of `step` bytes.
+fn scan(stream: &[u8], step: usize) -> (Vec<Block>, Bytes) {
     let mut s = SseScanner::default();
     let mut blocks = Vec::new();
     for chunk in stream.chunks(step) {
