@@ -128,6 +128,15 @@ fn agent(redis: &str, engine: &Proc, id: &str, extra: &[&str]) -> Daemon {
     Daemon(child)
 }
 
+/// An agent beside each engine, ids `{prefix}0`, `{prefix}1`, ….
+fn agents(redis: &str, engines: &[Proc], prefix: &str) -> Vec<Daemon> {
+    engines
+        .iter()
+        .enumerate()
+        .map(|(i, engine)| agent(redis, engine, &format!("{prefix}{i}"), &[]))
+        .collect()
+}
+
 fn fleet_config(redis: &str, routing: &str) -> String {
     format!(
         "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n[routing]\n{routing}\n\
@@ -136,18 +145,13 @@ fn fleet_config(redis: &str, routing: &str) -> String {
     )
 }
 
-async fn metric(lb: &Proc, name: &str) -> Option<f64> {
-    let text = call("GET", &lb.admin_url("/metrics"), &[], Vec::new())
-        .await
-        .text();
-    text.lines()
-        .find(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
+/// A gauge of `lb`'s `/metrics` (common's [`metric`], by balancer).
+async fn gauge(lb: &Proc, name: &str) -> f64 {
+    metric(&lb.admin_url("/metrics"), name).await
 }
 
 async fn ring_nodes(lb: &Proc) -> usize {
-    metric(lb, "prefixlb_ring_nodes").await.unwrap_or(0.0) as usize
+    gauge(lb, "prefixlb_ring_nodes").await as usize
 }
 
 /// Waits until `lb` has `n` nodes on its ring; returns how long it took.
@@ -180,11 +184,7 @@ async fn three_agents_make_a_pool_routed_like_the_same_static_nodes() {
     let e = engines(3);
     let lb = balancer(&fleet_config(&redis.url(), ""));
     assert_eq!(ring_nodes(&lb).await, 0);
-    let _agents: Vec<Daemon> = e
-        .iter()
-        .enumerate()
-        .map(|(i, engine)| agent(&redis.url(), engine, &format!("gpu-{i}"), &[]))
-        .collect();
+    let _agents = agents(&redis.url(), &e, "gpu-");
     until_nodes(&lb, 3, Duration::from_secs(3)).await;
     let nodes = get_json(&lb.admin_url("/admin/nodes")).await;
     for n in nodes["nodes"].as_array().unwrap() {
@@ -240,11 +240,7 @@ async fn a_killed_agent_leaves_within_ttl_and_its_streams_finish_a_stopped_one_a
     };
     let e = engines(3);
     let lb = balancer(&fleet_config(&redis.url(), ""));
-    let mut agents: Vec<Daemon> = e
-        .iter()
-        .enumerate()
-        .map(|(i, engine)| agent(&redis.url(), engine, &format!("n{i}"), &[]))
-        .collect();
+    let mut agents = agents(&redis.url(), &e, "n");
     until_nodes(&lb, 3, Duration::from_secs(3)).await;
     // A long stream on n0 (400 tokens × 2 ms), then its agent is killed.
     let mut session = String::new();
@@ -296,13 +292,9 @@ async fn a_redis_outage_freezes_membership_and_costs_clients_nothing() {
     };
     let e = engines(3);
     let lb = balancer(&fleet_config(&redis.url(), ""));
-    let _agents: Vec<Daemon> = e
-        .iter()
-        .enumerate()
-        .map(|(i, engine)| agent(&redis.url(), engine, &format!("n{i}"), &[]))
-        .collect();
+    let _agents = agents(&redis.url(), &e, "n");
     until_nodes(&lb, 3, Duration::from_secs(3)).await;
-    assert_eq!(metric(&lb, "prefixlb_redis_up").await, Some(1.0));
+    assert_eq!(gauge(&lb, "prefixlb_redis_up").await, 1.0);
     let latencies = |n: usize| {
         let lb_url = lb.url("/v1/chat/completions");
         async move {
@@ -325,7 +317,7 @@ async fn a_redis_outage_freezes_membership_and_costs_clients_nothing() {
     let before = latencies(60).await;
     redis.down();
     let during = latencies(60).await;
-    assert_eq!(metric(&lb, "prefixlb_redis_up").await, Some(0.0));
+    assert_eq!(gauge(&lb, "prefixlb_redis_up").await, 0.0);
     assert_eq!(ring_nodes(&lb).await, 3, "membership frozen");
     let during_late = latencies(60).await;
     assert!(
@@ -336,7 +328,7 @@ async fn a_redis_outage_freezes_membership_and_costs_clients_nothing() {
     // Back (empty: no persistence): resync, and no engine dropped meanwhile.
     redis.up();
     let start = Instant::now();
-    while metric(&lb, "prefixlb_redis_up").await != Some(1.0) {
+    while gauge(&lb, "prefixlb_redis_up").await != 1.0 {
         assert!(start.elapsed() < Duration::from_secs(15), "no resync");
         assert_eq!(ring_nodes(&lb).await, 3);
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -354,11 +346,7 @@ async fn an_unhealthy_engine_stops_heartbeating_and_leaves() {
     };
     let e = engines(2);
     let lb = balancer(&fleet_config(&redis.url(), ""));
-    let _agents: Vec<Daemon> = e
-        .iter()
-        .enumerate()
-        .map(|(i, engine)| agent(&redis.url(), engine, &format!("n{i}"), &[]))
-        .collect();
+    let _agents = agents(&redis.url(), &e, "n");
     until_nodes(&lb, 2, Duration::from_secs(3)).await;
     set_fault(&e[1], "error", 0).await;
     until_nodes(&lb, 1, Duration::from_millis(TTL_MS + 3 * POLL_MS)).await;
@@ -378,16 +366,12 @@ async fn two_replicas_know_each_other_agree_and_split_the_cap() {
     );
     let a = balancer(&config);
     let b = balancer(&config);
-    let _agents: Vec<Daemon> = e
-        .iter()
-        .enumerate()
-        .map(|(i, engine)| agent(&redis.url(), engine, &format!("n{i}"), &[]))
-        .collect();
+    let _agents = agents(&redis.url(), &e, "n");
     until_nodes(&a, 3, Duration::from_secs(3)).await;
     until_nodes(&b, 3, Duration::from_secs(3)).await;
     let start = Instant::now();
-    while metric(&a, "prefixlb_balancer_replicas").await != Some(2.0)
-        || metric(&b, "prefixlb_balancer_replicas").await != Some(2.0)
+    while gauge(&a, "prefixlb_balancer_replicas").await != 2.0
+        || gauge(&b, "prefixlb_balancer_replicas").await != 2.0
     {
         assert!(
             start.elapsed() < Duration::from_secs(3),
@@ -414,7 +398,7 @@ async fn two_replicas_know_each_other_agree_and_split_the_cap() {
     // One replica gone: the other takes the whole cap again after the TTL.
     drop(b);
     let start = Instant::now();
-    while metric(&a, "prefixlb_balancer_replicas").await != Some(1.0) {
+    while gauge(&a, "prefixlb_balancer_replicas").await != 1.0 {
         assert!(
             start.elapsed() < Duration::from_secs(4),
             "the dead replica is still counted"

@@ -220,20 +220,11 @@ async fn soak(duration: Duration, clients: usize) {
     // Every slot comes back.
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let nodes = get_json(&lb.admin_url("/admin/nodes")).await;
-        let busy: u64 = nodes["nodes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|n| n["in_flight"].as_u64().unwrap())
-            .sum();
-        if busy == 0 {
+        let nodes = in_flight(&lb).await;
+        if nodes.iter().all(|(_, n)| *n == 0) {
             break;
         }
-        assert!(
-            Instant::now() < deadline,
-            "in-flight stuck at {busy}: {nodes}"
-        );
+        assert!(Instant::now() < deadline, "in-flight stuck: {nodes:?}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
