@@ -3,11 +3,12 @@
 //! for streams, and failover to the next untried successor (then to the pool's
 //! fallbacks) on anything that fails before a byte has gone to the client.
 
-use std::error::Error as _;
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use http::uri::PathAndQuery;
 use http::{header, HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Version};
 use http_body_util::Full;
 use hyper::body::Incoming;
@@ -18,8 +19,9 @@ use super::body::BoxBody;
 use super::edit::{self, Edits};
 use super::outcome::{FailoverReason, RequestOutcome};
 use super::probe::{self, Commit, ProbeFailure};
-use super::relay::{Finish, Learn, RelayBody};
-use super::{headers, ProxyError, UpstreamClient};
+use super::relay::{Finish, FromEngine, Learn, RelayBody};
+use super::upstream::{Lease, Upstream};
+use super::{headers, ProxyError};
 use crate::clip::clip;
 use crate::config::RoutingConfig;
 use crate::routing::breaker::{BreakerSettings, Outcome};
@@ -92,13 +94,13 @@ impl Drop for Attempt {
 
 /// One client request on its way to the engines: what every attempt needs.
 pub(super) struct Exchange<'t> {
-    pub client: &'t UpstreamClient,
+    pub upstream: &'t Arc<Upstream>,
     pub metrics: &'t Arc<Metrics>,
     pub table: &'t Arc<Table>,
     pub plan: Plan,
     pub method: Method,
     /// Path and query, as the client sent them.
-    pub path: String,
+    pub path: PathAndQuery,
     /// The headers for the engines (see [`headers::upstream_headers`]).
     pub headers: HeaderMap,
     /// The body as the client sent it; every target edits these bytes afresh.
@@ -123,9 +125,10 @@ enum Answer {
     Stream {
         head: http::response::Parts,
         committed: probe::Committed,
+        conn: Lease,
     },
     /// Anything else that is not a failure: a 2xx, or a 4xx that is the client's.
-    Plain(Response<Incoming>),
+    Plain(Response<Incoming>, Lease),
 }
 
 impl Exchange<'_> {
@@ -260,17 +263,21 @@ impl Exchange<'_> {
 
     /// One attempt: sends the request to `node` and classifies what comes back.
     async fn ask(&self, pool: &Pool, node: &Node, body: &Bytes) -> Result<Answer, Failure> {
-        let uri = node.upstream_uri(&self.path).map_err(|e| {
+        let bad_uri = |e: &dyn std::fmt::Display| {
             Failure::new(
                 FailoverReason::Error,
                 format!("{}: bad upstream URI: {e}", node.id()),
             )
-        })?;
+        };
+        let uri = node.origin_form(&self.path).map_err(|e| bad_uri(&e))?;
+        let (authority, host) = node.authority().ok_or_else(|| bad_uri(&"no host"))?;
         let mut req = Request::new(Full::new(body.clone()));
         *req.method_mut() = self.method.clone();
         *req.uri_mut() = uri;
         *req.version_mut() = Version::HTTP_11;
-        *req.headers_mut() = self.headers.clone();
+        let mut headers = self.headers.clone();
+        headers.insert(header::HOST, host.clone());
+        *req.headers_mut() = headers;
         let stream = self.plan.facts.stream;
         let sent = Instant::now();
         // A stream has `first_token_timeout` for its head and first token together.
@@ -279,22 +286,23 @@ impl Exchange<'_> {
         } else {
             self.table.config.server.request_timeout
         };
-        let resp = match tokio::time::timeout(budget, self.client.request(req)).await {
-            Err(_) => {
-                let ms = budget.as_millis();
-                return Err(Failure::new(
-                    FailoverReason::Timeout,
-                    format!("{}: no response within {ms} ms", node.id()),
-                ));
-            }
-            Ok(Err(e)) => {
-                return Err(Failure::new(
-                    FailoverReason::Error,
-                    format!("{}: {}", node.id(), error_chain(&e)),
-                ))
-            }
-            Ok(Ok(resp)) => resp,
-        };
+        let (resp, conn) =
+            match tokio::time::timeout(budget, self.upstream.send(authority, req)).await {
+                Err(_) => {
+                    let ms = budget.as_millis();
+                    return Err(Failure::new(
+                        FailoverReason::Timeout,
+                        format!("{}: no response within {ms} ms", node.id()),
+                    ));
+                }
+                Ok(Err(e)) => {
+                    return Err(Failure::new(
+                        FailoverReason::Error,
+                        format!("{}: {e}", node.id()),
+                    ))
+                }
+                Ok(Ok(resp)) => resp,
+            };
         let status = resp.status();
         if status == StatusCode::TOO_MANY_REQUESTS {
             return Err(Failure::new(
@@ -309,12 +317,16 @@ impl Exchange<'_> {
             ));
         }
         if !(stream && status.is_success() && is_event_stream(resp.headers())) {
-            return Ok(Answer::Plain(resp));
+            return Ok(Answer::Plain(resp, conn));
         }
         let (head, body) = resp.into_parts();
         let deadline = sent + pool.config.first_token_timeout;
         match probe::first_packet(body, sent, deadline).await {
-            Ok(committed) => Ok(Answer::Stream { head, committed }),
+            Ok(committed) => Ok(Answer::Stream {
+                head,
+                committed,
+                conn,
+            }),
             Err(ProbeFailure::Timeout) => Err(Failure::new(
                 FailoverReason::Timeout,
                 format!(
@@ -367,20 +379,19 @@ impl Exchange<'_> {
         };
         let finish = |status: StatusCode, ttft: Option<Duration>| Finish {
             metrics: self.metrics.clone(),
-            pool: c.pool.config.name.clone(),
-            node: c.node.id().to_string(),
-            route: c.route.label(),
+            route: c.route.clone(),
             attempts: c.attempts,
             status: status.as_u16(),
             outcome: RequestOutcome::of_status(status.as_u16()),
             started: self.started,
             ttft,
-            learn: Some(learn()),
+            learn: learn(),
         };
         let (head, body) = match answer {
             Answer::Stream {
                 mut head,
                 committed,
+                conn,
             } => {
                 // A client error in an SSE event is the client's to read: the node is
                 // fine, and its latency says nothing.
@@ -398,7 +409,10 @@ impl Exchange<'_> {
                 health.finish(Outcome::Success);
                 let body = RelayBody::stream(
                     committed.held,
-                    committed.rest,
+                    FromEngine {
+                        body: committed.rest,
+                        conn,
+                    },
                     c.choice.reservation,
                     finish,
                     idle,
@@ -407,15 +421,21 @@ impl Exchange<'_> {
                 );
                 (head, body)
             }
-            Answer::Plain(resp) => {
+            Answer::Plain(resp, conn) => {
                 health.finish(Outcome::Success);
                 let (head, body) = resp.into_parts();
                 let finish = finish(head.status, None);
-                let body = RelayBody::plain(body, c.choice.reservation, finish, idle, settings);
+                let body = RelayBody::plain(
+                    FromEngine { body, conn },
+                    c.choice.reservation,
+                    finish,
+                    idle,
+                    settings,
+                );
                 (head, body)
             }
         };
-        respond(head, body, c.node.id(), &c.route, c.attempts)
+        respond(head, body, c.node, &c.route, c.attempts)
     }
 }
 
@@ -465,16 +485,21 @@ fn is_event_stream(headers: &HeaderMap) -> bool {
 fn respond(
     mut head: http::response::Parts,
     body: RelayBody,
-    node: &str,
+    node: &Node,
     route: &Route,
     attempts: u32,
 ) -> Response<BoxBody> {
     headers::strip_hop_by_hop(&mut head.headers);
     let h = &mut head.headers;
-    if let Ok(v) = HeaderValue::from_str(node) {
-        h.insert(headers::NODE.clone(), v);
+    h.reserve(3);
+    if let Some(v) = node.id_header() {
+        h.insert(headers::NODE.clone(), v.clone());
     }
-    if let Ok(v) = HeaderValue::from_str(&route.label()) {
+    let label = match route.label() {
+        Cow::Borrowed(kind) => Ok(HeaderValue::from_static(kind)),
+        Cow::Owned(detailed) => HeaderValue::try_from(detailed),
+    };
+    if let Ok(v) = label {
         h.insert(headers::ROUTE.clone(), v);
     }
     h.insert(headers::ATTEMPTS.clone(), HeaderValue::from(attempts));
@@ -497,16 +522,4 @@ fn final_error(failures: &[Failure]) -> ProxyError {
             attempts,
         },
     }
-}
-
-/// An error and its causes, e.g. "client error (Connect): tcp connect error: Connection refused".
-fn error_chain(e: &hyper_util::client::legacy::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }

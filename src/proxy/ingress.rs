@@ -92,9 +92,12 @@ pub fn check_json_content_type(headers: &http::HeaderMap) -> Result<(), ProxyErr
     let Some(ct) = headers.get(header::CONTENT_TYPE) else {
         return Ok(());
     };
-    let ct = ct.to_str().unwrap_or("").to_ascii_lowercase();
+    let ct = ct.to_str().unwrap_or("");
     let essence = ct.split(';').next().unwrap_or("").trim();
-    if essence == "application/json" || essence.ends_with("+json") {
+    let tail = essence.len().saturating_sub(5);
+    let json = essence.eq_ignore_ascii_case("application/json")
+        || essence.as_bytes()[tail..].eq_ignore_ascii_case(b"+json");
+    if json {
         Ok(())
     } else {
         Err(ProxyError::UnsupportedMediaType(clip(essence)))
@@ -138,13 +141,16 @@ async fn read_within(
     limits: BodyLimits,
     claim: &mut BudgetClaim,
 ) -> Result<Bytes, ProxyError> {
-    let mut buf = BytesMut::with_capacity(declared.min(INITIAL_BUFFER));
+    // A body that arrives in one frame (most do) is kept as it came, not copied.
+    let mut first: Option<Bytes> = None;
+    let mut buf = BytesMut::new();
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| ProxyError::BodyRead(e.to_string()))?;
         let Ok(data) = frame.into_data() else {
             continue;
         };
-        let total = buf.len() + data.len();
+        let held = first.as_ref().map_or(0, Bytes::len) + buf.len();
+        let total = held + data.len();
         if total > limits.max_bytes {
             discard_body(body, limits.max_bytes).await;
             return Err(ProxyError::BodyTooLarge {
@@ -154,9 +160,20 @@ async fn read_within(
         if !claim.grow_to(total, limits.budget) {
             return Err(ProxyError::BufferFull);
         }
+        if held == 0 {
+            first = Some(data);
+            continue;
+        }
+        if let Some(f) = first.take() {
+            buf.reserve(declared.max(total).min(INITIAL_BUFFER.max(total)));
+            buf.extend_from_slice(&f);
+        }
         buf.extend_from_slice(&data);
     }
-    Ok(buf.freeze())
+    Ok(match first {
+        Some(only) => only,
+        None => buf.freeze(),
+    })
 }
 
 /// Reads and drops the rest of an oversized body (up to 4 × the limit, for at most

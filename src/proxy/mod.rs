@@ -14,6 +14,7 @@ pub mod outcome;
 mod probe;
 mod relay;
 pub mod sse;
+mod upstream;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -23,6 +24,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use bytes::Bytes;
+use http::uri::PathAndQuery;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::Incoming;
@@ -60,7 +62,10 @@ pub type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
 pub struct Proxy {
     table: ArcSwap<Table>,
     registry: Registry,
+    /// For health checks.
     client: UpstreamClient,
+    /// For requests: keep-alive connections handed back by the relayed body.
+    upstream: Arc<upstream::Upstream>,
     metrics: Arc<Metrics>,
     /// Request bytes held across all connections (`max_buffered_bytes`).
     budget: Arc<ByteBudget>,
@@ -78,6 +83,7 @@ impl Proxy {
     pub fn new(config: Config, source: Option<PathBuf>) -> Arc<Proxy> {
         let registry = Registry::default();
         let client = upstream_client(config.server.connect_timeout);
+        let config_connect_timeout = config.server.connect_timeout;
         let table = Table::build(config.clone(), &registry);
         Arc::new(Proxy {
             sources: Mutex::new(Sources {
@@ -87,6 +93,7 @@ impl Proxy {
             table: ArcSwap::from_pointee(table),
             registry,
             client,
+            upstream: upstream::Upstream::new(config_connect_timeout, UPSTREAM_IDLE),
             metrics: Arc::new(Metrics::new()),
             budget: Arc::default(),
             source,
@@ -221,7 +228,7 @@ impl Proxy {
         )));
     }
 
-    /// The pooled client to the engines (shared with the health checker).
+    /// The pooled client the health checker uses.
     pub fn client(&self) -> &UpstreamClient {
         &self.client
     }
@@ -322,17 +329,17 @@ impl Proxy {
         let plan = table.plan(parts.uri.path(), header_key, &body)?;
         *pool = Some(&table.pools[plan.pool].config.name);
         let exchange = forward::Exchange {
-            client: &self.client,
+            upstream: &self.upstream,
             metrics: &self.metrics,
             table,
             plan,
-            method: parts.method.clone(),
+            method: parts.method,
             path: parts
                 .uri
                 .path_and_query()
-                .map_or("/", |p| p.as_str())
-                .to_string(),
-            headers: headers::upstream_headers(&parts.headers, peer, auth.strip),
+                .cloned()
+                .unwrap_or_else(|| PathAndQuery::from_static("/")),
+            headers: headers::upstream_headers(parts.headers, peer, auth.strip),
             body,
             started,
         };

@@ -30,9 +30,11 @@ use tokio::time::{Instant, Sleep};
 use super::body::BodyError;
 use super::outcome::RequestOutcome;
 use super::sse::{Block, SseScanner};
+use super::upstream::Lease;
 use crate::routing::breaker::{BreakerSettings, Outcome};
 use crate::routing::cost::Stakes;
 use crate::routing::node::Reservation;
+use crate::routing::route::Route;
 use crate::routing::table::Table;
 use crate::routing::walk::{self, Finished};
 use crate::server::metrics::Metrics;
@@ -40,17 +42,16 @@ use crate::server::metrics::Metrics;
 /// What is known of a request when its response body ends: counted and logged once.
 pub struct Finish {
     pub metrics: Arc<Metrics>,
-    pub pool: String,
-    pub node: String,
-    pub route: String,
+    pub route: Route,
     pub attempts: u32,
     pub status: u16,
     /// The outcome if the body ends normally (from the status, or the probe's verdict).
     pub outcome: RequestOutcome,
     pub started: Instant,
     pub ttft: Option<Duration>,
-    /// What the balancer learns from the request when it succeeds.
-    pub learn: Option<Learn>,
+    /// Where it went (naming the pool and node in metrics and the log), and what
+    /// the balancer learns from it when it succeeds.
+    pub learn: Learn,
 }
 
 /// The routing facts a finished request teaches its pool's balancer.
@@ -71,7 +72,10 @@ pub struct Learn {
 impl Finish {
     fn complete(self, outcome: RequestOutcome, usage: &UsageScan) {
         let duration = self.started.elapsed();
-        if let (Some(l), RequestOutcome::Success) = (&self.learn, outcome) {
+        let l = &self.learn;
+        let pool = &l.table.pools[l.pool];
+        let (pool_name, node) = (pool.config.name.as_str(), pool.balancer.node(l.node).id());
+        if outcome == RequestOutcome::Success {
             let tokens = |n: Option<u64>| n.unwrap_or(0).min(u64::from(u32::MAX)) as u32;
             let finished = Finished {
                 target: l.target,
@@ -84,27 +88,27 @@ impl Finish {
                 uncached_estimate: l.uncached_estimate,
                 ahead: l.ahead,
             };
-            let balancer = &l.table.pools[l.pool].balancer;
+            let balancer = &pool.balancer;
             balancer.judge_latency(&finished, std::time::Instant::now());
             balancer.finished(&finished);
         }
         self.metrics
-            .observe_request(&self.pool, &self.node, outcome, duration);
+            .observe_request(pool_name, node, outcome, duration);
         if let Some(prompt) = usage.prompt {
             self.metrics
                 .prompt_tokens
-                .with_label_values(&[&self.node])
+                .with_label_values(&[node])
                 .inc_by(prompt);
             let cached = usage.cached.unwrap_or(0);
             self.metrics
                 .cached_prompt_tokens
-                .with_label_values(&[&self.node])
+                .with_label_values(&[node])
                 .inc_by(cached);
         }
         tracing::info!(
-            pool = %self.pool,
-            node = %self.node,
-            route = %self.route,
+            pool = pool_name,
+            node,
+            route = %self.route.label(),
             attempts = self.attempts,
             status = self.status,
             outcome = outcome.as_str(),
@@ -187,11 +191,19 @@ impl SseRelay {
     }
 }
 
+/// The engine's response body and the connection it arrives on.
+pub struct FromEngine {
+    pub body: Incoming,
+    pub conn: Lease,
+}
+
 pub struct RelayBody {
     /// Bytes to send before reading on (the probe's held events, or the tail of a
     /// stream that ended without its final blank line).
     held: Option<Bytes>,
     inner: Incoming,
+    /// The engine connection, handed back once the body has been read to its end.
+    conn: Option<Lease>,
     reservation: Option<Reservation>,
     idle: Idle,
     settings: Arc<BreakerSettings>,
@@ -205,7 +217,7 @@ pub struct RelayBody {
 impl RelayBody {
     /// A body passed through as it is, cut after `idle` of silence.
     pub fn plain(
-        inner: Incoming,
+        from: FromEngine,
         reservation: Reservation,
         finish: Finish,
         idle: Duration,
@@ -213,7 +225,8 @@ impl RelayBody {
     ) -> Self {
         RelayBody {
             held: None,
-            inner,
+            inner: from.body,
+            conn: Some(from.conn),
             reservation: Some(reservation),
             idle: Idle::new(idle),
             settings,
@@ -227,7 +240,7 @@ impl RelayBody {
     /// A committed SSE stream: the complete events of `held` first, then the rest.
     pub fn stream(
         held: Bytes,
-        inner: Incoming,
+        from: FromEngine,
         reservation: Reservation,
         finish: Finish,
         idle: Duration,
@@ -243,7 +256,8 @@ impl RelayBody {
         let held = sse.forward(&held);
         RelayBody {
             held: Some(held),
-            inner,
+            inner: from.body,
+            conn: Some(from.conn),
             reservation: Some(reservation),
             idle: Idle::new(idle),
             settings,
@@ -256,6 +270,9 @@ impl RelayBody {
 
     fn end(&mut self, outcome: RequestOutcome) {
         self.ended = true;
+        if let Some(conn) = self.conn.take() {
+            conn.release();
+        }
         self.reservation = None;
         if let Some(f) = self.finish.take() {
             f.complete(outcome, &self.usage);
@@ -265,6 +282,8 @@ impl RelayBody {
     /// The engine failed after commit: blame it, and end the body, with an error
     /// event for a stream or a body error for a plain response.
     fn fail(&mut self, why: String) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        // A connection that broke, or went silent mid-body, carries nothing more.
+        self.conn = None;
         if let Some(r) = &self.reservation {
             tracing::warn!(node = %r.node().id, reason = %why, "response failed after commit");
             r.node().record(Outcome::Failure, false, &self.settings);

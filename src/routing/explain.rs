@@ -122,7 +122,7 @@ pub fn explain(
             distance,
             shunted,
         } => {
-            let route = Route::walked(distance, shunted).label();
+            let route = Route::walked(distance, shunted).label().into_owned();
             (Some(b.node(index).id().to_string()), route)
         }
         Peek::Saturated if table.config.routing.when_saturated == WhenSaturated::Queue => {

@@ -55,16 +55,27 @@ pub struct Node {
     source: NodeSource,
     cap: u32,
     state: Arc<NodeState>,
+    /// The `Host` header for the engine, made once (none if the URL has no authority).
+    host: Option<http::HeaderValue>,
+    /// Its id as the `x-prefixlb-node` header, made once.
+    id_header: Option<http::HeaderValue>,
 }
 
 impl Node {
     /// A node with absolute cap `cap` (`max_in_flight × weight`).
     pub fn new(config: NodeConfig, source: NodeSource, cap: u32, state: Arc<NodeState>) -> Node {
+        let host = config
+            .url
+            .authority()
+            .and_then(|a| http::HeaderValue::from_str(a.as_str()).ok());
+        let id_header = http::HeaderValue::from_str(&config.id).ok();
         Node {
             config,
             source,
             cap,
             state,
+            host,
+            id_header,
         }
     }
 
@@ -98,6 +109,29 @@ impl Node {
     /// The engine URL for a request path (and query) on the balancer.
     pub fn upstream_uri(&self, path_and_query: &str) -> Result<http::Uri, http::Error> {
         self.config.upstream_uri(path_and_query)
+    }
+
+    /// The request target sent to the engine (origin form): the engine URL's base
+    /// path, if any, then the client's path and query.
+    pub fn origin_form(
+        &self,
+        path_and_query: &http::uri::PathAndQuery,
+    ) -> Result<http::Uri, http::Error> {
+        let base = self.config.url.path().trim_end_matches('/');
+        if base.is_empty() {
+            return Ok(http::Uri::from(path_and_query.clone()));
+        }
+        Ok(http::Uri::try_from(format!("{base}{path_and_query}"))?)
+    }
+
+    /// Its id as a header value (none if the id cannot be one).
+    pub fn id_header(&self) -> Option<&http::HeaderValue> {
+        self.id_header.as_ref()
+    }
+
+    /// The engine's address and its `Host` header.
+    pub fn authority(&self) -> Option<(&http::uri::Authority, &http::HeaderValue)> {
+        Some((self.config.url.authority()?, self.host.as_ref()?))
     }
 }
 

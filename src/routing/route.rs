@@ -1,6 +1,8 @@
 //! Where a request was sent: the `x-prefixlb-route` header, the `route` label of
 //! `routing_decisions_total` and the `route` of an explanation, in one vocabulary.
 
+use std::borrow::Cow;
+
 /// Where a request was sent (`x-prefixlb-route`, `routing_decisions_total{route}`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Route {
@@ -39,11 +41,11 @@ impl Route {
     }
 
     /// The header value: `primary`, `spill:N`, `shunt`, `queued`, `fallback:POOL`.
-    pub fn label(&self) -> String {
+    pub fn label(&self) -> Cow<'static, str> {
         match self {
-            Route::Spill(n) => format!("spill:{n}"),
-            Route::Fallback(pool) => format!("fallback:{pool}"),
-            other => other.kind().as_str().to_string(),
+            Route::Spill(n) => Cow::Owned(format!("spill:{n}")),
+            Route::Fallback(pool) => Cow::Owned(format!("fallback:{pool}")),
+            other => Cow::Borrowed(other.kind().as_str()),
         }
     }
 }
