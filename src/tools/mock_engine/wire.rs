@@ -96,9 +96,17 @@ pub(super) fn tool_call_deltas(tool: &str) -> [Value; 3] {
     ]
 }
 
-/// `POST /v1/embeddings`: 8 numbers per input, derived from its text.
+/// `POST /v1/embeddings`: 8 numbers per input, derived from its text; as a JSON array,
+/// or with `encoding_format = "base64"` as the base64 of little-endian `f32`s (as vLLM
+/// and OpenAI answer it; the openai Node client asks for it by default).
 pub(super) fn embeddings(body: &[u8], default_model: &str) -> Result<Value, String> {
+    use base64::Engine as _;
     let v: Value = serde_json::from_slice(body).map_err(|e| format!("invalid JSON: {e}"))?;
+    let base64 = match v["encoding_format"].as_str() {
+        None | Some("float") => false,
+        Some("base64") => true,
+        Some(other) => return Err(format!("unknown encoding_format '{other}'")),
+    };
     let inputs: Vec<String> = match &v["input"] {
         Value::String(s) => vec![s.clone()],
         Value::Array(items) => items
@@ -121,6 +129,15 @@ pub(super) fn embeddings(body: &[u8], default_model: &str) -> Result<Value, Stri
             let embedding: Vec<f64> = (0..8)
                 .map(|k| ((h >> (k * 8)) & 0xFF) as f64 / 255.0 - 0.5)
                 .collect();
+            let embedding = if base64 {
+                let bytes: Vec<u8> = embedding
+                    .iter()
+                    .flat_map(|x| (*x as f32).to_le_bytes())
+                    .collect();
+                json!(base64::engine::general_purpose::STANDARD.encode(bytes))
+            } else {
+                json!(embedding)
+            };
             json!({"object": "embedding", "index": i, "embedding": embedding})
         })
         .collect();
@@ -272,4 +289,38 @@ pub(super) fn usage_chunk(job: &Job, usage: Value) -> Bytes {
     };
     let data = json!({"id": "mock", "object": object, "created": now(), "model": job.model, "choices": [], "usage": usage});
     Bytes::from(format!("data: {data}\n\n"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use base64::Engine as _;
+
+    #[test]
+    fn embeddings_come_as_floats_or_as_base64_of_the_same_f32s() {
+        let floats = embeddings(br#"{"input": ["a", "b"]}"#, "m").unwrap();
+        let packed = embeddings(
+            br#"{"input": ["a", "b"], "encoding_format": "base64"}"#,
+            "m",
+        )
+        .unwrap();
+        for i in 0..2 {
+            let want: Vec<f32> = floats["data"][i]["embedding"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+                .collect();
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(packed["data"][i]["embedding"].as_str().unwrap())
+                .unwrap();
+            let got: Vec<f32> = bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            assert_eq!(got, want);
+            assert_eq!(got.len(), 8);
+        }
+        assert!(embeddings(br#"{"input": "a", "encoding_format": "int8"}"#, "m").is_err());
+    }
 }
