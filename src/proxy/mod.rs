@@ -228,6 +228,11 @@ impl Proxy {
         )));
     }
 
+    /// Drops idle engine connections that expired or closed (see [`upstream::Upstream::sweep`]).
+    pub fn sweep_idle_connections(&self) {
+        self.upstream.sweep();
+    }
+
     /// The pooled client the health checker uses.
     pub fn client(&self) -> &UpstreamClient {
         &self.client

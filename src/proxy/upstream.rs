@@ -155,6 +155,17 @@ impl Upstream {
         }
     }
 
+    /// Drops closed and expired idle connections of every engine, and the lists of
+    /// engines left with none (engines that left the fleet are otherwise never asked
+    /// again). Called on the health checker's beat.
+    pub fn sweep(&self) {
+        let now = Instant::now();
+        self.idle.lock().retain(|_, list| {
+            list.retain(|c| !c.sender.is_closed() && now.duration_since(c.since) < self.keep_idle);
+            !list.is_empty()
+        });
+    }
+
     /// The newest usable idle connection; closed and expired ones are dropped.
     fn checkout(&self, authority: &Authority) -> Option<Sender> {
         let mut idle = self.idle.lock();
@@ -271,6 +282,21 @@ mod tests {
         resp.into_body().collect().await.unwrap();
         assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 3);
         assert_eq!(up.idle_count(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_sweep_forgets_expired_connections_and_empty_engines() {
+        let (authority, _) = engine().await;
+        let up = Upstream::new(Duration::from_secs(1), Duration::from_millis(50));
+        let (resp, lease) = up.send(&authority, request(&authority)).await.unwrap();
+        resp.into_body().collect().await.unwrap();
+        lease.release();
+        up.sweep();
+        assert_eq!(up.idle_count(), 1, "still fresh");
+        tokio::time::sleep(Duration::from_millis(80)).await;
+        up.sweep();
+        assert_eq!(up.idle_count(), 0);
+        assert!(up.idle.lock().is_empty());
     }
 
     #[tokio::test]

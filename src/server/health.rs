@@ -3,6 +3,7 @@
 //! `unhealthy_after` consecutive failures take a node out of every walk,
 //! `healthy_after` passes bring it back, and a passing check moves an open breaker
 //! whose `open_for` is over to half_open, so recovery starts even with no traffic.
+//! Each round ends by sweeping expired idle connections out of the upstream pool.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -40,6 +41,7 @@ pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
             }
         }
         while checks.join_next().await.is_some() {}
+        proxy.sweep_idle_connections();
         tokio::select! {
             _ = tokio::time::sleep(h.interval) => {}
             _ = stop.wait_for(|s| *s) => return,
