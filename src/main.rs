@@ -390,6 +390,10 @@ mod tools {
         /// How requests are spread over the replicas: round-robin or random.
         #[arg(long, value_enum, default_value_t = SpreadArg::RoundRobin)]
         spread: SpreadArg,
+        /// Replicas see each other's in-flight requests per engine at every decision
+        /// (no lag): the upper bound of any load sharing between replicas.
+        #[arg(long)]
+        share_load: bool,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -517,6 +521,7 @@ mod tools {
             a.cache_tokens,
         );
         fleet.replicas = a.replicas.max(1);
+        fleet.share_load = a.share_load;
         fleet.spread = match a.spread {
             SpreadArg::RoundRobin => sim::Spread::RoundRobin,
             SpreadArg::Random => sim::Spread::Random,

@@ -182,6 +182,9 @@ pub struct Stakes {
     pub group_tokens: u32,
     /// The share of its prompt it should find cached at home (0: nothing expected).
     pub expect: f64,
+    /// The share of its prompt that is its group's prefix (found on any of the
+    /// group's nodes).
+    pub group_share: f64,
     /// It was routed with no remembered home: a miss says another node holds it.
     pub guessed: bool,
 }
@@ -209,10 +212,16 @@ impl Stakes {
             Turn::Later => 1.0 - f64::from(own) / f64::from(t.prompt),
             _ => 0.0,
         };
+        let group_share = if t.prompt == 0 {
+            0.0
+        } else {
+            f64::from(group_tokens) / f64::from(t.prompt)
+        };
         Stakes {
             history,
             group_tokens,
             expect: expect.clamp(0.0, 1.0),
+            group_share: group_share.clamp(0.0, 1.0),
             guessed: !home_known,
         }
     }

@@ -161,6 +161,9 @@ pub struct NodeState {
     /// past their first token, and all ever sent here.
     prefill_backlog: AtomicU32,
     prefill_arrived: AtomicU64,
+    /// Requests other balancer replicas had in flight here when the engine last
+    /// reported its load (its count less ours then); 0 alone or without reports.
+    others: AtomicU32,
 }
 
 impl NodeState {
@@ -180,7 +183,18 @@ impl NodeState {
             engine_load: parking_lot::Mutex::new(None),
             prefill_backlog: AtomicU32::new(0),
             prefill_arrived: AtomicU64::new(0),
+            others: AtomicU32::new(0),
         }
+    }
+
+    /// Requests other replicas have in flight here, as last estimated.
+    pub fn others_in_flight(&self) -> u32 {
+        self.others.load(Ordering::Relaxed)
+    }
+
+    /// Sets the estimate of [`NodeState::others_in_flight`].
+    pub fn set_others_in_flight(&self, n: u32) {
+        self.others.store(n, Ordering::Relaxed);
     }
 
     /// Requests waiting for a slot here now.

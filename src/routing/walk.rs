@@ -63,6 +63,9 @@ impl From<u64> for Target {
 /// better and makes replicas disagree more often).
 const NEW_CONVERSATION_CHOICES: usize = 2;
 
+/// The least share of a prompt above its group's prefix that a miss is judged on.
+const MIN_HISTORY_SHARE: f64 = 0.1;
+
 /// The nodes of a walk in order, each once: the key's ring walk, or for a grouped key
 /// the first `width` nodes of the group's walk ranked by rendezvous score with the key
 /// (so each conversation has its own order among them and spills scatter), then the
@@ -360,7 +363,8 @@ impl Balancer {
         };
         let load = |i: usize| {
             let n = &self.nodes[i];
-            n.state().in_flight() as f64 / f64::from(self.cap_of(n).max(1))
+            let s = n.state();
+            f64::from(s.in_flight() + s.others_in_flight()) / f64::from(self.own_cap(n).max(1))
         };
         // With other balancer replicas, any node but the key's own first must be clearly
         // less loaded (by two requests at equal caps, not one): a new conversation placed
@@ -402,16 +406,28 @@ impl Balancer {
 
     /// What a finished request that was routed with no remembered home says of its
     /// conversation's home. It was served by `served` and was expected to find
-    /// `expected` of its prompt cached there; when it found less than half of that, its
+    /// `expected` of its prompt cached there, `floor` of it (its group's prefix) on any
+    /// node of its group; when it found less than half of what lies above the floor, its
     /// conversation's cache was elsewhere: on the other of its first two nodes, where a
     /// new conversation is placed (another replica placed it there, or its home was
     /// forgotten). That node becomes its home, so replicas that never share a word
     /// agree again after one miss. (A miss at a remembered home is an eviction: no
     /// other node holds more, and the caller does not ask.)
-    pub fn learn(&self, target: Target, served: usize, expected: f64, found: f64) {
+    pub fn learn(&self, target: Target, served: usize, expected: f64, floor: f64, found: f64) {
         // Ring keys (key headers, `conversation`/`prefix` modes) have no homes.
         let ringed = target.group.is_none() && target.first.is_none();
-        if found >= expected / 2.0 || ringed {
+        // A group's prefix is found on all its nodes: only the history above it tells
+        // the home (when there is enough of it to tell, past estimation error).
+        // Alone, a guessed home was forgotten, not placed by another replica: no floor
+        // (measured: with one replica the floor only cost long preambles up to a point).
+        let floor = if self.load.replicas() > 1 {
+            floor.clamp(0.0, expected)
+        } else {
+            0.0
+        };
+        let above = expected - floor;
+        let too_little = floor > 0.0 && above < MIN_HISTORY_SHARE;
+        if ringed || too_little || found >= floor + above / 2.0 {
             return;
         }
         let keyed = Target {
@@ -479,7 +495,8 @@ impl Balancer {
         node.state().slot_time.observe(f.held);
         if f.stakes.guessed && f.prompt_tokens > 0 {
             let found = f64::from(f.cached_tokens) / f64::from(f.prompt_tokens);
-            self.learn(f.target, f.node, f.stakes.expect, found);
+            let s = &f.stakes;
+            self.learn(f.target, f.node, s.expect, s.group_share, found);
         }
     }
 
@@ -560,6 +577,14 @@ impl Balancer {
     /// The cap in force for a member now: the absolute cap, tightened by the relative
     /// bound `ceil(c × (total_in_flight + 1) × weight / total_weight)` when configured.
     pub fn cap_of(&self, m: &Node) -> u32 {
+        // What other replicas are known to hold there counts against it (never below one).
+        self.own_cap(m)
+            .saturating_sub(m.state().others_in_flight())
+            .max(1)
+    }
+
+    /// The cap in force on this replica's own view (before others' known load).
+    fn own_cap(&self, m: &Node) -> u32 {
         let cap = if self.split_cap {
             m.cap().div_ceil(self.load.replicas()).max(1)
         } else {
@@ -772,6 +797,39 @@ mod tests {
 
     fn balancer(n: usize, cap: u32, load_factor: Option<f64>) -> Balancer {
         Balancer::uniform(n, 160, cap, load_factor)
+    }
+
+    #[test]
+    fn a_guessed_home_that_finds_only_its_groups_prefix_flips_to_the_other_choice() {
+        let b = balancer(8, 4, None);
+        let target = Target {
+            hash: 0xabcd_u64 << 32,
+            group: Some((0xfeed_u64 << 40, 8)),
+            first: None,
+        };
+        let pair: Vec<usize> = b.key_order(target).take(2).collect();
+        // 90 % expected, 75 % of it the group's prefix (cached on every node of the
+        // group): finding 76 % is finding none of the history. Without the floor (half
+        // of 90 %) that is a hit; alone, a balancer judges so (its guesses are
+        // forgotten homes, not another replica's placements).
+        b.learn(target, pair[0], 0.9, 0.0, 0.76);
+        assert_eq!(b.home_of(target.hash), None, "no floor: 76 % ≥ 45 %");
+        b.learn(target, pair[0], 0.9, 0.75, 0.76);
+        assert_eq!(b.home_of(target.hash), None, "one replica: no floor");
+        b.load().set_replicas(2);
+        b.learn(target, pair[0], 0.9, 0.75, 0.76);
+        assert_eq!(b.home_of(target.hash), Some(pair[1]));
+        // Found most of the history above the floor: the guess was right.
+        let other = Target {
+            hash: 0x1234_u64 << 32,
+            ..target
+        };
+        let first = b.key_order(other).next().unwrap();
+        b.learn(other, first, 0.9, 0.75, 0.86);
+        assert_eq!(b.home_of(other.hash), None);
+        // Too little above the floor to judge (estimates are rough): no flip.
+        b.learn(other, first, 0.8, 0.75, 0.5);
+        assert_eq!(b.home_of(other.hash), None);
     }
 
     #[test]

@@ -30,6 +30,8 @@ pub struct Fleet {
     /// Balancer replicas (the `prefixlb` policy), each with its own state.
     pub replicas: usize,
     pub spread: Spread,
+    /// Replicas see each other's in-flight requests per engine, at once.
+    pub share_load: bool,
 }
 
 impl Fleet {
@@ -42,6 +44,7 @@ impl Fleet {
             max_num_seqs: 64,
             replicas: 1,
             spread: Spread::RoundRobin,
+            share_load: false,
         }
     }
 }
@@ -138,6 +141,7 @@ pub fn simulate(
         block_tokens,
         replicas: fleet.replicas,
         spread: fleet.spread,
+        share_load: fleet.share_load,
         seed: workload.conversations.len() as u64,
     };
     let policy_impl = policy::by_name(policy, config, setup)?;

@@ -125,6 +125,8 @@ pub struct Setup {
     /// Balancer replicas (prefixlb): each with its own state, none shared.
     pub replicas: usize,
     pub spread: Spread,
+    /// Replicas see each other's in-flight requests per engine, at once.
+    pub share_load: bool,
     pub seed: u64,
 }
 
@@ -284,6 +286,8 @@ struct Bounded {
     smart: bool,
     placements: u64,
     disagreements: u64,
+    /// Replicas see what the others hold on each node.
+    share_load: bool,
 }
 
 impl Bounded {
@@ -298,6 +302,23 @@ impl Bounded {
             smart,
             placements: 0,
             disagreements: 0,
+            share_load: setup.share_load,
+        }
+    }
+
+    /// Tells `replica` what the other replicas hold on each node now (`--share-load`:
+    /// what a perfect shared budget would know; the balancer itself has no such feed).
+    fn share_in_flight(&self, replica: usize, pool: usize) {
+        let mine = &self.replicas[replica].pools[pool].balancer;
+        for i in 0..mine.nodes().len() {
+            let others: u32 = self
+                .replicas
+                .iter()
+                .enumerate()
+                .filter(|(r, _)| *r != replica)
+                .map(|(_, t)| t.pools[pool].balancer.node(i).state().in_flight())
+                .sum();
+            mine.node(i).state().set_others_in_flight(others);
         }
     }
 
@@ -361,6 +382,9 @@ impl Policy for Bounded {
         let Some(r) = req.state.as_mut() else {
             return Err("unrouted".into());
         };
+        if self.share_load && self.replicas.len() > 1 {
+            self.share_in_flight(r.replica, r.pool);
+        }
         let b = &self.replicas[r.replica].pools[r.pool].balancer;
         let c = match b.choose(r.target, &[], self.epoch) {
             Walk::Chosen(c) => c,
