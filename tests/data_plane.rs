@@ -556,3 +556,81 @@ fn route_explains_offline_like_admin_explain() {
     assert_eq!(y["key_source"], "header");
     assert_eq!(y["key"], "s1");
 }
+
+/// Local ports of the TCP sockets on this machine connected to `port` (either state:
+/// open or closed and waiting), from `/proc/net/tcp`: each is a connection some
+/// process opened to it.
+fn connections_to(port: u16) -> HashSet<u16> {
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+    let port_of = |addr: &str| u16::from_str_radix(addr.rsplit(':').next()?, 16).ok();
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let (local, remote) = (port_of(f.get(1)?)?, port_of(f.get(2)?)?);
+            (remote == port).then_some(local)
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_connections_are_reused_and_one_left_mid_stream_is_not() {
+    let e = engine("e0", &["--decode-ms-per-token", "5"]);
+    let lb = balancer(&config_ext(&[&e], "[health]\ninterval = \"60s\"\n", ""));
+    let engine_port = e.addr.port();
+    // The health checker's first round has connected (it makes no other for 60 s).
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            !connections_to(engine_port).is_empty()
+        })
+        .await
+    );
+    for i in 0..10 {
+        let r = post_json(
+            &lb.url("/v1/chat/completions"),
+            &chat(&[("user", "hi")], i % 2 == 1, 3),
+            &[],
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    // The health checker's one connection and one for requests, however many requests.
+    let used = connections_to(engine_port);
+    assert!(
+        !used.is_empty() && used.len() <= 2,
+        "connections to the engine: {used:?}"
+    );
+
+    // A client leaves mid-stream: that connection still carries the rest of its
+    // response, so it must be closed, and the next request goes on a fresh one.
+    let mut resp = post_stream(
+        &lb.url("/v1/chat/completions"),
+        &chat(&[("user", "long")], true, 200),
+    )
+    .await;
+    assert!(next_chunk(resp.body_mut()).await.is_some());
+    drop(resp);
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            in_flight(&lb).await.iter().all(|(_, n)| *n == 0)
+        })
+        .await
+    );
+    let r = post_json(
+        &lb.url("/v1/chat/completions"),
+        &chat(&[("user", "after")], false, 3),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        r.json()["choices"][0]["finish_reason"],
+        "length",
+        "{}",
+        r.text()
+    );
+    // Exactly one new connection: the abandoned one was not handed to the next request.
+    let now = connections_to(engine_port);
+    assert_eq!(now.len(), used.len() + 1, "{used:?} then {now:?}");
+}
