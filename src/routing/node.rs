@@ -474,3 +474,36 @@ impl Drop for Prefilling {
             .fetch_sub(self.tokens, Ordering::AcqRel);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(url: &str) -> Node {
+        let config = NodeConfig {
+            id: "a".into(),
+            url: url.parse().unwrap(),
+            weight: 1,
+        };
+        Node::new(config, NodeSource::Static, 4, Arc::new(NodeState::new("a")))
+    }
+
+    #[test]
+    fn the_engine_request_target_keeps_its_base_path_and_host() {
+        let pq: http::uri::PathAndQuery = "/v1/chat/completions?x=1".parse().unwrap();
+        for (url, want) in [
+            ("http://h:8000", "/v1/chat/completions?x=1"),
+            ("http://h:8000/", "/v1/chat/completions?x=1"),
+            ("http://h:8000/engine/", "/engine/v1/chat/completions?x=1"),
+        ] {
+            let n = node(url);
+            assert_eq!(n.origin_form(&pq).unwrap().to_string(), want, "{url}");
+            let (authority, host) = n.authority().unwrap();
+            assert_eq!(
+                (authority.as_str(), host.to_str().unwrap()),
+                ("h:8000", "h:8000")
+            );
+        }
+        assert_eq!(node("http://h:8000").id_header().unwrap(), "a");
+    }
+}
