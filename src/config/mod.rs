@@ -165,9 +165,14 @@ pub struct NodeConfig {
 }
 
 impl NodeConfig {
+    /// The engine URL's path without its trailing `/` (empty for `http://h:8000/`).
+    pub fn base_path(&self) -> &str {
+        self.url.path().trim_end_matches('/')
+    }
+
     /// The engine URL for a request path (and query) on the balancer.
     pub fn upstream_uri(&self, path_and_query: &str) -> Result<http::Uri, http::Error> {
-        let base = self.url.path().trim_end_matches('/');
+        let base = self.base_path();
         let mut parts = http::uri::Builder::new()
             .scheme(self.url.scheme_str().unwrap_or("http"))
             .authority(self.url.authority().map(|a| a.as_str()).unwrap_or(""));

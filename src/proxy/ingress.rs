@@ -165,7 +165,7 @@ async fn read_within(
             continue;
         }
         if let Some(f) = first.take() {
-            buf.reserve(declared.max(total).min(INITIAL_BUFFER.max(total)));
+            buf.reserve(declared.clamp(total, INITIAL_BUFFER.max(total)));
             buf.extend_from_slice(&f);
         }
         buf.extend_from_slice(&data);

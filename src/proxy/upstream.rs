@@ -69,6 +69,13 @@ struct Idle {
     since: Instant,
 }
 
+impl Idle {
+    /// Idle for less than `keep` at `now`.
+    fn fresh(&self, now: Instant, keep: Duration) -> bool {
+        now.duration_since(self.since) < keep
+    }
+}
+
 /// The connections to every engine, shared by all requests.
 pub struct Upstream {
     idle: Mutex<HashMap<Authority, Vec<Idle>>>,
@@ -161,7 +168,7 @@ impl Upstream {
     pub fn sweep(&self) {
         let now = Instant::now();
         self.idle.lock().retain(|_, list| {
-            list.retain(|c| !c.sender.is_closed() && now.duration_since(c.since) < self.keep_idle);
+            list.retain(|c| !c.sender.is_closed() && c.fresh(now, self.keep_idle));
             !list.is_empty()
         });
     }
@@ -174,7 +181,7 @@ impl Upstream {
         // The oldest are at the front: drop the expired ones in one go.
         let fresh = list
             .iter()
-            .position(|c| now.duration_since(c.since) < self.keep_idle)
+            .position(|c| c.fresh(now, self.keep_idle))
             .unwrap_or(list.len());
         list.drain(..fresh);
         while let Some(c) = list.pop() {
@@ -245,6 +252,14 @@ mod tests {
         (addr.to_string().parse().unwrap(), accepted)
     }
 
+    /// One request on `up`, its body read; the lease, not yet handed back.
+    async fn round_trip(up: &Arc<Upstream>, authority: &Authority) -> Lease {
+        let (resp, lease) = up.send(authority, request(authority)).await.unwrap();
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"ok");
+        lease
+    }
+
     fn request(authority: &Authority) -> Request<Full<Bytes>> {
         Request::builder()
             .uri("/x")
@@ -258,10 +273,7 @@ mod tests {
         let (authority, accepted) = engine().await;
         let up = Upstream::new(Duration::from_secs(1), Duration::from_secs(4));
         for _ in 0..3 {
-            let (resp, lease) = up.send(&authority, request(&authority)).await.unwrap();
-            let body = resp.into_body().collect().await.unwrap().to_bytes();
-            assert_eq!(&body[..], b"ok");
-            lease.release();
+            round_trip(&up, &authority).await.release();
         }
         assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
         assert_eq!(up.idle_count(), 1);
@@ -273,13 +285,10 @@ mod tests {
         let up = Upstream::new(Duration::from_secs(1), Duration::from_millis(50));
         let (_resp, lease) = up.send(&authority, request(&authority)).await.unwrap();
         drop(lease);
-        let (resp, lease) = up.send(&authority, request(&authority)).await.unwrap();
-        resp.into_body().collect().await.unwrap();
-        lease.release();
+        round_trip(&up, &authority).await.release();
         assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
         tokio::time::sleep(Duration::from_millis(80)).await;
-        let (resp, _lease) = up.send(&authority, request(&authority)).await.unwrap();
-        resp.into_body().collect().await.unwrap();
+        let _lease = round_trip(&up, &authority).await;
         assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 3);
         assert_eq!(up.idle_count(), 0);
     }
@@ -288,9 +297,7 @@ mod tests {
     async fn a_sweep_forgets_expired_connections_and_empty_engines() {
         let (authority, _) = engine().await;
         let up = Upstream::new(Duration::from_secs(1), Duration::from_millis(50));
-        let (resp, lease) = up.send(&authority, request(&authority)).await.unwrap();
-        resp.into_body().collect().await.unwrap();
-        lease.release();
+        round_trip(&up, &authority).await.release();
         up.sweep();
         assert_eq!(up.idle_count(), 1, "still fresh");
         tokio::time::sleep(Duration::from_millis(80)).await;

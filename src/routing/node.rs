@@ -117,7 +117,7 @@ impl Node {
         &self,
         path_and_query: &http::uri::PathAndQuery,
     ) -> Result<http::Uri, http::Error> {
-        let base = self.config.url.path().trim_end_matches('/');
+        let base = self.config.base_path();
         if base.is_empty() {
             return Ok(http::Uri::from(path_and_query.clone()));
         }
@@ -161,8 +161,9 @@ pub struct NodeState {
     /// past their first token, and all ever sent here.
     prefill_backlog: AtomicU32,
     prefill_arrived: AtomicU64,
-    /// Requests other balancer replicas had in flight here when the engine last
-    /// reported its load (its count less ours then); 0 alone or without reports.
+    /// Requests other balancer replicas are known to have in flight here, counted
+    /// against the cap. Only `simulate --share-load` sets it (the upper bound of a
+    /// budget shared between replicas); `serve` has no feed for it yet, so it stays 0.
     others: AtomicU32,
 }
 
