@@ -394,6 +394,10 @@ mod tools {
         /// (no lag): the upper bound of any load sharing between replicas.
         #[arg(long)]
         share_load: bool,
+        /// With --share-load: what the replicas see is a snapshot taken every MS of
+        /// virtual time (a feed through heartbeats), not the count of the moment.
+        #[arg(long, value_name = "MS", requires = "share_load")]
+        share_every_ms: Option<u64>,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -522,6 +526,7 @@ mod tools {
         );
         fleet.replicas = a.replicas.max(1);
         fleet.share_load = a.share_load;
+        fleet.share_every_us = a.share_every_ms.unwrap_or(0).saturating_mul(1000);
         fleet.spread = match a.spread {
             SpreadArg::RoundRobin => sim::Spread::RoundRobin,
             SpreadArg::Random => sim::Spread::Random,

@@ -32,6 +32,10 @@ pub struct Fleet {
     pub spread: Spread,
     /// Replicas see each other's in-flight requests per engine, at once.
     pub share_load: bool,
+    /// With `share_load`: how stale what they see is. Every `share_every_us` of
+    /// virtual time all replicas learn the others' counts of that moment (what a feed
+    /// through heartbeats would give); 0 means at every decision.
+    pub share_every_us: u64,
 }
 
 impl Fleet {
@@ -45,6 +49,7 @@ impl Fleet {
             replicas: 1,
             spread: Spread::RoundRobin,
             share_load: false,
+            share_every_us: 0,
         }
     }
 }
@@ -142,6 +147,7 @@ pub fn simulate(
         replicas: fleet.replicas,
         spread: fleet.spread,
         share_load: fleet.share_load,
+        share_every_us: fleet.share_every_us,
         seed: workload.conversations.len() as u64,
     };
     let policy_impl = policy::by_name(policy, config, setup)?;
@@ -595,6 +601,30 @@ mod tests {
             }
             assert!(twos / 3.0 >= ones / 3.0 - 0.02, "{spread:?}: {ones} {twos}");
         }
+    }
+
+    #[test]
+    fn shared_load_is_seen_as_of_the_last_snapshot() {
+        let w = workload::synthetic("agentic", 3, 1.0).unwrap();
+        let two = |share_load, share_every_us| Fleet {
+            replicas: 2,
+            spread: Spread::Random,
+            share_load,
+            share_every_us,
+            ..eight_engines()
+        };
+        let run = |f: &Fleet| simulate(&w, &config(), f, "prefixlb").unwrap();
+        let alone = run(&two(false, 0));
+        let at_once = run(&two(true, 0));
+        assert_ne!(
+            alone.hit_rate, at_once.hit_rate,
+            "sharing changes placements here"
+        );
+        // A snapshot every hour: the only one is taken at the first decision, when
+        // nothing is in flight, so the replicas never learn anything.
+        let never = run(&two(true, 3_600_000_000));
+        assert_eq!(alone.hit_rate, never.hit_rate);
+        assert_eq!(alone.replica_disagreement, never.replica_disagreement);
     }
 
     #[test]

@@ -127,6 +127,8 @@ pub struct Setup {
     pub spread: Spread,
     /// Replicas see each other's in-flight requests per engine, at once.
     pub share_load: bool,
+    /// See [`super::Fleet::share_every_us`].
+    pub share_every_us: u64,
     pub seed: u64,
 }
 
@@ -288,6 +290,10 @@ struct Bounded {
     disagreements: u64,
     /// Replicas see what the others hold on each node.
     share_load: bool,
+    /// Every so often (µs), or at every decision (0).
+    share_every_us: u64,
+    /// When the last snapshot was shared (`share_every_us` > 0).
+    shared_at: Option<u64>,
 }
 
 impl Bounded {
@@ -303,6 +309,28 @@ impl Bounded {
             placements: 0,
             disagreements: 0,
             share_load: setup.share_load,
+            share_every_us: setup.share_every_us,
+            shared_at: None,
+        }
+    }
+
+    /// `--share-load`: `replica` learns what the others hold now, or, with a lag, all
+    /// replicas learn what the others held at the last snapshot, taken every
+    /// `share_every_us`.
+    fn share_load_at(&mut self, replica: usize, pool: usize, now: u64) {
+        if self.share_every_us == 0 {
+            self.share_in_flight(replica, pool);
+            return;
+        }
+        if self
+            .shared_at
+            .is_some_and(|at| now < at.saturating_add(self.share_every_us))
+        {
+            return;
+        }
+        self.shared_at = Some(now);
+        for r in 0..self.replicas.len() {
+            self.share_in_flight(r, pool);
         }
     }
 
@@ -383,7 +411,8 @@ impl Policy for Bounded {
             return Err("unrouted".into());
         };
         if self.share_load && self.replicas.len() > 1 {
-            self.share_in_flight(r.replica, r.pool);
+            let (replica, pool) = (r.replica, r.pool);
+            self.share_load_at(replica, pool, req.now);
         }
         let b = &self.replicas[r.replica].pools[r.pool].balancer;
         let c = match b.choose(r.target, &[], self.epoch) {
