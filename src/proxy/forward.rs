@@ -275,9 +275,13 @@ impl Exchange<'_> {
         *req.method_mut() = self.method.clone();
         *req.uri_mut() = uri;
         *req.version_mut() = Version::HTTP_11;
-        let mut headers = self.headers.clone();
+        // Sized for `Host` as well: a clone and then an insert would grow it.
+        let headers = req.headers_mut();
+        headers.reserve(self.headers.len() + 1);
         headers.insert(header::HOST, host.clone());
-        *req.headers_mut() = headers;
+        for (name, value) in &self.headers {
+            headers.append(name.clone(), value.clone());
+        }
         let stream = self.plan.facts.stream;
         let sent = Instant::now();
         // A stream has `first_token_timeout` for its head and first token together.
@@ -502,7 +506,7 @@ fn respond(
     if let Ok(v) = label {
         h.insert(headers::ROUTE.clone(), v);
     }
-    h.insert(headers::ATTEMPTS.clone(), HeaderValue::from(attempts));
+    h.insert(headers::ATTEMPTS.clone(), headers::count_value(attempts));
     Response::from_parts(head, BoxBody::new(body))
 }
 

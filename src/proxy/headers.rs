@@ -24,6 +24,15 @@ static HOP_BY_HOP: [HeaderName; 9] = [
 pub static NODE: HeaderName = HeaderName::from_static("x-prefixlb-node");
 pub static ROUTE: HeaderName = HeaderName::from_static("x-prefixlb-route");
 pub static ATTEMPTS: HeaderName = HeaderName::from_static("x-prefixlb-attempts");
+
+/// A small count as a header value, without formatting (or allocating) the usual ones.
+pub fn count_value(n: u32) -> HeaderValue {
+    const SMALL: [&str; 10] = ["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"];
+    match SMALL.get(n as usize) {
+        Some(s) => HeaderValue::from_static(s),
+        None => HeaderValue::from(n),
+    }
+}
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 
 /// Removes hop-by-hop headers, including any named in `Connection`.
@@ -71,6 +80,13 @@ pub fn upstream_headers(mut headers: HeaderMap, peer: SocketAddr, strip_auth: bo
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn counts_read_the_same_static_or_formatted() {
+        for n in [0, 1, 9, 10, 123] {
+            assert_eq!(count_value(n), HeaderValue::from(n));
+        }
+    }
 
     #[test]
     fn hop_by_hop_and_connection_named_headers_go() {
