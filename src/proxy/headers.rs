@@ -24,6 +24,7 @@ static HOP_BY_HOP: [HeaderName; 9] = [
 pub static NODE: HeaderName = HeaderName::from_static("x-prefixlb-node");
 pub static ROUTE: HeaderName = HeaderName::from_static("x-prefixlb-route");
 pub static ATTEMPTS: HeaderName = HeaderName::from_static("x-prefixlb-attempts");
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 
 /// A small count as a header value, without formatting (or allocating) the usual ones.
 pub fn count_value(n: u32) -> HeaderValue {
@@ -33,7 +34,6 @@ pub fn count_value(n: u32) -> HeaderValue {
         None => HeaderValue::from(n),
     }
 }
-static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 
 /// Removes hop-by-hop headers, including any named in `Connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {

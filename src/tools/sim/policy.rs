@@ -314,9 +314,9 @@ impl Bounded {
         }
     }
 
-    /// `--share-load`: `replica` learns what the others hold now, or, with a lag, all
-    /// replicas learn what the others held at the last snapshot, taken every
-    /// `share_every_us`.
+    /// `--share-load`: `replica` learns what the others hold in `pool` now, or, with a
+    /// lag, every replica learns what the others held in every pool at the last
+    /// snapshot, taken every `share_every_us`.
     fn share_load_at(&mut self, replica: usize, pool: usize, now: u64) {
         if self.share_every_us == 0 {
             self.share_in_flight(replica, pool);
@@ -330,7 +330,9 @@ impl Bounded {
         }
         self.shared_at = Some(now);
         for r in 0..self.replicas.len() {
-            self.share_in_flight(r, pool);
+            for p in 0..self.replicas[r].pools.len() {
+                self.share_in_flight(r, p);
+            }
         }
     }
 
