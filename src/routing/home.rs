@@ -6,6 +6,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use parking_lot::Mutex;
+
 /// Entries (a power of two): 8 bytes each.
 const SLOTS: usize = 1 << 17;
 
@@ -51,9 +53,76 @@ impl HomeTable {
     }
 }
 
+/// How many conversations each node became home to lately: a count over about the
+/// last [`RECENT_HOMES`] homes set, older ones weighing less (each new home scales
+/// the others by `1 - 1/RECENT_HOMES`), so nodes that joined late or conversations
+/// long gone do not skew it for long. Replicas whose home tables agree agree on these
+/// counts too, unlike on each other's in-flight requests.
+#[derive(Debug, Default)]
+pub struct RecentHomes {
+    /// (node tag, weight); nodes that leave fade out and are dropped.
+    counts: Mutex<Vec<(u32, f64)>>,
+}
+
+/// The window of [`RecentHomes`], in homes set.
+pub const RECENT_HOMES: f64 = 64.0;
+
+impl RecentHomes {
+    /// A conversation's home moved from `from` (if it had one) to `to`.
+    pub fn moved(&self, from: Option<u32>, to: u32) {
+        let keep = 1.0 - 1.0 / RECENT_HOMES;
+        let mut counts = self.counts.lock();
+        for (node, weight) in counts.iter_mut() {
+            *weight *= keep;
+            if Some(*node) == from {
+                *weight = (*weight - 1.0).max(0.0);
+            }
+        }
+        counts.retain(|&(node, weight)| node == to || weight > 1e-3);
+        match counts.iter_mut().find(|(node, _)| *node == to) {
+            Some((_, weight)) => *weight += 1.0,
+            None => counts.push((to, 1.0)),
+        }
+    }
+
+    /// The recent homes of `node`, less the mean of `nodes`' (the pool's).
+    pub fn above_mean(&self, node: u32, nodes: &[u32]) -> f64 {
+        let counts = self.counts.lock();
+        let of = |tag: u32| {
+            counts
+                .iter()
+                .find(|(n, _)| *n == tag)
+                .map_or(0.0, |&(_, weight)| weight)
+        };
+        let mean = nodes.iter().map(|&t| of(t)).sum::<f64>() / nodes.len().max(1) as f64;
+        of(node) - mean
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn recent_homes_count_moves_and_fade() {
+        let r = RecentHomes::default();
+        let nodes = [node_tag(0x10), node_tag(0x20)];
+        for _ in 0..4 {
+            r.moved(None, nodes[0]);
+        }
+        // About 4 against 0: 2 above the mean of the two.
+        let above = r.above_mean(nodes[0], &nodes);
+        assert!((above - 1.95).abs() < 0.1, "{above}");
+        // A conversation moving away takes its count along.
+        r.moved(Some(nodes[0]), nodes[1]);
+        assert!(r.above_mean(nodes[0], &nodes) < above - 0.9);
+        // Old homes fade: after a window of homes elsewhere, node 1 is near even.
+        for _ in 0..(4.0 * RECENT_HOMES) as usize {
+            r.moved(None, node_tag(0x30));
+        }
+        let faded = r.above_mean(nodes[0], &nodes);
+        assert!(faded.abs() < 0.1, "{faded}");
+    }
 
     #[test]
     fn homes_are_remembered_and_collisions_only_forget() {

@@ -14,7 +14,7 @@ use tokio::sync::Notify;
 use super::breaker::{Breaker, BreakerSettings, BreakerState, Outcome};
 use super::cost::{PrefillRate, SlotTime};
 use super::group::GroupHeat;
-use super::home::HomeTable;
+use super::home::{HomeTable, RecentHomes};
 use super::prefix::PrefixTable;
 use crate::config::NodeConfig;
 
@@ -339,6 +339,8 @@ pub struct PoolLoad {
     pub prefixes: PrefixTable,
     /// Where each conversation lives (`hybrid`).
     pub homes: HomeTable,
+    /// How many conversations each node became home to lately.
+    pub recent_homes: RecentHomes,
     /// The pool's prefill time per uncached token.
     pub prefill: PrefillRate,
     /// Balancer replicas serving the pool (this one included), as known: they place

@@ -66,6 +66,11 @@ const NEW_CONVERSATION_CHOICES: usize = 2;
 /// The least share of a prompt above its group's prefix that a miss is judged on.
 const MIN_HISTORY_SHARE: f64 = 0.1;
 
+/// With balancer replicas, a key's first node that became home to this many more
+/// conversations lately than the pool's mean loses its replica margin: new
+/// conversations go by load alone (measured: 1 costs `doc-qa`, 2 does not).
+const PILED_UP_HOMES: f64 = 2.0;
+
 /// The nodes of a walk in order, each once: the key's ring walk, or for a grouped key
 /// the first `width` nodes of the group's walk ranked by rendezvous score with the key
 /// (so each conversation has its own order among them and spills scatter), then the
@@ -369,10 +374,13 @@ impl Balancer {
         // With other balancer replicas, any node but the key's own first must be clearly
         // less loaded (by two requests at equal caps, not one): a new conversation placed
         // away from its key's first node costs a replica that did not see it placed one
-        // miss to find it. Alone, the less loaded node takes it.
+        // miss to find it. Alone, the less loaded node takes it. Nor with replicas when
+        // the key's first node has piled up homes: the margin keeps new conversations on
+        // their keys' first nodes, and hashing alone piles them up until the engine's
+        // cache thrashes (measured on `agentic`, docs/evidence.md).
         let mut order = self.key_order(target).take(choices);
         let key_first = order.next()?;
-        let margin = if self.load.replicas() > 1 {
+        let margin = if self.load.replicas() > 1 && !self.piled_up(key_first) {
             1.0 / f64::from(self.cap_of(&self.nodes[key_first]).max(1))
         } else {
             0.0
@@ -382,6 +390,15 @@ impl Balancer {
             .filter(|&(_, _, i)| self.nodes[i].state().accepts_new())
             .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)))
             .map(|(_, _, i)| i)
+    }
+
+    /// Whether node `index` became home to more conversations lately than the pool's
+    /// nodes on average, by more than [`PILED_UP_HOMES`].
+    fn piled_up(&self, index: usize) -> bool {
+        self.load
+            .recent_homes
+            .above_mean(self.tags[index], &self.tags)
+            > PILED_UP_HOMES
     }
 
     /// Whether node `index` is one of the target's group's nodes (where the group's
@@ -531,7 +548,13 @@ impl Balancer {
 
     /// Remembers the node that served `hash`: its conversation's home from now on.
     pub fn remember(&self, hash: u64, index: usize) {
-        self.load.homes.set(hash, self.tags[index]);
+        let tag = self.tags[index];
+        let before = self.load.homes.get(hash);
+        if before == Some(tag) {
+            return;
+        }
+        self.load.homes.set(hash, tag);
+        self.load.recent_homes.moved(before, tag);
     }
 
     /// The nodes a target's walk visits, in order.
@@ -830,6 +853,34 @@ mod tests {
         // Too little above the floor to judge (estimates are rough): no flip.
         b.learn(other, first, 0.8, 0.75, 0.5);
         assert_eq!(b.home_of(other.hash), None);
+    }
+
+    #[test]
+    fn with_replicas_a_first_node_piled_with_homes_loses_its_margin() {
+        let b = balancer(8, 4, None);
+        b.load().set_replicas(2);
+        let target = Target {
+            hash: 0xabcd_u64 << 32,
+            group: Some((0xfeed_u64 << 40, 8)),
+            first: None,
+        };
+        let pair: Vec<usize> = b.key_order(target).take(2).collect();
+        // One request in flight on the key's first node, none on the other choice:
+        // within the replica margin, so a new conversation stays on its key's first.
+        let at_first = Target {
+            first: Some(pair[0]),
+            ..target
+        };
+        let held = chosen(b.choose(at_first, &[], Instant::now()));
+        assert_eq!(held.index, pair[0]);
+        assert_eq!(b.first_of(target, Turn::First), Some(pair[0]));
+        // Five conversations made their home there lately (none elsewhere): piled up,
+        // so the less loaded node takes the new one.
+        for i in 1..=5u64 {
+            b.remember(i.wrapping_mul(0x9E37_79B9_7F4A_7C15), pair[0]);
+        }
+        assert_eq!(b.first_of(target, Turn::First), Some(pair[1]));
+        drop(held);
     }
 
     #[test]
