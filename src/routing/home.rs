@@ -2,7 +2,8 @@
 //! hash to the node that served its last turn. A later turn goes home; a new
 //! conversation is placed by load and remembered. The table is a cache: a lost or
 //! overwritten entry (a restart, another replica, a collision) sends the turn to its
-//! key's deterministic first node, which costs cache hits, never correctness.
+//! key's deterministic first node, which costs cache hits, never correctness. Beside
+//! it, [`RecentHomes`]: how many conversations each node became home to lately.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -54,7 +55,7 @@ impl HomeTable {
 }
 
 /// How many conversations each node became home to lately: a count over about the
-/// last [`RECENT_HOMES`] homes set, older ones weighing less (each new home scales
+/// last 64 (`RECENT_HOMES`) homes set, older ones weighing less (each new home scales
 /// the others by `1 - 1/RECENT_HOMES`), so nodes that joined late or conversations
 /// long gone do not skew it for long. Replicas whose home tables agree agree on these
 /// counts too, unlike on each other's in-flight requests.
@@ -65,7 +66,7 @@ pub struct RecentHomes {
 }
 
 /// The window of [`RecentHomes`], in homes set.
-pub const RECENT_HOMES: f64 = 64.0;
+const RECENT_HOMES: f64 = 64.0;
 
 impl RecentHomes {
     /// A conversation's home moved from `from` (if it had one) to `to`.
@@ -116,7 +117,7 @@ mod tests {
         // A conversation moving away takes its count along.
         r.moved(Some(nodes[0]), nodes[1]);
         assert!(r.above_mean(nodes[0], &nodes) < above - 0.9);
-        // Old homes fade: after a window of homes elsewhere, node 1 is near even.
+        // Old homes fade: after four windows of homes elsewhere, the first is near even.
         for _ in 0..(4.0 * RECENT_HOMES) as usize {
             r.moved(None, node_tag(0x30));
         }

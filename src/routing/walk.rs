@@ -374,10 +374,10 @@ impl Balancer {
         // With other balancer replicas, any node but the key's own first must be clearly
         // less loaded (by two requests at equal caps, not one): a new conversation placed
         // away from its key's first node costs a replica that did not see it placed one
-        // miss to find it. Alone, the less loaded node takes it. Nor with replicas when
-        // the key's first node has piled up homes: the margin keeps new conversations on
-        // their keys' first nodes, and hashing alone piles them up until the engine's
-        // cache thrashes (measured on `agentic`, docs/evidence.md).
+        // miss to find it. Alone, the less loaded node takes it; so it does with
+        // replicas when the key's first node has piled up homes: the margin keeps new
+        // conversations on their keys' first nodes, and hashing alone piles them up
+        // until the engine's cache thrashes (measured on `agentic`, docs/evidence.md).
         let mut order = self.key_order(target).take(choices);
         let key_first = order.next()?;
         let margin = if self.load.replicas() > 1 && !self.piled_up(key_first) {
