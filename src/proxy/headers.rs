@@ -65,6 +65,7 @@ pub fn upstream_headers(mut headers: HeaderMap, peer: SocketAddr, strip_auth: bo
         .get(&X_FORWARDED_FOR)
         .and_then(|v| v.to_str().ok())
         .filter(|v| !v.is_empty());
+    // Room for the prior list, ", " and the longest IPv6 address (39 characters).
     let mut forwarded = String::with_capacity(prior.map_or(0, |p| p.len() + 2) + 39);
     if let Some(prior) = prior {
         forwarded.push_str(prior);

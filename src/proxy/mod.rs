@@ -83,7 +83,7 @@ impl Proxy {
     pub fn new(config: Config, source: Option<PathBuf>) -> Arc<Proxy> {
         let registry = Registry::default();
         let client = upstream_client(config.server.connect_timeout);
-        let config_connect_timeout = config.server.connect_timeout;
+        let upstream = upstream::Upstream::new(config.server.connect_timeout, UPSTREAM_IDLE);
         let table = Table::build(config.clone(), &registry);
         Arc::new(Proxy {
             sources: Mutex::new(Sources {
@@ -93,7 +93,7 @@ impl Proxy {
             table: ArcSwap::from_pointee(table),
             registry,
             client,
-            upstream: upstream::Upstream::new(config_connect_timeout, UPSTREAM_IDLE),
+            upstream,
             metrics: Arc::new(Metrics::new()),
             budget: Arc::default(),
             source,
