@@ -1,7 +1,8 @@
 //! Finding the cache in real traffic (issue 10), end to end over real sockets: a shared
 //! preamble inside the first user message is learned from the traffic, conversations
 //! behind it spread while every turn stays at home, explanations show what was learned,
-//! and a later turn waits for its full home when that saves more than it costs.
+//! and a later turn waits for its full home when that saves more than it costs (but
+//! not for a home that only `load_factor`'s relative bound holds back).
 
 mod common;
 
@@ -153,4 +154,54 @@ async fn a_later_turn_waits_for_its_full_home_when_that_pays() {
         drop(held);
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_home_held_back_by_load_factor_alone_is_not_waited_for() {
+    // With `load_factor`, a busy home is over its share long before it is full. A
+    // request that waited for it there would shrink the pool's in-flight total, and
+    // with it the bound, while the other engine idled (measured: half the throughput).
+    let flags = ["--decode-ms-per-token", "1", "--prefill-us-per-token", "0"];
+    let engines: Vec<Proc> = (0..2).map(|i| engine(&format!("e{i}"), &flags)).collect();
+    let refs: Vec<&Proc> = engines.iter().collect();
+    let lb = balancer(&config(
+        &refs,
+        "",
+        "max_in_flight = 1000\nload_factor = 1.25",
+    ));
+    let url = lb.url("/v1/chat/completions");
+    // One conversation asked again and again (a known home, ~250 tokens at stake).
+    let body = json!({"model": "mock", "max_tokens": 4, "messages": [
+        {"role": "user", "content": "the same question, asked by every client. ".repeat(24)}]});
+    let clients: Vec<_> = (0..16)
+        .map(|_| {
+            let (url, body) = (url.clone(), body.clone());
+            tokio::spawn(async move {
+                let mut nodes = Vec::new();
+                for _ in 0..25 {
+                    let reply = post_json(&url, &body, &[]).await;
+                    assert_eq!(reply.status, 200, "{}", reply.text());
+                    nodes.push(reply.header("x-prefixlb-node").to_string());
+                }
+                nodes
+            })
+        })
+        .collect();
+    let mut served: HashMap<String, usize> = HashMap::new();
+    for c in clients {
+        for node in c.await.unwrap() {
+            *served.entry(node).or_default() += 1;
+        }
+    }
+    let metrics = lb.admin_url("/metrics");
+    let decision = |route: &str| {
+        format!("prefixlb_routing_decisions_total{{pool=\"mock\",route=\"{route}\"}}")
+    };
+    assert_eq!(
+        metric(&metrics, &decision("queued")).await,
+        0.0,
+        "{served:?}"
+    );
+    assert!(metric(&metrics, &decision("spill")).await > 0.0);
+    assert_eq!(served.len(), 2, "both engines served: {served:?}");
 }

@@ -485,7 +485,11 @@ impl Balancer {
         let home = self.order(target).next()?;
         let node = &self.nodes[home];
         let state = node.state();
-        let cap = self.cap_of(node);
+        // Only a home at its absolute cap is worth a wait. One held back by the relative
+        // bound alone is busier than its share, which is what `load_factor` asks to
+        // spill; and requests waiting there would shrink the pool's in-flight total and
+        // with it the bound, until the rest of the pool idled while they queued.
+        let cap = self.absolute_cap_of(node);
         if home == spill || !state.accepts_new() || state.in_flight() < cap {
             return None;
         }
@@ -606,13 +610,18 @@ impl Balancer {
             .max(1)
     }
 
+    /// The absolute cap alone, as [`Balancer::cap_of`] counts it but without
+    /// `load_factor`'s relative bound: what the engine is meant to run, whatever the
+    /// rest of the pool holds.
+    fn absolute_cap_of(&self, m: &Node) -> u32 {
+        self.split_cap_of(m)
+            .saturating_sub(m.state().others_in_flight())
+            .max(1)
+    }
+
     /// The cap in force on this replica's own view (before others' known load).
     fn own_cap(&self, m: &Node) -> u32 {
-        let cap = if self.split_cap {
-            m.cap().div_ceil(self.load.replicas()).max(1)
-        } else {
-            m.cap()
-        };
+        let cap = self.split_cap_of(m);
         match self.load_factor {
             None => cap,
             Some(c) => {
@@ -620,6 +629,15 @@ impl Balancer {
                 let rel = (c * total * m.weight() as f64 / self.total_weight.max(1) as f64).ceil();
                 cap.min(rel as u32).max(1)
             }
+        }
+    }
+
+    /// `max_in_flight × weight`, split between the replicas when `split_cap` is on.
+    fn split_cap_of(&self, m: &Node) -> u32 {
+        if self.split_cap {
+            m.cap().div_ceil(self.load.replicas()).max(1)
+        } else {
+            m.cap()
         }
     }
 
