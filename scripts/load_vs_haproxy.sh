@@ -6,13 +6,21 @@
 #   scripts/load_vs_haproxy.sh                  # 3 rounds of 10 s per cell
 #   ROUNDS=1 DURATION=5 scripts/load_vs_haproxy.sh
 #   ROUNDS=12 DURATION=3 scripts/load_vs_haproxy.sh   # more, shorter rounds: steadier ratios
+#   LOAD_FACTOR=off scripts/load_vs_haproxy.sh        # prefixlb without the relative bound
+#   BODIES=1k CONNS=32 ROUNDS=30 DURATION=3 scripts/load_vs_haproxy.sh   # one cell, many rounds
 # HAProxy is configured as its users would for prefix affinity: the whole body
-# buffered, hashed on its first 1,024 bytes, consistent hashing with bounded loads.
+# buffered, hashed on its first 1,024 bytes, consistent hashing with bounded loads
+# (`hash-balance-factor 125`). prefixlb gets the same bound, `load_factor = 1.25`, so
+# that both spread the one hot key over both engines the same way; with
+# `LOAD_FACTOR=off` prefixlb sends all of it to one engine (the cap never binds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-3}
 DURATION=${DURATION:-10}
 THREADS=${THREADS:-2}
+LOAD_FACTOR=${LOAD_FACTOR:-1.25}
+BODIES=${BODIES:-1k 18k}
+CONNS=${CONNS:-32 256}
 WORK=${WORK:-target/load}
 mkdir -p "$WORK"
 
@@ -38,13 +46,16 @@ for i in 0 1; do
     PIDS+=($!)
 done
 
-cat >"$WORK/prefixlb.toml" <<'EOF'
+if [ "$LOAD_FACTOR" = off ]; then RELATIVE=""; else RELATIVE="load_factor = $LOAD_FACTOR"; fi
+cat >"$WORK/prefixlb.toml" <<EOF
 [server]
 listen = "127.0.0.1:19180"
 admin_listen = "127.0.0.1:19190"
 [routing]
 # High enough never to bind: this measures the proxy, not bounded loads.
 max_in_flight = 100000
+# HAProxy's hash-balance-factor 125 (unless LOAD_FACTOR=off).
+$RELATIVE
 [[pools]]
 name = "mock"
 models = ["mock"]
@@ -134,10 +145,16 @@ EOF
 echo
 echo "round body conns | prefixlb rps p50 p99 cpu/1k | haproxy rps p50 p99 cpu/1k"
 for round in $(seq "$ROUNDS"); do
-    for body in 1k 18k; do
-        for conns in 32 256; do
-            a=$(run prefixlb 19180 "$LB_PID" "$body" "$conns")
-            b=$(run haproxy 19181 "$HA_PID" "$body" "$conns")
+    for body in $BODIES; do
+        for conns in $CONNS; do
+            # Who goes first alternates by round, so neither always follows the other.
+            if (( round % 2 )); then
+                a=$(run prefixlb 19180 "$LB_PID" "$body" "$conns")
+                b=$(run haproxy 19181 "$HA_PID" "$body" "$conns")
+            else
+                b=$(run haproxy 19181 "$HA_PID" "$body" "$conns")
+                a=$(run prefixlb 19180 "$LB_PID" "$body" "$conns")
+            fi
             echo "$round $body $conns | $a | $b" | tee -a "$WORK/rows.txt"
         done
     done
@@ -145,9 +162,10 @@ done
 
 echo
 echo "== medians over $ROUNDS rounds (rps, p50 ms, p99 ms, CPU s per 1,000 requests; ratio = prefixlb / haproxy)"
-python3 - "$WORK/rows.txt" "$ROUNDS" <<'EOF'
+CELLS=$(( ROUNDS * $(echo $BODIES | wc -w) * $(echo $CONNS | wc -w) ))
+python3 - "$WORK/rows.txt" "$CELLS" <<'EOF'
 import statistics, sys
-rows = [l.split() for l in open(sys.argv[1]).read().splitlines()][-4 * int(sys.argv[2]):]
+rows = [l.split() for l in open(sys.argv[1]).read().splitlines()][-int(sys.argv[2]):]
 cells = {}
 for r in rows:
     key = (r[1], int(r[2]))
@@ -166,3 +184,5 @@ for (body, conns), runs in sorted(cells.items()):
     print(f"{body:>5} {conns:>5} | {a[0]:>12.0f} {a[1]:>7.2f} {a[2]:>7.2f} {a[3]:>7.3f} | {b[0]:>11.0f} {b[1]:>7.2f} {b[2]:>7.2f} {b[3]:>7.3f} | {a[0] / b[0]:>6.2f} {a[2] / b[2]:>6.2f} | {paired:>6.2f} {won:>2}/{len(runs):<2}")
 print("paired: the median of the rounds' prefixlb/haproxy throughput ratios; won: rounds prefixlb was faster")
 EOF
+echo "prefixlb's requests per engine (HAProxy's split the same hot key by the same rule):"
+curl -s "http://127.0.0.1:19190/metrics" | awk -F'[{}" ]' '/^prefixlb_requests_total\{node="e/ {print "  " $3 ": " $NF}'
