@@ -2,7 +2,8 @@
 //! preamble inside the first user message is learned from the traffic, conversations
 //! behind it spread while every turn stays at home, explanations show what was learned,
 //! and a later turn waits for its full home when that saves more than it costs (but
-//! not for a home that only `load_factor`'s relative bound holds back).
+//! not for a home that only `load_factor`'s relative bound holds back; and a wait that
+//! runs out on a full pool queues as configured).
 
 mod common;
 
@@ -204,4 +205,69 @@ async fn a_home_held_back_by_load_factor_alone_is_not_waited_for() {
     );
     assert!(metric(&metrics, &decision("spill")).await > 0.0);
     assert_eq!(served.len(), 2, "both engines served: {served:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_home_wait_that_runs_out_on_a_full_pool_queues_as_configured() {
+    // A later turn waits for its full home (≈ 2 s of prefill at stake); meanwhile the
+    // node it would have spilled to fills. When its budget runs out the pool is
+    // saturated, and `when_saturated = "queue"` applies: it waits for a slot (no 503).
+    let flags = ["--decode-ms-per-token", "20", "--prefill-us-per-token", "0"];
+    let engines: Vec<Proc> = (0..2).map(|i| engine(&format!("e{i}"), &flags)).collect();
+    let refs: Vec<&Proc> = engines.iter().collect();
+    let lb = balancer(&config(
+        &refs,
+        "",
+        "max_in_flight = 1\nwhen_saturated = \"queue\"",
+    ));
+    let url = lb.url("/v1/chat/completions");
+    let long = "a long shared document. ".repeat(1700);
+    let turn = |max_tokens: u32, later: bool| {
+        let mut messages = vec![json!({"role": "user", "content": format!("big: {long}")})];
+        if later {
+            messages.push(json!({"role": "assistant", "content": "noted"}));
+            messages.push(json!({"role": "user", "content": "and now?"}));
+        }
+        json!({"model": "mock", "max_tokens": max_tokens, "messages": messages})
+    };
+    let first = post_json(&url, &turn(10, false), &[]).await;
+    assert_eq!(first.status, 200);
+    let home = first.header("x-prefixlb-node").to_string();
+    let other = if home == "n0" { "n1" } else { "n0" };
+    let session_home = session_on(&lb, &home).await;
+    let session_other = session_on(&lb, other).await;
+    // A stream of `tokens` (≈ 20 ms each) on the session's node, its first chunk read.
+    let stream = |session: String, tokens: u32| {
+        let url = url.clone();
+        async move {
+            let body = serde_json::to_vec(&json!({"model": "mock", "stream": true, "max_tokens": tokens, "messages": [{"role": "user", "content": "hold"}]})).unwrap();
+            let mut held = send(
+                "POST",
+                &url,
+                &[
+                    ("content-type", "application/json"),
+                    ("x-session-id", &session),
+                ],
+                body,
+            )
+            .await;
+            let _ = next_chunk(held.body_mut()).await;
+            held
+        }
+    };
+    // The home is busy for ≈ 3 s.
+    let held_home = stream(session_home, 150).await;
+    assert_eq!(held_home.headers()["x-prefixlb-node"], home.as_str());
+    let later = {
+        let (url, body) = (url.clone(), turn(2, true));
+        tokio::spawn(async move { post_json(&url, &body, &[]).await })
+    };
+    // Once the later turn waits for home, the other node fills for ≈ 3 s too.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let held_other = stream(session_other, 150).await;
+    assert_eq!(held_other.headers()["x-prefixlb-node"], other);
+    let reply = later.await.unwrap();
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.header("x-prefixlb-route"), "queued");
+    drop((held_home, held_other));
 }

@@ -1,8 +1,8 @@
 //! Admission: a slot on the first willing node of the key's walk. When the walk offers
 //! another node because the request's home is full, the request waits for its home
 //! instead when that pays (the home frees a slot sooner than a spill would cost in
-//! prefill, see [`crate::routing::cost`]). When every willing node is at its cap,
-//! `routing.when_saturated` applies: wait in the pool's FIFO (bounded by `max_queue`
+//! prefill, see [`crate::routing::cost`]). When every willing node is at its cap (at
+//! once, or when a home wait's budget runs out), `routing.when_saturated` applies: wait in the pool's FIFO (bounded by `max_queue`
 //! and `queue_timeout`, re-running the walk as slots free, so the key still lands on
 //! its nearest free node), refuse at once, or overcommit the least loaded node.
 
@@ -35,7 +35,7 @@ pub(super) async fn admit(
     } else {
         b.choose(target, tried, std::time::Instant::now())
     };
-    match walk {
+    let walk = match walk {
         Walk::Chosen(c) if c.distance > 0 && tried.is_empty() => {
             let Some((home, budget)) = b.home_wait(target, stakes, c.index) else {
                 return Ok((c, false));
@@ -44,15 +44,16 @@ pub(super) async fn admit(
             let waited = Instant::now();
             let at_home = wait_for_home(b, target, home, budget).await;
             metrics.observe_queue_wait(&pool.config.name, waited.elapsed());
-            match at_home {
-                Some(c) => Ok((c, true)),
-                // The budget ran out: take what the walk offers now.
-                None => match b.choose(target, tried, std::time::Instant::now()) {
-                    Walk::Chosen(c) => Ok((c, false)),
-                    _ => Err(ProxyError::Saturated { pool: name() }),
-                },
+            if let Some(c) = at_home {
+                return Ok((c, true));
             }
+            // The budget ran out: what the walk offers now, as for any request (the
+            // pool may have filled meanwhile: then `when_saturated` applies).
+            b.choose(target, tried, std::time::Instant::now())
         }
+        walk => walk,
+    };
+    match walk {
         Walk::Chosen(c) => Ok((c, false)),
         Walk::Unavailable => Err(ProxyError::NoNode { pool: name() }),
         Walk::Saturated => match routing.when_saturated {
