@@ -2,9 +2,10 @@
 //! another node because the request's home is full, the request waits for its home
 //! instead when that pays (the home frees a slot sooner than a spill would cost in
 //! prefill, see [`crate::routing::cost`]). When every willing node is at its cap (at
-//! once, or when a home wait's budget runs out), `routing.when_saturated` applies: wait in the pool's FIFO (bounded by `max_queue`
-//! and `queue_timeout`, re-running the walk as slots free, so the key still lands on
-//! its nearest free node), refuse at once, or overcommit the least loaded node.
+//! once, or when a home wait's budget runs out), `routing.when_saturated` applies:
+//! wait in the pool's FIFO (bounded by `max_queue` and `queue_timeout`, re-running the
+//! walk as slots free, so the key still lands on its nearest free node), refuse at
+//! once, or overcommit the least loaded node.
 
 use tokio::time::Instant;
 
