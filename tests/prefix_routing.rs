@@ -2,8 +2,8 @@
 //! preamble inside the first user message is learned from the traffic, conversations
 //! behind it spread while every turn stays at home, explanations show what was learned,
 //! and a later turn waits for its full home when that saves more than it costs (but
-//! not for a home that only `load_factor`'s relative bound holds back; and a wait that
-//! runs out on a full pool queues as configured).
+//! not for a home that only `load_factor`'s relative bound holds back; a wait that runs
+//! out on a full pool queues as configured, and one whose home is drained ends at once).
 
 mod common;
 
@@ -270,4 +270,64 @@ async fn a_home_wait_that_runs_out_on_a_full_pool_queues_as_configured() {
     assert_eq!(reply.status, 200, "{}", reply.text());
     assert_eq!(reply.header("x-prefixlb-route"), "queued");
     drop((held_home, held_other));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waiting_for_its_home_leaves_when_the_home_is_drained() {
+    let flags = ["--decode-ms-per-token", "20", "--prefill-us-per-token", "0"];
+    let engines: Vec<Proc> = (0..2).map(|i| engine(&format!("e{i}"), &flags)).collect();
+    let refs: Vec<&Proc> = engines.iter().collect();
+    let lb = balancer(&config(&refs, "", "max_in_flight = 1"));
+    let url = lb.url("/v1/chat/completions");
+    // ≈ 20,000 tokens at stake: a wait budget of ≈ 4 s.
+    let long = "a long shared document. ".repeat(3400);
+    let turn = |later: bool| {
+        let mut messages = vec![json!({"role": "user", "content": format!("big: {long}")})];
+        if later {
+            messages.push(json!({"role": "assistant", "content": "noted"}));
+            messages.push(json!({"role": "user", "content": "and now?"}));
+        }
+        json!({"model": "mock", "max_tokens": 2, "messages": messages})
+    };
+    let first = post_json(&url, &turn(false), &[]).await;
+    assert_eq!(first.status, 200);
+    let home = first.header("x-prefixlb-node").to_string();
+    // The home's one slot held for ≈ 5 s.
+    let session = session_on(&lb, &home).await;
+    let body = serde_json::to_vec(&json!({"model": "mock", "stream": true, "max_tokens": 250, "messages": [{"role": "user", "content": "hold"}]})).unwrap();
+    let mut held = send(
+        "POST",
+        &url,
+        &[
+            ("content-type", "application/json"),
+            ("x-session-id", &session),
+        ],
+        body,
+    )
+    .await;
+    assert_eq!(held.headers()["x-prefixlb-node"], home.as_str());
+    let _ = next_chunk(held.body_mut()).await;
+    let started = std::time::Instant::now();
+    let later = {
+        let (url, body) = (url.clone(), turn(true));
+        tokio::spawn(async move { post_json(&url, &body, &[]).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let drained = call(
+        "POST",
+        &lb.admin_url(&format!("/admin/nodes/{home}/drain")),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(drained.status, 200);
+    let reply = later.await.unwrap();
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_ne!(reply.header("x-prefixlb-node"), home, "went elsewhere");
+    assert!(
+        started.elapsed() < Duration::from_millis(2500),
+        "left the drained home at once, not after its ≈ 4 s budget: {:?}",
+        started.elapsed()
+    );
+    drop(held);
 }

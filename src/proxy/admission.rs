@@ -74,7 +74,8 @@ pub(super) async fn admit(
 }
 
 /// Waits (counted at the home, woken as its slots free) for a slot at the request's
-/// home, at most `budget`.
+/// home, at most `budget`; gives up at once when the home turns requests away
+/// (drained, unhealthy, breaker open).
 async fn wait_for_home(
     b: &Balancer,
     target: walk::Target,
@@ -87,6 +88,9 @@ async fn wait_for_home(
     loop {
         let mut freed = std::pin::pin!(state.freed().notified());
         freed.as_mut().enable();
+        if state.turned_away() {
+            return None;
+        }
         if let Walk::Chosen(c) = b.choose(target, &[], std::time::Instant::now()) {
             if c.index == home {
                 return Some(c);

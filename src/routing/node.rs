@@ -210,7 +210,8 @@ impl NodeState {
         HomeTicket { node: self.clone() }
     }
 
-    /// Notified once per slot freed here.
+    /// Notified once per slot freed here, and all at once when the node turns requests
+    /// away ([`NodeState::turned_away`]).
     pub fn freed(&self) -> &Notify {
         &self.freed
     }
@@ -284,7 +285,17 @@ impl NodeState {
         if let Some(to) = flip {
             self.transitions[to as usize].fetch_add(1, Ordering::Relaxed);
             tracing::warn!(node = %self.id, to = to.as_str(), "breaker state changed");
+            if to == BreakerState::Open {
+                self.freed.notify_waiters();
+            }
         }
+    }
+
+    /// Whether a request waiting for a slot here should stop: the node takes no new
+    /// requests (drained, unhealthy) or its breaker is open. The flips that make it so
+    /// wake the waiters ([`NodeState::freed`]).
+    pub fn turned_away(&self) -> bool {
+        !self.accepts_new() || self.breaker.state() == BreakerState::Open
     }
 
     /// Requests currently reserved on this node.
@@ -298,7 +309,11 @@ impl NodeState {
 
     /// Sets the drain flag; returns whether it flipped.
     pub fn set_draining(&self, draining: bool) -> bool {
-        self.draining.swap(draining, Ordering::Relaxed) != draining
+        let flipped = self.draining.swap(draining, Ordering::Relaxed) != draining;
+        if flipped && draining {
+            self.freed.notify_waiters();
+        }
+        flipped
     }
 
     pub fn is_healthy(&self) -> bool {
@@ -307,7 +322,11 @@ impl NodeState {
 
     /// Sets the health flag; returns whether it flipped.
     pub fn set_healthy(&self, healthy: bool) -> bool {
-        self.healthy.swap(healthy, Ordering::Relaxed) != healthy
+        let flipped = self.healthy.swap(healthy, Ordering::Relaxed) != healthy;
+        if flipped && !healthy {
+            self.freed.notify_waiters();
+        }
+        flipped
     }
 
     /// Whether the walk may consider this node at all (before its load is looked at).
