@@ -634,3 +634,52 @@ async fn engine_connections_are_reused_and_one_left_mid_stream_is_not() {
     let now = connections_to(engine_port);
     assert_eq!(now.len(), used.len() + 1, "{used:?} then {now:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_request_takes_a_node_that_comes_back_without_a_slot_freeing() {
+    // No slot frees on the busy node, but another node comes back (undrained; the same
+    // holds for a recovered health check or a reload that adds one): the queue sees it.
+    let engines: Vec<Proc> = (0..2)
+        .map(|i| engine(&format!("e{i}"), &["--decode-ms-per-token", "20"]))
+        .collect();
+    let lb = balancer(&config(&refs(&engines), "", "max_in_flight = 1"));
+    let drain = |node: &str, action: &str| {
+        let url = lb.admin_url(&format!("/admin/nodes/{node}/{action}"));
+        async move { assert_eq!(call("POST", &url, &[], "").await.status, 200) }
+    };
+    drain("n1", "drain").await;
+    // n0's one slot held for ≈ 6 s.
+    let body = serde_json::to_vec(&chat(&[("user", "hold")], true, 300)).unwrap();
+    let mut held = send(
+        "POST",
+        &lb.url("/v1/chat/completions"),
+        &[("content-type", "application/json")],
+        body,
+    )
+    .await;
+    assert_eq!(held.headers()["x-prefixlb-node"], "n0");
+    let _ = next_chunk(held.body_mut()).await;
+    let started = Instant::now();
+    let waiter = {
+        let url = lb.url("/v1/chat/completions");
+        tokio::spawn(
+            async move { post_json(&url, &chat(&[("user", "next")], false, 2), &[]).await },
+        )
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiter.is_finished(),
+        "queued while n0 is full and n1 drained"
+    );
+    drain("n1", "undrain").await;
+    let reply = waiter.await.unwrap();
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.header("x-prefixlb-node"), "n1");
+    assert_eq!(reply.header("x-prefixlb-route"), "queued");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "admitted once n1 came back, not when n0's stream ended: {:?}",
+        started.elapsed()
+    );
+    drop(held);
+}

@@ -131,11 +131,19 @@ async fn wait_for_slot(
             }
             Walk::Saturated => {}
         }
-        if tokio::time::timeout_at(deadline, freed).await.is_err() {
+        if Instant::now() >= deadline {
             return Err(ProxyError::QueueTimeout {
                 pool: pool.to_string(),
                 waited_ms: started.elapsed().as_millis(),
             });
         }
+        // A slot freed wakes the oldest waiter; capacity that returns without one (a
+        // node undrained, healthy again, its breaker closing, added by a reload) is
+        // seen at the next look.
+        let look = deadline.min(Instant::now() + QUEUE_LOOK_EVERY);
+        let _ = tokio::time::timeout_at(look, freed).await;
     }
 }
+
+/// How often a queued request looks again at the pool when no slot frees.
+const QUEUE_LOOK_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
