@@ -638,7 +638,7 @@ async fn engine_connections_are_reused_and_one_left_mid_stream_is_not() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_queued_request_takes_a_node_that_comes_back_without_a_slot_freeing() {
     // No slot frees on the busy node, but another node comes back (undrained; the same
-    // holds for a recovered health check or a reload that adds one): the queue sees it.
+    // holds for a recovered health check or a closing breaker): the queue sees it.
     let engines: Vec<Proc> = (0..2)
         .map(|i| engine(&format!("e{i}"), &["--decode-ms-per-token", "20"]))
         .collect();

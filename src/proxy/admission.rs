@@ -138,8 +138,8 @@ async fn wait_for_slot(
             });
         }
         // A slot freed wakes the oldest waiter; capacity that returns without one (a
-        // node undrained, healthy again, its breaker closing, added by a reload) is
-        // seen at the next look.
+        // node undrained, healthy again, its breaker closing) is seen at the next look.
+        // (A node added by a reload is not: the request keeps the table it started with.)
         let look = deadline.min(Instant::now() + QUEUE_LOOK_EVERY);
         let _ = tokio::time::timeout_at(look, freed).await;
     }
