@@ -423,6 +423,21 @@ async fn bad_inputs_get_clear_errors_and_the_balancer_keeps_serving() {
             "unsupported_media_type",
         ),
         (
+            "compressed body",
+            call(
+                "POST",
+                &url,
+                &[
+                    ("content-type", "application/json"),
+                    ("content-encoding", "gzip"),
+                ],
+                vec![0x1f, 0x8b, 0x08, 0x00, 0x00],
+            )
+            .await,
+            415,
+            "unsupported_content_encoding",
+        ),
+        (
             "empty body",
             call("POST", &url, &json_ct, "").await,
             400,

@@ -20,6 +20,8 @@ pub enum ProxyError {
     BodyTooLarge { limit: usize },
     #[error("content-type `{0}` is not supported; send the body as application/json")]
     UnsupportedMediaType(String),
+    #[error("content-encoding `{0}` is not supported; send the body uncompressed (engines read plain JSON)")]
+    UnsupportedEncoding(String),
     #[error("method {method} is not allowed on {path}; use POST")]
     MethodNotAllowed { method: String, path: String },
     #[error("invalid URL ({method} {path}): this balancer serves /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings, /generate and /v1/models")]
@@ -57,7 +59,9 @@ impl ProxyError {
             ProxyError::Unauthorized => StatusCode::UNAUTHORIZED,
             ProxyError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            ProxyError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ProxyError::UnsupportedMediaType(_) | ProxyError::UnsupportedEncoding(_) => {
+                StatusCode::UNSUPPORTED_MEDIA_TYPE
+            }
             ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::Saturated { .. }
             | ProxyError::QueueFull { .. }
@@ -90,6 +94,7 @@ impl ProxyError {
             ProxyError::BodyRead(_) => "body_read_error",
             ProxyError::BodyTooLarge { .. } => "request_too_large",
             ProxyError::UnsupportedMediaType(_) => "unsupported_media_type",
+            ProxyError::UnsupportedEncoding(_) => "unsupported_content_encoding",
             ProxyError::MethodNotAllowed { .. } => "method_not_allowed",
             ProxyError::UnknownPath { .. } => "unknown_url",
             ProxyError::Unauthorized => "invalid_api_key",
@@ -172,6 +177,12 @@ mod tests {
                 ProxyError::UnsupportedMediaType("text/plain".into()),
                 415,
                 "unsupported_media_type",
+                None,
+            ),
+            (
+                ProxyError::UnsupportedEncoding("gzip".into()),
+                415,
+                "unsupported_content_encoding",
                 None,
             ),
             (

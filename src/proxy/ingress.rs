@@ -104,6 +104,22 @@ pub fn check_json_content_type(headers: &http::HeaderMap) -> Result<(), ProxyErr
     }
 }
 
+/// The body must come as it is meant to be read: a compressed body (`Content-Encoding`
+/// other than `identity`) cannot be routed by its prompt, and engines read plain JSON.
+pub fn check_identity_encoding(headers: &http::HeaderMap) -> Result<(), ProxyError> {
+    match headers.get(header::CONTENT_ENCODING) {
+        None => Ok(()),
+        Some(v) => {
+            let v = v.to_str().unwrap_or("?").trim();
+            if v.is_empty() || v.eq_ignore_ascii_case("identity") {
+                Ok(())
+            } else {
+                Err(ProxyError::UnsupportedEncoding(clip(v)))
+            }
+        }
+    }
+}
+
 /// Reads a whole request body within `limits`, counting it in `claim`.
 pub async fn read_body(
     body: Incoming,

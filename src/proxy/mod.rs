@@ -316,6 +316,7 @@ impl Proxy {
                 return Err(method_not_allowed(method, path));
             }
             ingress::check_json_content_type(req.headers())?;
+            ingress::check_identity_encoding(req.headers())?;
         }
         let server = &table.config.server;
         let limits = BodyLimits {
