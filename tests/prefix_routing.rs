@@ -100,51 +100,71 @@ async fn session_on(lb: &Proc, node: &str) -> String {
     panic!("no session key starts at {node}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_later_turn_waits_for_its_full_home_when_that_pays() {
-    let flags = ["--decode-ms-per-token", "20", "--prefill-us-per-token", "0"];
+/// Two engines decoding at `decode_ms` per token (no prefill time), behind a balancer
+/// with these `[routing]` lines.
+fn two_engines_behind(decode_ms: &str, routing: &str) -> (Vec<Proc>, Proc) {
+    let flags = [
+        "--decode-ms-per-token",
+        decode_ms,
+        "--prefill-us-per-token",
+        "0",
+    ];
     let engines: Vec<Proc> = (0..2).map(|i| engine(&format!("e{i}"), &flags)).collect();
     let refs: Vec<&Proc> = engines.iter().collect();
-    let lb = balancer(&config(&refs, "", "max_in_flight = 1"));
+    let lb = balancer(&config(&refs, "", routing));
+    (engines, lb)
+}
+
+/// A turn of the conversation that opens with `text`: its first, or a later one (the
+/// history plus a short exchange).
+fn turn(text: &str, max_tokens: u32, later: bool) -> Value {
+    let mut messages = vec![json!({"role": "user", "content": text})];
+    if later {
+        messages.push(json!({"role": "assistant", "content": "noted"}));
+        messages.push(json!({"role": "user", "content": "and now?"}));
+    }
+    json!({"model": "mock", "max_tokens": max_tokens, "messages": messages})
+}
+
+/// Holds `node`'s slot with another key's stream of `tokens`, its first chunk read.
+async fn hold(lb: &Proc, node: &str, tokens: u32) -> hyper::Response<hyper::body::Incoming> {
+    let session = session_on(lb, node).await;
+    let body = serde_json::to_vec(&json!({"model": "mock", "stream": true, "max_tokens": tokens, "messages": [{"role": "user", "content": "hold"}]})).unwrap();
+    let mut held = send(
+        "POST",
+        &lb.url("/v1/chat/completions"),
+        &[
+            ("content-type", "application/json"),
+            ("x-session-id", &session),
+        ],
+        body,
+    )
+    .await;
+    assert_eq!(held.headers()["x-prefixlb-node"], node);
+    let _ = next_chunk(held.body_mut()).await;
+    held
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_later_turn_waits_for_its_full_home_when_that_pays() {
+    let (_engines, lb) = two_engines_behind("20", "max_in_flight = 1");
     let url = lb.url("/v1/chat/completions");
     // Two conversations: one with a long history (≈ 10,000 tokens), one with a short.
-    let long = "a long shared document. ".repeat(1700);
-    let first = |conv: &str, text: &str| json!({"model": "mock", "max_tokens": 10, "messages": [{"role": "user", "content": format!("{conv}: {text}")}]});
-    let later = |conv: &str, text: &str| {
-        json!({"model": "mock", "max_tokens": 2, "messages": [
-            {"role": "user", "content": format!("{conv}: {text}")},
-            {"role": "assistant", "content": "noted"},
-            {"role": "user", "content": "and now?"}]})
-    };
+    let big = format!("big: {}", "a long shared document. ".repeat(1700));
+    let conversations = [big.as_str(), "small: hi"];
     let mut homes = Vec::new();
-    for (conv, text) in [("big", long.as_str()), ("small", "hi")] {
-        let reply = post_json(&url, &first(conv, text), &[]).await;
+    for text in conversations {
+        let reply = post_json(&url, &turn(text, 10, false), &[]).await;
         assert_eq!(reply.status, 200);
         homes.push(reply.header("x-prefixlb-node").to_string());
     }
-    for (i, (conv, text)) in [("big", long.as_str()), ("small", "hi")]
-        .into_iter()
-        .enumerate()
-    {
+    for (i, text) in conversations.into_iter().enumerate() {
         let home = &homes[i];
         // Hold the home's one slot for ~0.6 s with another key's stream.
-        let session = session_on(&lb, home).await;
-        let body = serde_json::to_vec(&json!({"model": "mock", "stream": true, "max_tokens": 30, "messages": [{"role": "user", "content": "hold"}]})).unwrap();
-        let mut held = send(
-            "POST",
-            &url,
-            &[
-                ("content-type", "application/json"),
-                ("x-session-id", &session),
-            ],
-            body,
-        )
-        .await;
-        assert_eq!(held.headers()["x-prefixlb-node"], home.as_str());
-        let _ = next_chunk(held.body_mut()).await;
-        let reply = post_json(&url, &later(conv, text), &[]).await;
+        let held = hold(&lb, home, 30).await;
+        let reply = post_json(&url, &turn(text, 2, true), &[]).await;
         assert_eq!(reply.status, 200);
-        if conv == "big" {
+        if i == 0 {
             // ≈ 10,000 cached tokens: 2 s of prefill saved vs ~0.2 s for a slot.
             assert_eq!(reply.header("x-prefixlb-node"), home, "waited for home");
             assert_eq!(reply.header("x-prefixlb-route"), "queued");
@@ -162,14 +182,7 @@ async fn a_home_held_back_by_load_factor_alone_is_not_waited_for() {
     // With `load_factor`, a busy home is over its share long before it is full. A
     // request that waited for it there would shrink the pool's in-flight total, and
     // with it the bound, while the other engine idled (measured: half the throughput).
-    let flags = ["--decode-ms-per-token", "1", "--prefill-us-per-token", "0"];
-    let engines: Vec<Proc> = (0..2).map(|i| engine(&format!("e{i}"), &flags)).collect();
-    let refs: Vec<&Proc> = engines.iter().collect();
-    let lb = balancer(&config(
-        &refs,
-        "",
-        "max_in_flight = 1000\nload_factor = 1.25",
-    ));
+    let (_engines, lb) = two_engines_behind("1", "max_in_flight = 1000\nload_factor = 1.25");
     let url = lb.url("/v1/chat/completions");
     // One conversation asked again and again (a known home, ~250 tokens at stake).
     let body = json!({"model": "mock", "max_tokens": 4, "messages": [
@@ -212,60 +225,22 @@ async fn a_home_wait_that_runs_out_on_a_full_pool_queues_as_configured() {
     // A later turn waits for its full home (≈ 2 s of prefill at stake); meanwhile the
     // node it would have spilled to fills. When its budget runs out the pool is
     // saturated, and `when_saturated = "queue"` applies: it waits for a slot (no 503).
-    let flags = ["--decode-ms-per-token", "20", "--prefill-us-per-token", "0"];
-    let engines: Vec<Proc> = (0..2).map(|i| engine(&format!("e{i}"), &flags)).collect();
-    let refs: Vec<&Proc> = engines.iter().collect();
-    let lb = balancer(&config(
-        &refs,
-        "",
-        "max_in_flight = 1\nwhen_saturated = \"queue\"",
-    ));
+    let (_engines, lb) = two_engines_behind("20", "max_in_flight = 1\nwhen_saturated = \"queue\"");
     let url = lb.url("/v1/chat/completions");
-    let long = "a long shared document. ".repeat(1700);
-    let turn = |max_tokens: u32, later: bool| {
-        let mut messages = vec![json!({"role": "user", "content": format!("big: {long}")})];
-        if later {
-            messages.push(json!({"role": "assistant", "content": "noted"}));
-            messages.push(json!({"role": "user", "content": "and now?"}));
-        }
-        json!({"model": "mock", "max_tokens": max_tokens, "messages": messages})
-    };
-    let first = post_json(&url, &turn(10, false), &[]).await;
+    let big = format!("big: {}", "a long shared document. ".repeat(1700));
+    let first = post_json(&url, &turn(&big, 10, false), &[]).await;
     assert_eq!(first.status, 200);
     let home = first.header("x-prefixlb-node").to_string();
     let other = if home == "n0" { "n1" } else { "n0" };
-    let session_home = session_on(&lb, &home).await;
-    let session_other = session_on(&lb, other).await;
-    // A stream of `tokens` (≈ 20 ms each) on the session's node, its first chunk read.
-    let stream = |session: String, tokens: u32| {
-        let url = url.clone();
-        async move {
-            let body = serde_json::to_vec(&json!({"model": "mock", "stream": true, "max_tokens": tokens, "messages": [{"role": "user", "content": "hold"}]})).unwrap();
-            let mut held = send(
-                "POST",
-                &url,
-                &[
-                    ("content-type", "application/json"),
-                    ("x-session-id", &session),
-                ],
-                body,
-            )
-            .await;
-            let _ = next_chunk(held.body_mut()).await;
-            held
-        }
-    };
     // The home is busy for ≈ 3 s.
-    let held_home = stream(session_home, 150).await;
-    assert_eq!(held_home.headers()["x-prefixlb-node"], home.as_str());
+    let held_home = hold(&lb, &home, 150).await;
     let later = {
-        let (url, body) = (url.clone(), turn(2, true));
+        let (url, body) = (url.clone(), turn(&big, 2, true));
         tokio::spawn(async move { post_json(&url, &body, &[]).await })
     };
     // Once the later turn waits for home, the other node fills for ≈ 3 s too.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let held_other = stream(session_other, 150).await;
-    assert_eq!(held_other.headers()["x-prefixlb-node"], other);
+    let held_other = hold(&lb, other, 150).await;
     let reply = later.await.unwrap();
     assert_eq!(reply.status, 200, "{}", reply.text());
     assert_eq!(reply.header("x-prefixlb-route"), "queued");
@@ -274,42 +249,18 @@ async fn a_home_wait_that_runs_out_on_a_full_pool_queues_as_configured() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_waiting_for_its_home_leaves_when_the_home_is_drained() {
-    let flags = ["--decode-ms-per-token", "20", "--prefill-us-per-token", "0"];
-    let engines: Vec<Proc> = (0..2).map(|i| engine(&format!("e{i}"), &flags)).collect();
-    let refs: Vec<&Proc> = engines.iter().collect();
-    let lb = balancer(&config(&refs, "", "max_in_flight = 1"));
+    let (_engines, lb) = two_engines_behind("20", "max_in_flight = 1");
     let url = lb.url("/v1/chat/completions");
     // ≈ 20,000 tokens at stake: a wait budget of ≈ 4 s.
-    let long = "a long shared document. ".repeat(3400);
-    let turn = |later: bool| {
-        let mut messages = vec![json!({"role": "user", "content": format!("big: {long}")})];
-        if later {
-            messages.push(json!({"role": "assistant", "content": "noted"}));
-            messages.push(json!({"role": "user", "content": "and now?"}));
-        }
-        json!({"model": "mock", "max_tokens": 2, "messages": messages})
-    };
-    let first = post_json(&url, &turn(false), &[]).await;
+    let big = format!("big: {}", "a long shared document. ".repeat(3400));
+    let first = post_json(&url, &turn(&big, 2, false), &[]).await;
     assert_eq!(first.status, 200);
     let home = first.header("x-prefixlb-node").to_string();
     // The home's one slot held for ≈ 5 s.
-    let session = session_on(&lb, &home).await;
-    let body = serde_json::to_vec(&json!({"model": "mock", "stream": true, "max_tokens": 250, "messages": [{"role": "user", "content": "hold"}]})).unwrap();
-    let mut held = send(
-        "POST",
-        &url,
-        &[
-            ("content-type", "application/json"),
-            ("x-session-id", &session),
-        ],
-        body,
-    )
-    .await;
-    assert_eq!(held.headers()["x-prefixlb-node"], home.as_str());
-    let _ = next_chunk(held.body_mut()).await;
+    let held = hold(&lb, &home, 250).await;
     let started = std::time::Instant::now();
     let later = {
-        let (url, body) = (url.clone(), turn(true));
+        let (url, body) = (url.clone(), turn(&big, 2, true));
         tokio::spawn(async move { post_json(&url, &body, &[]).await })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
