@@ -744,3 +744,71 @@ async fn explain_names_the_node_the_next_request_gets() {
 fn node_index(id: &str) -> usize {
     id.trim_start_matches('n').parse().unwrap()
 }
+
+/// The engine-side HTTP/1.1 path reads every framing a server may use (RFC 9112 §6.3),
+/// not only the two `mock-engine` sends: each answer reaches the client whole, and a
+/// head that is not HTTP is a clear 502.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_framing_an_engine_may_use_is_relayed_whole() {
+    let json = r#"{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"whole"}}]}"#;
+    let plain = |head: &str| format!("{head}\r\n\r\n{json}").into_bytes();
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        (
+            "interim 103 then content-length",
+            format!(
+                "HTTP/1.1 103 Early Hints\r\nlink: </style.css>\r\n\r\n\
+                 HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{json}",
+                json.len()
+            )
+            .into_bytes(),
+        ),
+        (
+            "HTTP/1.0, read until close",
+            plain("HTTP/1.0 200 OK\r\ncontent-type: application/json"),
+        ),
+        (
+            "connection: close, read until close",
+            plain("HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close"),
+        ),
+        (
+            "chunked with extensions and trailers",
+            {
+                let (a, b) = json.split_at(20);
+                format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n\
+                     {:x};name=value\r\n{a}\r\n{:X}\r\n{b}\r\n0\r\nx-checksum: 1\r\n\r\n",
+                    a.len(),
+                    b.len()
+                )
+                .into_bytes()
+            },
+        ),
+    ];
+    for (case, answer) in cases {
+        let engine = scripted_engine(vec![(answer, Duration::ZERO)]).await;
+        let lb = balancer(&config_at(&[engine], ""));
+        let reply = post_json(
+            &lb.url("/v1/chat/completions"),
+            &chat(&[("user", "x")], false, 2),
+            &[],
+        )
+        .await;
+        assert_eq!(reply.status, 200, "{case}: {}", reply.text());
+        assert_eq!(reply.text(), json, "{case}");
+        assert!(in_flight(&lb).await.iter().all(|(_, n)| *n == 0), "{case}");
+    }
+    let ssh = scripted_engine(vec![(b"SSH-2.0-OpenSSH_9.6\r\n".to_vec(), Duration::ZERO)]).await;
+    let lb = balancer(&config_at(&[ssh], ""));
+    let reply = post_json(
+        &lb.url("/v1/chat/completions"),
+        &chat(&[("user", "x")], false, 2),
+        &[],
+    )
+    .await;
+    assert_eq!(reply.status, 502, "{}", reply.text());
+    assert!(
+        reply.text().contains("malformed response head"),
+        "{}",
+        reply.text()
+    );
+}

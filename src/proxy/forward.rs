@@ -9,9 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::uri::PathAndQuery;
-use http::{header, HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Version};
-use http_body_util::Full;
-use hyper::body::Incoming;
+use http::{header, HeaderMap, HeaderValue, Method, Response, StatusCode};
 use tokio::time::Instant;
 
 use super::admission;
@@ -19,8 +17,8 @@ use super::body::BoxBody;
 use super::edit::{self, Edits};
 use super::outcome::{FailoverReason, RequestOutcome};
 use super::probe::{self, Commit, ProbeFailure};
-use super::relay::{Finish, FromEngine, Learn, RelayBody};
-use super::upstream::{Lease, Upstream};
+use super::relay::{Finish, Learn, RelayBody};
+use super::upstream::{EngineBody, Outgoing, Upstream};
 use super::{headers, ProxyError};
 use crate::clip::clip;
 use crate::config::RoutingConfig;
@@ -125,10 +123,9 @@ enum Answer {
     Stream {
         head: http::response::Parts,
         committed: probe::Committed,
-        conn: Lease,
     },
     /// Anything else that is not a failure: a 2xx, or a 4xx that is the client's.
-    Plain(Response<Incoming>, Lease),
+    Plain(Response<EngineBody>),
 }
 
 impl Exchange<'_> {
@@ -271,17 +268,13 @@ impl Exchange<'_> {
         };
         let uri = node.origin_form(&self.path).map_err(|e| bad_uri(&e))?;
         let (authority, host) = node.authority().ok_or_else(|| bad_uri(&"no host"))?;
-        let mut req = Request::new(Full::new(body.clone()));
-        *req.method_mut() = self.method.clone();
-        *req.uri_mut() = uri;
-        *req.version_mut() = Version::HTTP_11;
-        // Sized for `Host` as well: a clone and then an insert would grow it.
-        let headers = req.headers_mut();
-        headers.reserve(self.headers.len() + 1);
-        headers.insert(header::HOST, host.clone());
-        for (name, value) in &self.headers {
-            headers.append(name.clone(), value.clone());
-        }
+        let req = Outgoing {
+            method: &self.method,
+            target: uri.path_and_query().map_or("/", |p| p.as_str()),
+            host,
+            headers: &self.headers,
+            body,
+        };
         let stream = self.plan.facts.stream;
         let sent = Instant::now();
         // A stream has `first_token_timeout` for its head and first token together.
@@ -290,23 +283,22 @@ impl Exchange<'_> {
         } else {
             self.table.config.server.request_timeout
         };
-        let (resp, conn) =
-            match tokio::time::timeout(budget, self.upstream.send(authority, req)).await {
-                Err(_) => {
-                    let ms = budget.as_millis();
-                    return Err(Failure::new(
-                        FailoverReason::Timeout,
-                        format!("{}: no response within {ms} ms", node.id()),
-                    ));
-                }
-                Ok(Err(e)) => {
-                    return Err(Failure::new(
-                        FailoverReason::Error,
-                        format!("{}: {e}", node.id()),
-                    ))
-                }
-                Ok(Ok(resp)) => resp,
-            };
+        let resp = match tokio::time::timeout(budget, self.upstream.send(authority, req)).await {
+            Err(_) => {
+                let ms = budget.as_millis();
+                return Err(Failure::new(
+                    FailoverReason::Timeout,
+                    format!("{}: no response within {ms} ms", node.id()),
+                ));
+            }
+            Ok(Err(e)) => {
+                return Err(Failure::new(
+                    FailoverReason::Error,
+                    format!("{}: {e}", node.id()),
+                ))
+            }
+            Ok(Ok(resp)) => resp,
+        };
         let status = resp.status();
         if status == StatusCode::TOO_MANY_REQUESTS {
             return Err(Failure::new(
@@ -321,16 +313,12 @@ impl Exchange<'_> {
             ));
         }
         if !(stream && status.is_success() && is_event_stream(resp.headers())) {
-            return Ok(Answer::Plain(resp, conn));
+            return Ok(Answer::Plain(resp));
         }
         let (head, body) = resp.into_parts();
         let deadline = sent + pool.config.first_token_timeout;
         match probe::first_packet(body, sent, deadline).await {
-            Ok(committed) => Ok(Answer::Stream {
-                head,
-                committed,
-                conn,
-            }),
+            Ok(committed) => Ok(Answer::Stream { head, committed }),
             Err(ProbeFailure::Timeout) => Err(Failure::new(
                 FailoverReason::Timeout,
                 format!(
@@ -395,7 +383,6 @@ impl Exchange<'_> {
             Answer::Stream {
                 mut head,
                 committed,
-                conn,
             } => {
                 // A client error in an SSE event is the client's to read: the node is
                 // fine, and its latency says nothing.
@@ -413,10 +400,7 @@ impl Exchange<'_> {
                 health.finish(Outcome::Success);
                 let body = RelayBody::stream(
                     committed.held,
-                    FromEngine {
-                        body: committed.rest,
-                        conn,
-                    },
+                    committed.rest,
                     c.choice.reservation,
                     finish,
                     idle,
@@ -425,17 +409,11 @@ impl Exchange<'_> {
                 );
                 (head, body)
             }
-            Answer::Plain(resp, conn) => {
+            Answer::Plain(resp) => {
                 health.finish(Outcome::Success);
                 let (head, body) = resp.into_parts();
                 let finish = finish(head.status, None);
-                let body = RelayBody::plain(
-                    FromEngine { body, conn },
-                    c.choice.reservation,
-                    finish,
-                    idle,
-                    settings,
-                );
+                let body = RelayBody::plain(body, c.choice.reservation, finish, idle, settings);
                 (head, body)
             }
         };

@@ -8,6 +8,7 @@ pub mod body;
 pub mod edit;
 mod error;
 mod forward;
+mod h1;
 pub mod headers;
 pub mod ingress;
 pub mod outcome;

@@ -11,11 +11,11 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use serde_json::Value;
 use tokio::time::Instant;
 
 use super::sse::{SseEvent, SseScanner};
+use super::upstream::EngineBody;
 
 /// Most bytes held before the first output; more is an engine fault (a real engine
 /// sends a role chunk or two, never a megabyte of nothing).
@@ -47,7 +47,7 @@ pub enum Commit {
 /// and the rest of the body.
 pub struct Committed {
     pub held: Bytes,
-    pub rest: Incoming,
+    pub rest: EngineBody,
     /// Upstream send → the committing event.
     pub ttft: Duration,
     pub by: Commit,
@@ -55,7 +55,7 @@ pub struct Committed {
 
 /// Reads `body` until an event commits it, holding everything, or fails.
 pub async fn first_packet(
-    mut body: Incoming,
+    mut body: EngineBody,
     sent: Instant,
     deadline: Instant,
 ) -> Result<Committed, ProbeFailure> {
@@ -102,7 +102,7 @@ pub async fn first_packet(
     }
 }
 
-fn committed(held: BytesMut, rest: Incoming, sent: Instant, by: Commit) -> Committed {
+fn committed(held: BytesMut, rest: EngineBody, sent: Instant, by: Commit) -> Committed {
     Committed {
         held: held.freeze(),
         rest,

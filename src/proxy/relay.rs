@@ -23,14 +23,13 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
-use hyper::body::Incoming;
 use memchr::memmem::Finder;
 use tokio::time::{Instant, Sleep};
 
 use super::body::BodyError;
 use super::outcome::RequestOutcome;
 use super::sse::{Block, SseScanner};
-use super::upstream::Lease;
+use super::upstream::EngineBody;
 use crate::routing::breaker::{BreakerSettings, Outcome};
 use crate::routing::cost::Stakes;
 use crate::routing::node::Reservation;
@@ -191,19 +190,12 @@ impl SseRelay {
     }
 }
 
-/// The engine's response body and the connection it arrives on.
-pub struct FromEngine {
-    pub body: Incoming,
-    pub conn: Lease,
-}
-
 pub struct RelayBody {
     /// Bytes to send before reading on (the probe's held events, or the tail of a
     /// stream that ended without its final blank line).
     held: Option<Bytes>,
-    inner: Incoming,
-    /// The engine connection, handed back once the body has been read to its end.
-    conn: Option<Lease>,
+    /// The engine's body; its connection is handed back once it is read to its end.
+    inner: EngineBody,
     reservation: Option<Reservation>,
     idle: Idle,
     settings: Arc<BreakerSettings>,
@@ -217,7 +209,7 @@ pub struct RelayBody {
 impl RelayBody {
     /// A body passed through as it is, cut after `idle` of silence.
     pub fn plain(
-        from: FromEngine,
+        from: EngineBody,
         reservation: Reservation,
         finish: Finish,
         idle: Duration,
@@ -225,8 +217,7 @@ impl RelayBody {
     ) -> Self {
         RelayBody {
             held: None,
-            inner: from.body,
-            conn: Some(from.conn),
+            inner: from,
             reservation: Some(reservation),
             idle: Idle::new(idle),
             settings,
@@ -240,7 +231,7 @@ impl RelayBody {
     /// A committed SSE stream: the complete events of `held` first, then the rest.
     pub fn stream(
         held: Bytes,
-        from: FromEngine,
+        from: EngineBody,
         reservation: Reservation,
         finish: Finish,
         idle: Duration,
@@ -256,8 +247,7 @@ impl RelayBody {
         let held = sse.forward(&held);
         RelayBody {
             held: Some(held),
-            inner: from.body,
-            conn: Some(from.conn),
+            inner: from,
             reservation: Some(reservation),
             idle: Idle::new(idle),
             settings,
@@ -270,9 +260,7 @@ impl RelayBody {
 
     fn end(&mut self, outcome: RequestOutcome) {
         self.ended = true;
-        if let Some(conn) = self.conn.take() {
-            conn.release();
-        }
+        self.inner.release();
         self.reservation = None;
         if let Some(f) = self.finish.take() {
             f.complete(outcome, &self.usage);
@@ -282,8 +270,8 @@ impl RelayBody {
     /// The engine failed after commit: blame it, and end the body, with an error
     /// event for a stream or a body error for a plain response.
     fn fail(&mut self, why: String) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
-        // A connection that broke, or went silent mid-body, carries nothing more.
-        self.conn = None;
+        // A connection that broke, or went silent mid-body, carries nothing more:
+        // `end` hands back only a body read to its end.
         if let Some(r) = &self.reservation {
             tracing::warn!(node = %r.node().id, reason = %why, "response failed after commit");
             r.node().record(Outcome::Failure, false, &self.settings);
@@ -367,7 +355,7 @@ impl Body for RelayBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.ended && self.held.as_ref().map_or(true, Bytes::is_empty)
+        self.ended && self.held.as_ref().is_none_or(Bytes::is_empty)
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -400,7 +388,7 @@ fn is_usage_only(block: &Block) -> bool {
     let Ok(v) = serde_json::from_str::<serde_json::Value>(&event.data) else {
         return false;
     };
-    v["usage"].is_object() && v["choices"].as_array().map_or(true, Vec::is_empty)
+    v["usage"].is_object() && v["choices"].as_array().is_none_or(Vec::is_empty)
 }
 
 static PROMPT_TOKENS: LazyLock<Finder<'static>> =

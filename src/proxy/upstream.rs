@@ -1,38 +1,51 @@
-//! Keep-alive HTTP/1.1 connections to the engines: one idle list per engine address.
-//! A connection is leased to one request and comes back when the relayed body has
-//! been read to its end; a body cut short (client gone, engine failed) drops it.
+//! Keep-alive HTTP/1.1 connections to the engines, one idle list per engine address,
+//! driven from the request's own task. A connection is leased to one request: its
+//! head is written and the response head read right there, and the response body
+//! ([`EngineBody`]) reads the rest from the socket as the client takes it. A body
+//! read to its end hands the connection back ([`EngineBody::release`]); one cut short
+//! (client gone, engine failed) closes it.
 //!
-//! hyper-util's pooled client does the same job with more per request: a boxed
-//! future, connection-info extensions on every response, a `Host` string formatted
-//! afresh, and a task spawned per request to wait for the connection to go idle. On
-//! the load measured in `scripts/load_vs_haproxy.sh` that showed; this pool hands
-//! the connection back from the body itself (see `docs/performance.md`).
+//! hyper's client connection would do the same through a task of its own per
+//! connection, with a channel for the request, another for the response and one for
+//! each body: two task wake-ups and three hand-offs per request that this path does
+//! not pay. The framing itself is [`super::h1`]'s (see `docs/performance.md`).
 
 use std::collections::HashMap;
 use std::fmt;
+use std::future::poll_fn;
+use std::io::{self, IoSlice};
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{ready, Context, Poll, Waker};
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::uri::Authority;
-use http::{Request, Response};
-use http_body_util::Full;
-use hyper::body::Incoming;
-use hyper::client::conn::http1::{self, SendRequest};
-use hyper_util::rt::TokioIo;
+use http::{HeaderMap, HeaderValue, Method, Response};
+use http_body::{Body, Frame, SizeHint};
 use parking_lot::Mutex;
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-type Sender = SendRequest<Full<Bytes>>;
+use super::h1::{self, Chunked, Decoded, Framing, WireError};
+
+/// Read buffers grow by this much when they run low.
+const READ_CHUNK: usize = 16 * 1024;
+/// Below this much free room a read buffer grows first.
+const MIN_READ_ROOM: usize = 2 * 1024;
 
 /// Why a request could not be sent to an engine, or got no response head.
 #[derive(Debug)]
 pub enum UpstreamError {
-    Connect(std::io::Error),
+    Connect(io::Error),
     ConnectTimeout(Duration),
-    Handshake(hyper::Error),
-    Exchange(hyper::Error),
+    /// Writing the request or reading the head failed.
+    Io(io::Error),
+    /// The engine closed the connection before a complete response head.
+    Closed,
+    /// The response head is not valid HTTP/1.1.
+    Wire(WireError),
 }
 
 impl fmt::Display for UpstreamError {
@@ -42,30 +55,111 @@ impl fmt::Display for UpstreamError {
             UpstreamError::ConnectTimeout(t) => {
                 write!(f, "tcp connect timed out after {} ms", t.as_millis())
             }
-            UpstreamError::Handshake(e) => write!(f, "HTTP/1 handshake: {}", chain(e)),
-            UpstreamError::Exchange(e) => write!(f, "{}", chain(e)),
+            UpstreamError::Io(e) => write!(f, "connection error: {e}"),
+            UpstreamError::Closed => {
+                write!(f, "connection closed before the response head")
+            }
+            UpstreamError::Wire(e) => write!(f, "{e}"),
         }
     }
 }
 
 impl std::error::Error for UpstreamError {}
 
-/// An error and its causes, e.g. "connection closed before message completed".
-fn chain(e: &hyper::Error) -> String {
-    use std::error::Error as _;
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
+/// Why a response body stopped before its end.
+#[derive(Debug)]
+pub enum BodyReadError {
+    Io(io::Error),
+    /// The engine closed the connection before the body's declared end.
+    Closed,
+    Wire(WireError),
+}
+
+impl fmt::Display for BodyReadError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BodyReadError::Io(e) => write!(f, "connection error: {e}"),
+            BodyReadError::Closed => write!(f, "connection closed before the body was complete"),
+            BodyReadError::Wire(e) => write!(f, "{e}"),
+        }
     }
-    text
+}
+
+impl std::error::Error for BodyReadError {}
+
+/// One connection to an engine, and the bytes read from it but not yet used.
+struct Conn {
+    io: TcpStream,
+    buf: BytesMut,
+    /// It has carried a request before (a stale one may fail; a fresh one should not).
+    reused: bool,
+}
+
+impl Conn {
+    /// Still usable after sitting idle: the engine has neither closed it nor sent
+    /// anything unasked. Costs no system call while the socket has been quiet.
+    fn usable(&self) -> bool {
+        if !self.buf.is_empty() {
+            return false;
+        }
+        let mut cx = Context::from_waker(Waker::noop());
+        match self.io.poll_read_ready(&mut cx) {
+            Poll::Pending => true,
+            Poll::Ready(Err(_)) => false,
+            // Readiness may be left over from the last read: ask the socket.
+            Poll::Ready(Ok(())) => matches!(
+                self.io.try_read(&mut [0u8; 1]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock
+            ),
+        }
+    }
+
+    /// Reads what the socket has into the buffer; `Ok(0)` at the engine's close.
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        if self.buf.capacity() - self.buf.len() < MIN_READ_ROOM {
+            self.buf.reserve(READ_CHUNK);
+        }
+        tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.buf)
+    }
+
+    async fn write_request(&mut self, head: &[u8], body: &[u8]) -> io::Result<()> {
+        let (mut head, mut body) = (head, body);
+        while !head.is_empty() || !body.is_empty() {
+            let n = self
+                .io
+                .write_vectored(&[IoSlice::new(head), IoSlice::new(body)])
+                .await?;
+            if n == 0 {
+                return Err(io::ErrorKind::WriteZero.into());
+            }
+            let from_head = n.min(head.len());
+            head = &head[from_head..];
+            body = &body[n - from_head..];
+        }
+        Ok(())
+    }
+
+    async fn read_head(&mut self, method: &Method) -> Result<h1::ResponseHead, UpstreamError> {
+        loop {
+            if let Some(head) =
+                h1::parse_response(&mut self.buf, method).map_err(UpstreamError::Wire)?
+            {
+                return Ok(head);
+            }
+            if poll_fn(|cx| self.poll_fill(cx))
+                .await
+                .map_err(UpstreamError::Io)?
+                == 0
+            {
+                return Err(UpstreamError::Closed);
+            }
+        }
+    }
 }
 
 /// An idle connection and since when.
 struct Idle {
-    sender: Sender,
+    conn: Conn,
     since: Instant,
 }
 
@@ -84,30 +178,15 @@ pub struct Upstream {
     keep_idle: Duration,
 }
 
-/// A connection leased to one request; [`Lease::release`] hands it back.
-pub struct Lease {
-    sender: Sender,
-    authority: Authority,
-    upstream: Arc<Upstream>,
-}
-
-impl Lease {
-    /// The response was read to its end: the connection can carry the next one.
-    pub fn release(self) {
-        if self.sender.is_closed() {
-            return;
-        }
-        let idle = Idle {
-            sender: self.sender,
-            since: Instant::now(),
-        };
-        self.upstream
-            .idle
-            .lock()
-            .entry(self.authority)
-            .or_default()
-            .push(idle);
-    }
+/// A request for an engine, borrowed from the client's.
+pub struct Outgoing<'r> {
+    pub method: &'r Method,
+    /// Origin-form path and query.
+    pub target: &'r str,
+    pub host: &'r HeaderValue,
+    /// Neither `host`, `content-length` nor hop-by-hop fields.
+    pub headers: &'r HeaderMap,
+    pub body: &'r Bytes,
 }
 
 impl Upstream {
@@ -125,41 +204,57 @@ impl Upstream {
         self.idle.lock().values().map(Vec::len).sum()
     }
 
-    /// Sends `req` (origin-form URI, `Host` set) to the engine at `authority`: on the
-    /// most recently idle connection that is still open, else on a new one. A request
-    /// that a reused connection refused before sending a byte (the engine closed it
-    /// meanwhile) goes again on the next.
+    /// Sends `req` to the engine at `authority` and reads the response head: on the
+    /// most recently idle connection that is still open, else on a new one. A reused
+    /// connection that fails while the request is written goes again on the next (the
+    /// engine cannot have acted on part of a request).
     pub async fn send(
         self: &Arc<Self>,
         authority: &Authority,
-        mut req: Request<Full<Bytes>>,
-    ) -> Result<(Response<Incoming>, Lease), UpstreamError> {
-        while let Some(mut sender) = self.checkout(authority) {
-            if !sender.is_ready() && sender.ready().await.is_err() {
-                continue;
+        req: Outgoing<'_>,
+    ) -> Result<Response<EngineBody>, UpstreamError> {
+        let mut head = Vec::with_capacity(128 + req.target.len() + header_bytes(req.headers));
+        h1::encode_request(
+            req.method,
+            req.target,
+            req.host,
+            req.headers,
+            req.body.len(),
+            &mut head,
+        );
+        let mut conn = loop {
+            let mut conn = match self.checkout(authority) {
+                Some(conn) => conn,
+                None => self.connect(authority).await?,
+            };
+            match conn.write_request(&head, req.body).await {
+                Ok(()) => break conn,
+                Err(_) if conn.reused => continue,
+                Err(e) => return Err(UpstreamError::Io(e)),
             }
-            match sender.try_send_request(req).await {
-                Ok(resp) => return Ok((resp, self.lease(sender, authority))),
-                Err(mut e) => match e.take_message() {
-                    Some(unsent) => req = unsent,
-                    None => return Err(UpstreamError::Exchange(e.into_error())),
-                },
-            }
-        }
-        let mut sender = self.connect(authority).await?;
-        let resp = sender
-            .send_request(req)
-            .await
-            .map_err(UpstreamError::Exchange)?;
-        Ok((resp, self.lease(sender, authority)))
+        };
+        let head = conn.read_head(req.method).await?;
+        let body = EngineBody {
+            decoding: match head.framing {
+                Framing::Empty | Framing::Length(0) => Decoding::Done,
+                Framing::Length(n) => Decoding::Length(n),
+                Framing::Chunked => Decoding::Chunked(Chunked::default()),
+                Framing::UntilClose => Decoding::UntilClose,
+            },
+            reusable: head.reusable,
+            conn: Some(conn),
+            home: Some((self.clone(), authority.clone())),
+        };
+        Ok(Response::from_parts(head.parts, body))
     }
 
-    fn lease(self: &Arc<Self>, sender: Sender, authority: &Authority) -> Lease {
-        Lease {
-            sender,
-            authority: authority.clone(),
-            upstream: self.clone(),
-        }
+    fn put_back(&self, authority: Authority, mut conn: Conn) {
+        conn.reused = true;
+        let idle = Idle {
+            conn,
+            since: Instant::now(),
+        };
+        self.idle.lock().entry(authority).or_default().push(idle);
     }
 
     /// Drops closed and expired idle connections of every engine, and the lists of
@@ -168,13 +263,13 @@ impl Upstream {
     pub fn sweep(&self) {
         let now = Instant::now();
         self.idle.lock().retain(|_, list| {
-            list.retain(|c| !c.sender.is_closed() && c.fresh(now, self.keep_idle));
+            list.retain(|c| c.fresh(now, self.keep_idle) && c.conn.usable());
             !list.is_empty()
         });
     }
 
     /// The newest usable idle connection; closed and expired ones are dropped.
-    fn checkout(&self, authority: &Authority) -> Option<Sender> {
+    fn checkout(&self, authority: &Authority) -> Option<Conn> {
         let mut idle = self.idle.lock();
         let list = idle.get_mut(authority)?;
         let now = Instant::now();
@@ -185,33 +280,145 @@ impl Upstream {
             .unwrap_or(list.len());
         list.drain(..fresh);
         while let Some(c) = list.pop() {
-            if !c.sender.is_closed() {
-                return Some(c.sender);
+            if c.conn.usable() {
+                return Some(c.conn);
             }
         }
         None
     }
 
-    async fn connect(&self, authority: &Authority) -> Result<Sender, UpstreamError> {
+    async fn connect(&self, authority: &Authority) -> Result<Conn, UpstreamError> {
         let host = authority
             .host()
             .trim_start_matches('[')
             .trim_end_matches(']');
         let port = authority.port_u16().unwrap_or(80);
-        let stream = tokio::time::timeout(self.connect_timeout, TcpStream::connect((host, port)))
+        let io = tokio::time::timeout(self.connect_timeout, TcpStream::connect((host, port)))
             .await
             .map_err(|_| UpstreamError::ConnectTimeout(self.connect_timeout))?
             .map_err(UpstreamError::Connect)?;
-        stream.set_nodelay(true).map_err(UpstreamError::Connect)?;
-        let (sender, conn) = http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(UpstreamError::Handshake)?;
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(error = %e, "upstream connection ended");
+        io.set_nodelay(true).map_err(UpstreamError::Connect)?;
+        Ok(Conn {
+            io,
+            buf: BytesMut::with_capacity(READ_CHUNK),
+            reused: false,
+        })
+    }
+}
+
+/// The bytes the header fields take on the wire, roughly.
+fn header_bytes(headers: &HeaderMap) -> usize {
+    headers
+        .iter()
+        .map(|(n, v)| n.as_str().len() + v.len() + 4)
+        .sum()
+}
+
+/// Where a body is in its framing.
+#[derive(Debug)]
+enum Decoding {
+    /// This many bytes to go.
+    Length(u64),
+    Chunked(Chunked),
+    UntilClose,
+    /// Read to its end.
+    Done,
+}
+
+/// An engine's response body, read from the connection as it is polled.
+pub struct EngineBody {
+    decoding: Decoding,
+    /// The connection may carry the next request once the body is done.
+    reusable: bool,
+    /// `None` once the body failed (the connection is closed) or was handed back.
+    conn: Option<Conn>,
+    /// The pool and engine the connection goes back to.
+    home: Option<(Arc<Upstream>, Authority)>,
+}
+
+impl EngineBody {
+    /// Hands the connection back for the next request if the body was read to its
+    /// end and the engine keeps the connection open; otherwise it is closed.
+    pub fn release(&mut self) {
+        let done = matches!(self.decoding, Decoding::Done);
+        if let (true, true, Some(conn), Some((upstream, authority))) =
+            (done, self.reusable, self.conn.take(), self.home.take())
+        {
+            upstream.put_back(authority, conn);
+        }
+    }
+
+    fn fail(&mut self, e: BodyReadError) -> Poll<Option<Result<Frame<Bytes>, BodyReadError>>> {
+        self.conn = None;
+        self.decoding = Decoding::Done;
+        self.reusable = false;
+        Poll::Ready(Some(Err(e)))
+    }
+}
+
+impl Body for EngineBody {
+    type Data = Bytes;
+    type Error = BodyReadError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyReadError>>> {
+        let this = &mut *self;
+        loop {
+            let Some(conn) = this.conn.as_mut() else {
+                return Poll::Ready(None);
+            };
+            let buffered = !conn.buf.is_empty();
+            match &mut this.decoding {
+                Decoding::Done => return Poll::Ready(None),
+                Decoding::Length(left) if buffered => {
+                    let n = (conn.buf.len() as u64).min(*left);
+                    *left -= n;
+                    if *left == 0 {
+                        this.decoding = Decoding::Done;
+                    }
+                    let data = conn.buf.split_to(n as usize).freeze();
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                Decoding::UntilClose if buffered => {
+                    let data = conn.buf.split().freeze();
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                Decoding::Chunked(chunked) if buffered => match chunked.decode(&mut conn.buf) {
+                    Ok(Decoded::Data(data)) => return Poll::Ready(Some(Ok(Frame::data(data)))),
+                    Ok(Decoded::End) => {
+                        this.decoding = Decoding::Done;
+                        return Poll::Ready(None);
+                    }
+                    Ok(Decoded::NeedMore) => {}
+                    Err(e) => return this.fail(BodyReadError::Wire(e)),
+                },
+                _ => {}
             }
-        });
-        Ok(sender)
+            match ready!(conn.poll_fill(cx)) {
+                Ok(0) if matches!(this.decoding, Decoding::UntilClose) => {
+                    this.decoding = Decoding::Done;
+                    this.reusable = false;
+                    return Poll::Ready(None);
+                }
+                Ok(0) => return this.fail(BodyReadError::Closed),
+                Ok(_) => {}
+                Err(e) => return this.fail(BodyReadError::Io(e)),
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        matches!(self.decoding, Decoding::Done)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.decoding {
+            Decoding::Done => SizeHint::with_exact(0),
+            Decoding::Length(n) => SizeHint::with_exact(n),
+            _ => SizeHint::default(),
+        }
     }
 }
 
@@ -219,28 +426,28 @@ impl Upstream {
 mod tests {
     use super::*;
     use http_body_util::BodyExt;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use tokio::io::AsyncReadExt;
     use tokio::net::TcpListener;
 
-    /// A minimal HTTP/1.1 server answering every request on a connection with
-    /// "ok", counting connections accepted.
-    async fn engine() -> (Authority, Arc<std::sync::atomic::AtomicUsize>) {
+    /// An HTTP/1.1 server that answers every request on a connection with `answer`
+    /// (then closes it if `close`), counting connections accepted.
+    async fn engine_answering(answer: &'static [u8], close: bool) -> (Authority, Arc<AtomicUsize>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let accepted = Arc::new(AtomicUsize::new(0));
         let count = accepted.clone();
         tokio::spawn(async move {
             loop {
                 let (mut s, _) = listener.accept().await.unwrap();
-                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                count.fetch_add(1, SeqCst);
                 tokio::spawn(async move {
                     let mut buf = vec![0u8; 4096];
                     loop {
                         match s.read(&mut buf).await {
                             Ok(0) | Err(_) => return,
                             Ok(_) => {
-                                let r = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
-                                if s.write_all(r).await.is_err() {
+                                if s.write_all(answer).await.is_err() || close {
                                     return;
                                 }
                             }
@@ -252,20 +459,37 @@ mod tests {
         (addr.to_string().parse().unwrap(), accepted)
     }
 
-    /// One request on `up`, its body read; the lease, not yet handed back.
-    async fn round_trip(up: &Arc<Upstream>, authority: &Authority) -> Lease {
-        let (resp, lease) = up.send(authority, request(authority)).await.unwrap();
-        let body = resp.into_body().collect().await.unwrap().to_bytes();
-        assert_eq!(&body[..], b"ok");
-        lease
+    async fn engine() -> (Authority, Arc<AtomicUsize>) {
+        engine_answering(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", false).await
     }
 
-    fn request(authority: &Authority) -> Request<Full<Bytes>> {
-        Request::builder()
-            .uri("/x")
-            .header(http::header::HOST, authority.as_str())
-            .body(Full::new(Bytes::from_static(b"{}")))
-            .unwrap()
+    static BODY: Bytes = Bytes::from_static(b"{}");
+    static HOST: HeaderValue = HeaderValue::from_static("engine");
+
+    async fn send(
+        up: &Arc<Upstream>,
+        authority: &Authority,
+    ) -> Result<Response<EngineBody>, UpstreamError> {
+        let headers = HeaderMap::new();
+        let req = Outgoing {
+            method: &Method::POST,
+            target: "/x",
+            host: &HOST,
+            headers: &headers,
+            body: &BODY,
+        };
+        up.send(authority, req).await
+    }
+
+    /// One request on `up`, its body read and the connection handed back.
+    async fn round_trip(up: &Arc<Upstream>, authority: &Authority) -> Bytes {
+        let mut body = send(up, authority).await.unwrap().into_body();
+        let mut data = BytesMut::new();
+        while let Some(frame) = body.frame().await {
+            data.extend_from_slice(&frame.unwrap().into_data().unwrap());
+        }
+        body.release();
+        data.freeze()
     }
 
     #[tokio::test]
@@ -273,23 +497,83 @@ mod tests {
         let (authority, accepted) = engine().await;
         let up = Upstream::new(Duration::from_secs(1), Duration::from_secs(4));
         for _ in 0..3 {
-            round_trip(&up, &authority).await.release();
+            assert_eq!(&round_trip(&up, &authority).await[..], b"ok");
         }
-        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert_eq!(accepted.load(SeqCst), 1);
         assert_eq!(up.idle_count(), 1);
     }
 
     #[tokio::test]
-    async fn a_dropped_lease_is_not_reused_and_expired_ones_go() {
+    async fn a_chunked_body_is_decoded_and_its_connection_reused() {
+        let answer = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n\
+                       6\r\ndata: \r\n4\r\nhi\n\n\r\n0\r\n\r\n";
+        let (authority, accepted) = engine_answering(answer, false).await;
+        let up = Upstream::new(Duration::from_secs(1), Duration::from_secs(4));
+        for _ in 0..2 {
+            assert_eq!(&round_trip(&up, &authority).await[..], b"data: hi\n\n");
+        }
+        assert_eq!(accepted.load(SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_connection_the_engine_closed_is_not_reused() {
+        let (authority, accepted) =
+            engine_answering(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", true).await;
+        let up = Upstream::new(Duration::from_secs(1), Duration::from_secs(4));
+        for _ in 0..3 {
+            assert_eq!(&round_trip(&up, &authority).await[..], b"ok");
+            // Let the engine's close reach us before the next checkout.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(accepted.load(SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn a_body_cut_short_is_an_error_and_its_connection_closed() {
+        let (authority, _) =
+            engine_answering(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort", true).await;
+        let up = Upstream::new(Duration::from_secs(1), Duration::from_secs(4));
+        let mut body = send(&up, &authority).await.unwrap().into_body();
+        assert_eq!(
+            &body.frame().await.unwrap().unwrap().into_data().unwrap()[..],
+            b"short"
+        );
+        let err = body.frame().await.unwrap().unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "connection closed before the body was complete"
+        );
+        body.release();
+        assert_eq!(up.idle_count(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_malformed_head_is_an_error_naming_it() {
+        let (authority, _) = engine_answering(b"SSH-2.0-OpenSSH_9.6\r\n\r\n", true).await;
+        let up = Upstream::new(Duration::from_secs(1), Duration::from_secs(4));
+        let err = send(&up, &authority).await.err().unwrap();
+        assert!(
+            err.to_string().starts_with("malformed response head"),
+            "{err}"
+        );
+        let (authority, _) = engine_answering(b"HTTP/1.1 200 OK\r\ncontent-le", true).await;
+        let err = send(&up, &authority).await.err().unwrap();
+        assert_eq!(
+            err.to_string(),
+            "connection closed before the response head"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_dropped_body_closes_its_connection_and_expired_ones_go() {
         let (authority, accepted) = engine().await;
         let up = Upstream::new(Duration::from_secs(1), Duration::from_millis(50));
-        let (_resp, lease) = up.send(&authority, request(&authority)).await.unwrap();
-        drop(lease);
-        round_trip(&up, &authority).await.release();
-        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
+        drop(send(&up, &authority).await.unwrap());
+        round_trip(&up, &authority).await;
+        assert_eq!(accepted.load(SeqCst), 2);
         tokio::time::sleep(Duration::from_millis(80)).await;
-        let _lease = round_trip(&up, &authority).await;
-        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 3);
+        let _unreleased = send(&up, &authority).await.unwrap();
+        assert_eq!(accepted.load(SeqCst), 3);
         assert_eq!(up.idle_count(), 0);
     }
 
@@ -297,7 +581,7 @@ mod tests {
     async fn a_sweep_forgets_expired_connections_and_empty_engines() {
         let (authority, _) = engine().await;
         let up = Upstream::new(Duration::from_secs(1), Duration::from_millis(50));
-        round_trip(&up, &authority).await.release();
+        round_trip(&up, &authority).await;
         up.sweep();
         assert_eq!(up.idle_count(), 1, "still fresh");
         tokio::time::sleep(Duration::from_millis(80)).await;
@@ -312,11 +596,7 @@ mod tests {
         let authority: Authority = listener.local_addr().unwrap().to_string().parse().unwrap();
         drop(listener);
         let up = Upstream::new(Duration::from_secs(1), Duration::from_secs(4));
-        let err = up
-            .send(&authority, request(&authority))
-            .await
-            .err()
-            .unwrap();
+        let err = send(&up, &authority).await.err().unwrap();
         assert!(err.to_string().starts_with("tcp connect error"), "{err}");
     }
 }

@@ -215,7 +215,7 @@ pub fn trace_text(p: &Prompt) -> String {
         let id = format!("{b:016x} ");
         text.push_str(&id);
         let pad = per_block.saturating_sub(id.len());
-        text.extend(std::iter::repeat('.').take(pad));
+        text.extend(std::iter::repeat_n('.', pad));
     }
     text
 }
