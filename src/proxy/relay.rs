@@ -209,7 +209,7 @@ pub struct RelayBody {
 impl RelayBody {
     /// A body passed through as it is, cut after `idle` of silence.
     pub fn plain(
-        from: EngineBody,
+        body: EngineBody,
         reservation: Reservation,
         finish: Finish,
         idle: Duration,
@@ -217,7 +217,7 @@ impl RelayBody {
     ) -> Self {
         RelayBody {
             held: None,
-            inner: from,
+            inner: body,
             reservation: Some(reservation),
             idle: Idle::new(idle),
             settings,
@@ -231,7 +231,7 @@ impl RelayBody {
     /// A committed SSE stream: the complete events of `held` first, then the rest.
     pub fn stream(
         held: Bytes,
-        from: EngineBody,
+        body: EngineBody,
         reservation: Reservation,
         finish: Finish,
         idle: Duration,
@@ -247,7 +247,7 @@ impl RelayBody {
         let held = sse.forward(&held);
         RelayBody {
             held: Some(held),
-            inner: from,
+            inner: body,
             reservation: Some(reservation),
             idle: Idle::new(idle),
             settings,
