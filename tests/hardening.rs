@@ -785,30 +785,29 @@ async fn every_framing_an_engine_may_use_is_relayed_whole() {
         ),
     ];
     for (case, answer) in cases {
-        let engine = scripted_engine(vec![(answer, Duration::ZERO)]).await;
-        let lb = balancer(&config_at(&[engine], ""));
-        let reply = post_json(
-            &lb.url("/v1/chat/completions"),
-            &chat(&[("user", "x")], false, 2),
-            &[],
-        )
-        .await;
+        let (lb, reply) = through_engine_answering(answer).await;
         assert_eq!(reply.status, 200, "{case}: {}", reply.text());
         assert_eq!(reply.text(), json, "{case}");
         assert!(in_flight(&lb).await.iter().all(|(_, n)| *n == 0), "{case}");
     }
-    let ssh = scripted_engine(vec![(b"SSH-2.0-OpenSSH_9.6\r\n".to_vec(), Duration::ZERO)]).await;
-    let lb = balancer(&config_at(&[ssh], ""));
-    let reply = post_json(
-        &lb.url("/v1/chat/completions"),
-        &chat(&[("user", "x")], false, 2),
-        &[],
-    )
-    .await;
+    let (_lb, reply) = through_engine_answering(b"SSH-2.0-OpenSSH_9.6\r\n".to_vec()).await;
     assert_eq!(reply.status, 502, "{}", reply.text());
     assert!(
         reply.text().contains("malformed response head"),
         "{}",
         reply.text()
     );
+}
+
+/// A balancer in front of one engine that answers `answer`, and its reply to a chat.
+async fn through_engine_answering(answer: Vec<u8>) -> (Proc, Reply) {
+    let engine = scripted_engine(vec![(answer, Duration::ZERO)]).await;
+    let lb = balancer(&config_at(&[engine], ""));
+    let reply = post_json(
+        &lb.url("/v1/chat/completions"),
+        &chat(&[("user", "x")], false, 2),
+        &[],
+    )
+    .await;
+    (lb, reply)
 }

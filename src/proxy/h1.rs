@@ -13,6 +13,8 @@ use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, StatusCode, Version};
 
+use super::headers::list_items;
+
 /// The most header fields a response head may carry.
 const MAX_HEADERS: usize = 128;
 /// Header fields parsed into room on the stack; a head with more is parsed again
@@ -169,7 +171,7 @@ pub fn parse_response(
         let framing = framing(method, status, &headers)?;
         let reusable = version == Version::HTTP_11
             && framing != Framing::UntilClose
-            && !has_token(&headers, &header::CONNECTION, "close");
+            && !list_items(&headers, &header::CONNECTION).any(|t| t.eq_ignore_ascii_case("close"));
         let mut parts = http::Response::new(()).into_parts().0;
         parts.status = status;
         parts.version = version;
@@ -192,13 +194,7 @@ fn framing(method: &Method, status: StatusCode, headers: &HeaderMap) -> Result<F
     }
     if headers.contains_key(header::TRANSFER_ENCODING) {
         // Chunked must be the last coding; anything else is read until close.
-        let last = headers
-            .get_all(header::TRANSFER_ENCODING)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .map(str::trim)
-            .rfind(|t| !t.is_empty());
+        let last = list_items(headers, &header::TRANSFER_ENCODING).next_back();
         return Ok(match last {
             Some(t) if t.eq_ignore_ascii_case("chunked") => Framing::Chunked,
             _ => Framing::UntilClose,
@@ -215,16 +211,6 @@ fn framing(method: &Method, status: StatusCode, headers: &HeaderMap) -> Result<F
         }
     }
     Ok(length.map_or(Framing::UntilClose, Framing::Length))
-}
-
-/// Whether a comma-separated header lists `token` (case-insensitive).
-fn has_token(headers: &HeaderMap, name: &HeaderName, token: &str) -> bool {
-    headers
-        .get_all(name)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|t| t.trim().eq_ignore_ascii_case(token))
 }
 
 /// What [`Chunked::decode`] made of the bytes it had.

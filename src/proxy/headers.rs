@@ -35,18 +35,30 @@ pub fn count_value(n: u32) -> HeaderValue {
     }
 }
 
+/// The items of a comma-separated list header (`Connection`, `Transfer-Encoding`),
+/// trimmed, empty ones skipped, over every line of it; values that are not text are
+/// passed over.
+pub fn list_items<'h>(
+    headers: &'h HeaderMap,
+    name: &HeaderName,
+) -> impl DoubleEndedIterator<Item = &'h str> + 'h {
+    headers
+        .get_all(name)
+        .into_iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .filter(|item| !item.is_empty())
+}
+
 /// Removes hop-by-hop headers, including any named in `Connection`. Most heads carry
 /// none: one pass over the names finds that without hashing each of the nine.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     if !headers.keys().any(|name| HOP_BY_HOP.contains(name)) {
         return;
     }
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+    let named: Vec<HeaderName> = list_items(headers, &header::CONNECTION)
+        .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok())
         .collect();
     for name in HOP_BY_HOP.iter().chain(named.iter()) {
         headers.remove(name);

@@ -35,16 +35,19 @@ const READ_CHUNK: usize = 16 * 1024;
 /// Below this much free room a read buffer grows first.
 const MIN_READ_ROOM: usize = 2 * 1024;
 
-/// Why a request could not be sent to an engine, or got no response head.
+/// Why an exchange with an engine failed: connecting, sending, or reading the
+/// response head or body.
 #[derive(Debug)]
 pub enum UpstreamError {
     Connect(io::Error),
     ConnectTimeout(Duration),
-    /// Writing the request or reading the head failed.
+    /// Writing the request or reading the response failed.
     Io(io::Error),
     /// The engine closed the connection before a complete response head.
     Closed,
-    /// The response head is not valid HTTP/1.1.
+    /// The engine closed the connection before the body's declared end.
+    Cut,
+    /// The response is not valid HTTP/1.1 (head or chunked framing).
     Wire(WireError),
 }
 
@@ -59,33 +62,13 @@ impl fmt::Display for UpstreamError {
             UpstreamError::Closed => {
                 write!(f, "connection closed before the response head")
             }
+            UpstreamError::Cut => write!(f, "connection closed before the body was complete"),
             UpstreamError::Wire(e) => write!(f, "{e}"),
         }
     }
 }
 
 impl std::error::Error for UpstreamError {}
-
-/// Why a response body stopped before its end.
-#[derive(Debug)]
-pub enum BodyReadError {
-    Io(io::Error),
-    /// The engine closed the connection before the body's declared end.
-    Closed,
-    Wire(WireError),
-}
-
-impl fmt::Display for BodyReadError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            BodyReadError::Io(e) => write!(f, "connection error: {e}"),
-            BodyReadError::Closed => write!(f, "connection closed before the body was complete"),
-            BodyReadError::Wire(e) => write!(f, "{e}"),
-        }
-    }
-}
-
-impl std::error::Error for BodyReadError {}
 
 /// One connection to an engine, and the bytes read from it but not yet used.
 struct Conn {
@@ -348,7 +331,7 @@ impl EngineBody {
         }
     }
 
-    fn fail(&mut self, e: BodyReadError) -> Poll<Option<Result<Frame<Bytes>, BodyReadError>>> {
+    fn fail(&mut self, e: UpstreamError) -> Poll<Option<Result<Frame<Bytes>, UpstreamError>>> {
         self.conn = None;
         self.decoding = Decoding::Done;
         self.reusable = false;
@@ -358,12 +341,12 @@ impl EngineBody {
 
 impl Body for EngineBody {
     type Data = Bytes;
-    type Error = BodyReadError;
+    type Error = UpstreamError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BodyReadError>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, UpstreamError>>> {
         let this = &mut *self;
         loop {
             let Some(conn) = this.conn.as_mut() else {
@@ -392,7 +375,7 @@ impl Body for EngineBody {
                         return Poll::Ready(None);
                     }
                     Ok(Decoded::NeedMore) => {}
-                    Err(e) => return this.fail(BodyReadError::Wire(e)),
+                    Err(e) => return this.fail(UpstreamError::Wire(e)),
                 },
                 _ => {}
             }
@@ -402,9 +385,9 @@ impl Body for EngineBody {
                     this.reusable = false;
                     return Poll::Ready(None);
                 }
-                Ok(0) => return this.fail(BodyReadError::Closed),
+                Ok(0) => return this.fail(UpstreamError::Cut),
                 Ok(_) => {}
-                Err(e) => return this.fail(BodyReadError::Io(e)),
+                Err(e) => return this.fail(UpstreamError::Io(e)),
             }
         }
     }
