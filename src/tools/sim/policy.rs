@@ -364,12 +364,16 @@ impl Bounded {
     }
 
     /// Plans a request on a replica and decides where its walk starts.
-    fn route(&mut self, turn: &Turn) -> Result<Routed, String> {
+    fn route(&mut self, turn: &Turn, now: u64) -> Result<Routed, String> {
         let replica = self.pick_replica();
-        let table = &self.replicas[replica];
-        let plan = table
+        let plan = self.replicas[replica]
             .plan(turn.path(), None, &turn.body(&self.model))
             .map_err(|e| e.to_string())?;
+        if self.share_load && self.replicas.len() > 1 {
+            // Before the placement: a new conversation is placed by load too.
+            self.share_load_at(replica, plan.pool, now);
+        }
+        let table = &self.replicas[replica];
         let b = &table.pools[plan.pool].balancer;
         let target = if self.smart {
             b.place(plan.hash, plan.group, plan.facts.turn_seen())
@@ -406,13 +410,15 @@ fn other_first(table: &Table, turn: &Turn, model: &str) -> Option<usize> {
 
 impl Policy for Bounded {
     fn place(&mut self, req: Pending<'_>, _: &View<'_>) -> Result<Placement, String> {
-        if req.state.is_none() {
-            *req.state = Some(self.route(req.turn)?);
+        let routed_now = req.state.is_none();
+        if routed_now {
+            *req.state = Some(self.route(req.turn, req.now)?);
         }
         let Some(r) = req.state.as_mut() else {
             return Err("unrouted".into());
         };
-        if self.share_load && self.replicas.len() > 1 {
+        if self.share_load && self.replicas.len() > 1 && !routed_now {
+            // A request that waited: its walk reads the load of now.
             let (replica, pool) = (r.replica, r.pool);
             self.share_load_at(replica, pool, req.now);
         }
