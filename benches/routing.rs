@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
 use prefixlb::config::{Config, KeyMode};
+use prefixlb::routing::cost::Stakes;
 use prefixlb::routing::key::Grouping;
 use prefixlb::routing::key::{self, Api, KeySpec};
 use prefixlb::routing::ring::{Ring, RingMember};
@@ -109,7 +110,13 @@ fn routing_decision(c: &mut Criterion) {
                     .plan("/v1/chat/completions", None, black_box(body))
                     .unwrap();
                 let b = &t.pools[plan.pool].balancer;
-                let target = b.place(plan.hash, plan.group, plan.facts.turn_seen());
+                let stakes = Stakes::of(&plan.facts, plan.group, b.home_of(plan.hash).is_some());
+                let target = b.place(
+                    plan.hash,
+                    plan.group,
+                    plan.facts.turn_seen(),
+                    stakes.own_tokens,
+                );
                 match b.choose(target, &[], Instant::now()) {
                     Walk::Chosen(choice) => drop(black_box(choice)),
                     _ => unreachable!(),

@@ -177,7 +177,7 @@ impl Exchange<'_> {
         Target {
             pool,
             body: edit::apply(&self.body, &facts.spans, edits),
-            walk: b.place(hash, group, facts.turn_seen()),
+            walk: b.place(hash, group, facts.turn_seen(), stakes.own_tokens),
             stakes,
             fallback,
         }

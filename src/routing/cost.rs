@@ -180,6 +180,9 @@ pub struct Stakes {
     pub history: u32,
     /// Tokens of its group's prefix (cached on the group's nodes only).
     pub group_tokens: u32,
+    /// Tokens of its prompt above its group's prefix: its conversation's own text (for
+    /// a new conversation, what a balancer that did not place it could miss).
+    pub own_tokens: u32,
     /// The share of its prompt it should find cached at home (0: nothing expected).
     pub expect: f64,
     /// The share of its prompt that is its group's prefix (found on any of the
@@ -220,6 +223,7 @@ impl Stakes {
         Stakes {
             history,
             group_tokens,
+            own_tokens: t.prompt.saturating_sub(group_tokens),
             expect: expect.clamp(0.0, 1.0),
             group_share: group_share.clamp(0.0, 1.0),
             guessed: !home_known,

@@ -6,6 +6,7 @@
 
 use serde::Serialize;
 
+use super::cost::Stakes;
 use super::facts::Turn;
 use super::route::Route;
 use crate::config::WhenSaturated;
@@ -96,7 +97,13 @@ pub fn explain(
     let plan = table.peek_plan(path, header_key, body)?;
     let pool = &table.pools[plan.pool];
     let b = &pool.balancer;
-    let target = b.peek_place(plan.hash, plan.group, plan.facts.turn_seen());
+    let stakes = Stakes::of(&plan.facts, plan.group, b.home_of(plan.hash).is_some());
+    let target = b.peek_place(
+        plan.hash,
+        plan.group,
+        plan.facts.turn_seen(),
+        stakes.own_tokens,
+    );
     let successors: Vec<Step> = b
         .order(target)
         .map(|i| {

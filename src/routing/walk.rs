@@ -71,6 +71,21 @@ const MIN_HISTORY_SHARE: f64 = 0.1;
 /// conversations go by load alone (measured: 1 costs `doc-qa`, 2 does not).
 const PILED_UP_HOMES: f64 = 2.0;
 
+/// A new conversation whose own text (above its group's prefix) is at most this many
+/// tokens is placed by the conversations each node became home to lately before load:
+/// moving it costs a balancer replica that did not see it placed at most this text to
+/// find it, and a short opening says nothing of how long the conversation grows (an
+/// agent's first turn is short, its tenth fills a tenth of the cache), so the count of
+/// homes, not the requests in flight at the moment, is what keeps long sessions from
+/// piling up on one engine. Larger openings (a document, a long first message) would
+/// cost that replica their whole text: they go by load alone (measured: every opening
+/// placed this way costs `doc-qa` 3.6 points with two replicas, `multi-turn` 2; see
+/// docs/evidence.md).
+const SMALL_OPENING_TOKENS: u32 = 256;
+
+/// Ranks a node at its cap after every node under it, whatever their recent homes.
+const FULL: f64 = 1e6;
+
 /// The nodes of a walk in order, each once: the key's ring walk, or for a grouped key
 /// the first `width` nodes of the group's walk ranked by rendezvous score with the key
 /// (so each conversation has its own order among them and spills scatter), then the
@@ -338,24 +353,30 @@ impl Balancer {
     /// two nodes (within its group's nodes), so new work spreads by load while every
     /// later turn finds its home. A later turn this balancer has no home for starts at
     /// the key's own first node. Other keys: [`Balancer::target`].
-    pub fn place(&self, hash: u64, grouping: Grouping<u64>, turn: Turn) -> Target {
+    pub fn place(&self, hash: u64, grouping: Grouping<u64>, turn: Turn, own_tokens: u32) -> Target {
         let mut target = self.target(hash, grouping);
         if grouping != Grouping::Ring {
-            target.first = self.first_of(target, turn);
+            target.first = self.first_of(target, turn, own_tokens);
         }
         target
     }
 
     /// [`Balancer::place`] counting nothing (for explanations).
-    pub fn peek_place(&self, hash: u64, grouping: Grouping<u64>, turn: Turn) -> Target {
+    pub fn peek_place(
+        &self,
+        hash: u64,
+        grouping: Grouping<u64>,
+        turn: Turn,
+        own_tokens: u32,
+    ) -> Target {
         let mut target = self.peek_target(hash, grouping);
         if grouping != Grouping::Ring {
-            target.first = self.first_of(target, turn);
+            target.first = self.first_of(target, turn, own_tokens);
         }
         target
     }
 
-    fn first_of(&self, target: Target, turn: Turn) -> Option<usize> {
+    fn first_of(&self, target: Target, turn: Turn, own_tokens: u32) -> Option<usize> {
         if let Some(home) = self.home_of(target.hash) {
             return Some(home);
         }
@@ -366,10 +387,23 @@ impl Balancer {
             Some((_, width)) => width.clamp(1, NEW_CONVERSATION_CHOICES),
             None => NEW_CONVERSATION_CHOICES,
         };
+        // A small opening: by recent homes (one home weighs a full node of requests)
+        // and load, but never to a node at its cap (the walk would spill it). Not with
+        // `load_factor`, which asks for balance by requests in flight (measured: homes
+        // there cost `multi-tenant` 2 points).
+        let by_homes = own_tokens <= SMALL_OPENING_TOKENS && self.load_factor.is_none();
         let load = |i: usize| {
             let n = &self.nodes[i];
             let s = n.state();
-            f64::from(s.in_flight() + s.others_in_flight()) / f64::from(self.own_cap(n).max(1))
+            let in_flight =
+                f64::from(s.in_flight() + s.others_in_flight()) / f64::from(self.own_cap(n).max(1));
+            if !by_homes {
+                in_flight
+            } else if in_flight >= 1.0 {
+                in_flight + FULL
+            } else {
+                in_flight + self.load.recent_homes.above_mean(self.tags[i], &self.tags)
+            }
         };
         // With other balancer replicas, any node but the key's own first must be clearly
         // less loaded (by two requests at equal caps, not one): a new conversation placed
@@ -891,13 +925,46 @@ mod tests {
         };
         let held = chosen(b.choose(at_first, &[], Instant::now()));
         assert_eq!(held.index, pair[0]);
-        assert_eq!(b.first_of(target, Turn::First), Some(pair[0]));
+        let large = SMALL_OPENING_TOKENS + 1;
+        assert_eq!(b.first_of(target, Turn::First, large), Some(pair[0]));
         // Five conversations made their home there lately (none elsewhere): piled up,
         // so the less loaded node takes the new one.
         for i in 1..=5u64 {
             b.remember(i.wrapping_mul(0x9E37_79B9_7F4A_7C15), pair[0]);
         }
-        assert_eq!(b.first_of(target, Turn::First), Some(pair[1]));
+        assert_eq!(b.first_of(target, Turn::First, large), Some(pair[1]));
+        drop(held);
+    }
+
+    #[test]
+    fn a_small_opening_goes_where_fewer_conversations_live_lately() {
+        let b = balancer(8, 4, None);
+        let target = Target {
+            hash: 0xabcd_u64 << 32,
+            group: Some((0xfeed_u64 << 40, 8)),
+            first: None,
+        };
+        let pair: Vec<usize> = b.key_order(target).take(2).collect();
+        let (small, large) = (SMALL_OPENING_TOKENS, SMALL_OPENING_TOKENS + 1);
+        // A request in flight on the other choice, none on the key's first: by load,
+        // the key's first, whatever the opening.
+        let at_other = Target {
+            first: Some(pair[1]),
+            ..target
+        };
+        let held = chosen(b.choose(at_other, &[], Instant::now()));
+        assert_eq!(held.index, pair[1]);
+        assert_eq!(b.first_of(target, Turn::First, small), Some(pair[0]));
+        assert_eq!(b.first_of(target, Turn::First, large), Some(pair[0]));
+        // Two conversations made their home on the key's first node lately: a small
+        // opening goes where fewer live, a large one still by load.
+        for i in 1..=2u64 {
+            b.remember(i.wrapping_mul(0x9E37_79B9_7F4A_7C15), pair[0]);
+        }
+        assert_eq!(b.first_of(target, Turn::First, small), Some(pair[1]));
+        assert_eq!(b.first_of(target, Turn::First, large), Some(pair[0]));
+        // A later turn this balancer has no home for is not placed at all.
+        assert_eq!(b.first_of(target, Turn::Later, small), None);
         drop(held);
     }
 

@@ -582,8 +582,17 @@ mod tests {
             one.ttft_p99_ms <= 1.2 * oracle.ttft_p99_ms,
             "{one:?} {oracle:?}"
         );
-        // Two replicas, each with its own state: within 2 points of one, over seeds 1–3.
-        for spread in [Spread::RoundRobin, Spread::Random] {
+        // Two replicas, each with its own state: within 2 points of one, over seeds 1–3,
+        // on chats and on agents at the cache's edge (a few agents too many on one
+        // engine and it thrashes). Agents leave their key's first node more often
+        // (placed by recent homes), so a replica that has not yet seen one guesses its
+        // node wrong more often: the disagreement bound is looser there.
+        for (name, spread, disagree) in [
+            ("multi-turn", Spread::RoundRobin, 0.1),
+            ("multi-turn", Spread::Random, 0.1),
+            ("agentic", Spread::RoundRobin, 0.15),
+            ("agentic", Spread::Random, 0.15),
+        ] {
             let fleet = Fleet {
                 replicas: 2,
                 spread,
@@ -591,15 +600,18 @@ mod tests {
             };
             let (mut ones, mut twos) = (0.0, 0.0);
             for seed in 1..=3 {
-                let w = workload::synthetic("multi-turn", seed, 1.0).unwrap();
+                let w = workload::synthetic(name, seed, 1.0).unwrap();
                 ones += simulate(&w, &config(), &eight_engines(), "prefixlb")
                     .unwrap()
                     .hit_rate;
                 let two = simulate(&w, &config(), &fleet, "prefixlb").unwrap();
-                assert!(two.replica_disagreement.unwrap() < 0.1, "{two:?}");
+                assert!(two.replica_disagreement.unwrap() < disagree, "{two:?}");
                 twos += two.hit_rate;
             }
-            assert!(twos / 3.0 >= ones / 3.0 - 0.02, "{spread:?}: {ones} {twos}");
+            assert!(
+                twos / 3.0 >= ones / 3.0 - 0.02,
+                "{name} {spread:?}: {ones} {twos}"
+            );
         }
     }
 

@@ -375,12 +375,17 @@ impl Bounded {
         }
         let table = &self.replicas[replica];
         let b = &table.pools[plan.pool].balancer;
+        let stakes = Stakes::of(&plan.facts, plan.group, b.home_of(plan.hash).is_some());
         let target = if self.smart {
-            b.place(plan.hash, plan.group, plan.facts.turn_seen())
+            b.place(
+                plan.hash,
+                plan.group,
+                plan.facts.turn_seen(),
+                stakes.own_tokens,
+            )
         } else {
             b.target(plan.hash, plan.group)
         };
-        let stakes = Stakes::of(&plan.facts, plan.group, b.home_of(plan.hash).is_some());
         if self.replicas.len() > 1 {
             self.placements += 1;
             let first = b.order(target).next();
@@ -404,7 +409,8 @@ impl Bounded {
 fn other_first(table: &Table, turn: &Turn, model: &str) -> Option<usize> {
     let plan = table.peek_plan(turn.path(), None, &turn.body(model)).ok()?;
     let b = &table.pools[plan.pool].balancer;
-    b.order(b.peek_place(plan.hash, plan.group, plan.facts.turn))
+    let own = Stakes::of(&plan.facts, plan.group, false).own_tokens;
+    b.order(b.peek_place(plan.hash, plan.group, plan.facts.turn, own))
         .next()
 }
 
