@@ -558,6 +558,22 @@ fn route_explains_offline_like_admin_explain() {
     assert_eq!(x["hash"].as_str().unwrap().len(), 16);
     assert_eq!(x["successors"].as_array().unwrap().len(), 2);
     assert_eq!(x["choice"], x["successors"][0]["node"]);
+    // A new conversation with a short opening goes where fewer conversations live;
+    // one that opens with a long text (a pasted document) by load alone.
+    assert_eq!(x["placement"]["by"], "recent homes, then load", "{x}");
+    let document = "word ".repeat(400);
+    let long = write_config(&format!(
+        r#"{{"model": "p", "messages": [{{"role": "system", "content": "sys"}}, {{"role": "user", "content": "{document}"}}]}}"#
+    ));
+    let out = run_cli(&[
+        "route",
+        "--config",
+        path.to_str().unwrap(),
+        long.to_str().unwrap(),
+    ]);
+    let z: Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(z["placement"]["by"], "load", "{z}");
+    assert!(z["placement"]["own_tokens"].as_u64().unwrap() > 256, "{z}");
 
     let with_header = run_cli(&[
         "route",

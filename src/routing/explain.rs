@@ -41,6 +41,10 @@ pub struct Explanation {
     pub turn: &'static str,
     /// The node this balancer remembers as the conversation's home, if any.
     pub home: Option<String>,
+    /// A new conversation (`key = "hybrid"`, no home yet): how it is placed among its
+    /// first two nodes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub placement: Option<PlacementInfo>,
     /// The key's successor walk, primary first.
     pub successors: Vec<Step>,
     /// The node the next request would get now.
@@ -58,6 +62,15 @@ pub struct GroupInfo {
     pub hash: Option<String>,
     /// Nodes the group's conversations spread over now.
     pub width: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PlacementInfo {
+    /// Estimated tokens of the prompt above its group's prefix: its own text.
+    pub own_tokens: u32,
+    /// `recent homes, then load` (a short opening: where fewer conversations made
+    /// their home lately) or `load` (requests in flight over cap).
+    pub by: &'static str,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -97,7 +110,8 @@ pub fn explain(
     let plan = table.peek_plan(path, header_key, body)?;
     let pool = &table.pools[plan.pool];
     let b = &pool.balancer;
-    let stakes = Stakes::of(&plan.facts, plan.group, b.home_of(plan.hash).is_some());
+    let home = b.home_of(plan.hash);
+    let stakes = Stakes::of(&plan.facts, plan.group, home.is_some());
     let target = b.peek_place(
         plan.hash,
         plan.group,
@@ -168,7 +182,18 @@ pub fn explain(
             Turn::Later => "later",
             Turn::Unknown => "unknown",
         },
-        home: b.home_of(plan.hash).map(|i| b.node(i).id().to_string()),
+        home: home.map(|i| b.node(i).id().to_string()),
+        placement: (home.is_none()
+            && plan.facts.turn_seen() == Turn::First
+            && plan.group != Grouping::Ring)
+            .then(|| PlacementInfo {
+                own_tokens: stakes.own_tokens,
+                by: if b.places_by_homes(stakes.own_tokens) {
+                    "recent homes, then load"
+                } else {
+                    "load"
+                },
+            }),
         successors,
         choice,
         route,

@@ -388,10 +388,8 @@ impl Balancer {
             None => NEW_CONVERSATION_CHOICES,
         };
         // A small opening: by recent homes (one home weighs a full node of requests)
-        // and load, but never to a node at its cap (the walk would spill it). Not with
-        // `load_factor`, which asks for balance by requests in flight (measured: homes
-        // there cost `multi-tenant` 2 points).
-        let by_homes = own_tokens <= SMALL_OPENING_TOKENS && self.load_factor.is_none();
+        // and load, but never to a node at its cap (the walk would spill it).
+        let by_homes = self.places_by_homes(own_tokens);
         let load = |i: usize| {
             let n = &self.nodes[i];
             let s = n.state();
@@ -424,6 +422,14 @@ impl Balancer {
             .filter(|&(_, _, i)| self.nodes[i].state().accepts_new())
             .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)))
             .map(|(_, _, i)| i)
+    }
+
+    /// Whether a new conversation with `own_tokens` of its own text (above its group's
+    /// prefix) is placed by recent homes before load ([`SMALL_OPENING_TOKENS`]). Not
+    /// with `load_factor`, which asks for balance by requests in flight (measured:
+    /// homes there cost `multi-tenant` 2 points).
+    pub fn places_by_homes(&self, own_tokens: u32) -> bool {
+        own_tokens <= SMALL_OPENING_TOKENS && self.load_factor.is_none()
     }
 
     /// Whether node `index` became home to more conversations lately than the pool's
