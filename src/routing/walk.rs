@@ -75,7 +75,7 @@ const PILED_UP_HOMES: f64 = 2.0;
 /// tokens is placed by the conversations each node became home to lately before load:
 /// moving it costs a balancer replica that did not see it placed at most this text to
 /// find it, and a short opening says nothing of how long the conversation grows (an
-/// agent's first turn is short, its tenth fills a tenth of the cache), so the count of
+/// agent opens with 200 tokens of its own and ends ten thousand long), so the count of
 /// homes, not the requests in flight at the moment, is what keeps long sessions from
 /// piling up on one engine. Larger openings (a document, a long first message) would
 /// cost that replica their whole text: they go by load alone (measured: every opening
@@ -350,9 +350,11 @@ impl Balancer {
     /// The walk target of a `hybrid` key (`Pool` or `Group` placement), counted toward
     /// its group, with a node first: the conversation's remembered home, or, for a new
     /// conversation (and a prompt string seen nowhere yet), the less loaded of its first
-    /// two nodes (within its group's nodes), so new work spreads by load while every
-    /// later turn finds its home. A later turn this balancer has no home for starts at
-    /// the key's own first node. Other keys: [`Balancer::target`].
+    /// two nodes (within its group's nodes; for an opening of at most
+    /// [`SMALL_OPENING_TOKENS`] of its own, `own_tokens`, the one fewer conversations
+    /// made their home lately), so new work spreads by load while every later turn
+    /// finds its home. A later turn this balancer has no home for starts at the key's
+    /// own first node. Other keys: [`Balancer::target`].
     pub fn place(&self, hash: u64, grouping: Grouping<u64>, turn: Turn, own_tokens: u32) -> Target {
         let mut target = self.target(hash, grouping);
         if grouping != Grouping::Ring {
