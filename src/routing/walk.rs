@@ -81,7 +81,7 @@ const PILED_UP_HOMES: f64 = 2.0;
 /// cost that replica their whole text: they go by load alone (measured: every opening
 /// placed this way costs `doc-qa` 3.6 points with two replicas, `multi-turn` 2; see
 /// docs/evidence.md).
-const SMALL_OPENING_TOKENS: u32 = 256;
+pub const SMALL_OPENING_TOKENS: u32 = 256;
 
 /// Ranks a node at its cap after every node under it, whatever their recent homes.
 const FULL: f64 = 1e6;
