@@ -543,13 +543,13 @@ fn route_explains_offline_like_admin_explain() {
     let body = write_config(
         r#"{"model": "p", "messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "hello"}]}"#,
     );
-    let out = run_cli(&[
-        "route",
-        "--config",
-        path.to_str().unwrap(),
-        body.to_str().unwrap(),
-    ]);
-    let x: Value = serde_json::from_slice(&out).unwrap();
+    let route = |extra: &[&str], body: &std::path::Path| -> Value {
+        let mut args = vec!["route", "--config", path.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        args.push(body.to_str().unwrap());
+        serde_json::from_slice(&run_cli(&args)).unwrap()
+    };
+    let x = route(&[], &body);
     assert_eq!(x["pool"], "p");
     // A hybrid key is the conversation part after the shared prefix (here, before
     // anything is learned, the system part), as raw JSON text.
@@ -565,25 +565,11 @@ fn route_explains_offline_like_admin_explain() {
     let long = write_config(&format!(
         r#"{{"model": "p", "messages": [{{"role": "system", "content": "sys"}}, {{"role": "user", "content": "{document}"}}]}}"#
     ));
-    let out = run_cli(&[
-        "route",
-        "--config",
-        path.to_str().unwrap(),
-        long.to_str().unwrap(),
-    ]);
-    let z: Value = serde_json::from_slice(&out).unwrap();
+    let z = route(&[], &long);
     assert_eq!(z["placement"]["by"], "load", "{z}");
     assert!(z["placement"]["own_tokens"].as_u64().unwrap() > 256, "{z}");
 
-    let with_header = run_cli(&[
-        "route",
-        "--config",
-        path.to_str().unwrap(),
-        "--header",
-        "X-Session-Id: s1",
-        body.to_str().unwrap(),
-    ]);
-    let y: Value = serde_json::from_slice(&with_header).unwrap();
+    let y = route(&["--header", "X-Session-Id: s1"], &body);
     assert_eq!(y["key_source"], "header");
     assert_eq!(y["key"], "s1");
 }

@@ -882,15 +882,28 @@ mod tests {
         Balancer::uniform(n, 160, cap, load_factor)
     }
 
+    /// A key of a group as wide as the pool, with no home yet, and its first two nodes
+    /// (where a new conversation of it is placed).
+    fn grouped_key(b: &Balancer) -> (Target, Vec<usize>) {
+        let target = Target {
+            hash: 0xabcd_u64 << 32,
+            group: Some((0xfeed_u64 << 40, b.nodes.len())),
+            first: None,
+        };
+        (target, b.key_order(target).take(2).collect())
+    }
+
+    /// `n` other conversations made their home on `node` lately.
+    fn homes_on(b: &Balancer, node: usize, n: u64) {
+        for i in 1..=n {
+            b.remember(i.wrapping_mul(0x9E37_79B9_7F4A_7C15), node);
+        }
+    }
+
     #[test]
     fn a_guessed_home_that_finds_only_its_groups_prefix_flips_to_the_other_choice() {
         let b = balancer(8, 4, None);
-        let target = Target {
-            hash: 0xabcd_u64 << 32,
-            group: Some((0xfeed_u64 << 40, 8)),
-            first: None,
-        };
-        let pair: Vec<usize> = b.key_order(target).take(2).collect();
+        let (target, pair) = grouped_key(&b);
         // 90 % expected, 75 % of it the group's prefix (cached on every node of the
         // group): finding 76 % is finding none of the history. Without the floor (half
         // of 90 %) that is a hit; alone, a balancer judges so (its guesses are
@@ -919,12 +932,7 @@ mod tests {
     fn with_replicas_a_first_node_piled_with_homes_loses_its_margin() {
         let b = balancer(8, 4, None);
         b.load().set_replicas(2);
-        let target = Target {
-            hash: 0xabcd_u64 << 32,
-            group: Some((0xfeed_u64 << 40, 8)),
-            first: None,
-        };
-        let pair: Vec<usize> = b.key_order(target).take(2).collect();
+        let (target, pair) = grouped_key(&b);
         // One request in flight on the key's first node, none on the other choice:
         // within the replica margin, so a new conversation stays on its key's first.
         let at_first = Target {
@@ -937,9 +945,7 @@ mod tests {
         assert_eq!(b.first_of(target, Turn::First, large), Some(pair[0]));
         // Five conversations made their home there lately (none elsewhere): piled up,
         // so the less loaded node takes the new one.
-        for i in 1..=5u64 {
-            b.remember(i.wrapping_mul(0x9E37_79B9_7F4A_7C15), pair[0]);
-        }
+        homes_on(&b, pair[0], 5);
         assert_eq!(b.first_of(target, Turn::First, large), Some(pair[1]));
         drop(held);
     }
@@ -947,12 +953,7 @@ mod tests {
     #[test]
     fn a_small_opening_goes_where_fewer_conversations_live_lately() {
         let b = balancer(8, 4, None);
-        let target = Target {
-            hash: 0xabcd_u64 << 32,
-            group: Some((0xfeed_u64 << 40, 8)),
-            first: None,
-        };
-        let pair: Vec<usize> = b.key_order(target).take(2).collect();
+        let (target, pair) = grouped_key(&b);
         let (small, large) = (SMALL_OPENING_TOKENS, SMALL_OPENING_TOKENS + 1);
         // A request in flight on the other choice, none on the key's first: by load,
         // the key's first, whatever the opening.
@@ -966,9 +967,7 @@ mod tests {
         assert_eq!(b.first_of(target, Turn::First, large), Some(pair[0]));
         // Two conversations made their home on the key's first node lately: a small
         // opening goes where fewer live, a large one still by load.
-        for i in 1..=2u64 {
-            b.remember(i.wrapping_mul(0x9E37_79B9_7F4A_7C15), pair[0]);
-        }
+        homes_on(&b, pair[0], 2);
         assert_eq!(b.first_of(target, Turn::First, small), Some(pair[1]));
         assert_eq!(b.first_of(target, Turn::First, large), Some(pair[0]));
         // A later turn this balancer has no home for is not placed at all.
