@@ -1,18 +1,20 @@
 //! Criterion benches of the routing hot path: the whole routing decision for a real
-//! chat body (key extraction + hash + ring walk + reservation + release), the ring
-//! lookup with reservation alone, and their parts.
+//! chat body (the one entry point, `Table::place`: facts, key, hashes, placement; then
+//! the walk's reservation and its release), the ring lookup with reservation alone, and
+//! their parts.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
 use prefixlb::config::{Config, KeyMode};
-use prefixlb::routing::cost::Stakes;
-use prefixlb::routing::key::Grouping;
-use prefixlb::routing::key::{self, Api, KeySpec};
+use prefixlb::routing::facts::Api;
+use prefixlb::routing::group::Grouping;
+use prefixlb::routing::key::{self, KeySpec};
 use prefixlb::routing::ring::{Ring, RingMember};
 use prefixlb::routing::table::{Registry, Table};
 use prefixlb::routing::walk::{Balancer, Target, Walk};
+use prefixlb::routing::Mode;
 
 /// Chat prose: a newline or quote (a JSON escape) every ~70 characters.
 const PROSE: &str = "Prefix caching lets an engine skip prefill for tokens it has already seen. \
@@ -106,18 +108,10 @@ fn routing_decision(c: &mut Criterion) {
             b.iter(|| {
                 let body = &bodies[next % bodies.len()];
                 next += 1;
-                let plan = t
-                    .plan("/v1/chat/completions", None, black_box(body))
+                let placement = t
+                    .place("/v1/chat/completions", None, black_box(body), Mode::Route)
                     .unwrap();
-                let b = &t.pools[plan.pool].balancer;
-                let stakes = Stakes::of(&plan.facts, plan.group, b.home_of(plan.hash).is_some());
-                let target = b.place(
-                    plan.hash,
-                    plan.group,
-                    plan.facts.turn_seen(),
-                    stakes.own_tokens,
-                );
-                match b.choose(target, &[], Instant::now()) {
+                match placement.choose(&[], Instant::now()) {
                     Walk::Chosen(choice) => drop(black_box(choice)),
                     _ => unreachable!(),
                 }
@@ -186,7 +180,7 @@ fn ring(c: &mut Criterion) {
     c.bench_function("lookup_and_reserve/64x160_hot_group", |b| {
         b.iter(|| {
             h = h.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let target = b64.target(black_box(h), Grouping::Group(7 << 54));
+            let target = b64.target(black_box(h), Grouping::Group(7 << 54), Mode::Route);
             match b64.choose(target, &[], Instant::now()) {
                 Walk::Chosen(choice) => drop(black_box(choice)),
                 _ => unreachable!(),

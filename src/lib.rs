@@ -1,12 +1,18 @@
 //! prefixlb: a prefix-affinity load balancer for self-hosted LLM inference fleets.
 //!
-//! Requests are placed on a consistent-hash ring by an xxh3 hash of their prompt
-//! prefix, so the engine that already holds a prefix in its KV cache serves it;
-//! bounded loads cap each engine's in-flight requests and spill clockwise.
+//! Each request's key (the conversation after the prompt prefix its pool's traffic
+//! shares, learned from the traffic) is hashed onto its pool's nodes, so the engine
+//! that already holds its prefix in its KV cache serves it: a conversation lives on
+//! one engine, and a shared prefix gathers on a few. Bounded loads cap each engine's
+//! in-flight requests; the overflow spills to the key's next node, or waits for its
+//! home when that is cheaper than a cold prefill elsewhere. A breaker per engine judges
+//! its time to first token against the work and its peers.
 //!
-//! The layers: [`config`] (the TOML file, validated), [`routing`] (the pure core),
-//! [`proxy`] (the data plane), [`server`] (the process and control plane), and, with
-//! the `tools` feature, [`tools`] (simulator, load generator, demo, engine emulator).
+//! The layers, top down (an arrow only points down): [`server`] (the process and
+//! control plane) and [`fleet`] (membership from Redis heartbeats), [`proxy`] (the data
+//! plane), [`telemetry`] (metrics and outcome labels), [`routing`] (the core: no I/O),
+//! [`config`] (the TOML file, validated); with the `tools` feature, [`tools`]
+//! (simulator, load generator, demo, engine emulator) above them all.
 
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
@@ -17,5 +23,6 @@ pub mod fleet;
 pub mod proxy;
 pub mod routing;
 pub mod server;
+pub mod telemetry;
 #[cfg(feature = "tools")]
 pub mod tools;

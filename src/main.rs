@@ -229,7 +229,8 @@ fn route(a: RouteArgs) -> anyhow::Result<ExitCode> {
         }
     }
     let table = Table::build(config, &Registry::default());
-    match prefixlb::routing::explain::explain(&table, &a.path, header_key.as_deref(), &body) {
+    let now = std::time::Instant::now();
+    match prefixlb::routing::explain::explain(&table, &a.path, header_key.as_deref(), &body, now) {
         Ok(x) => {
             emit(format!("{}\n", serde_json::to_string_pretty(&x)?))?;
             Ok(ExitCode::SUCCESS)

@@ -11,8 +11,9 @@ use serde_json::{json, Value};
 
 use prefixlb::config::KeyMode;
 use prefixlb::proxy::edit::{apply, Edits};
+use prefixlb::routing::facts::Api;
 use prefixlb::routing::json_scan::Scanner;
-use prefixlb::routing::key::{extract, Api, KeySpec};
+use prefixlb::routing::key::{extract, KeySpec};
 
 /// A JSON string literal for `s`, escaping some characters that need no escape (as
 /// `\uXXXX`, surrogate pairs included, or `\/`) when `fancy` says so.

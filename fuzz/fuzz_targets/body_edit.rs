@@ -7,7 +7,8 @@ use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
 use prefixlb::config::KeyMode;
 use prefixlb::proxy::edit::{apply, Edits};
-use prefixlb::routing::key::{extract, Api, KeySpec};
+use prefixlb::routing::facts::Api;
+use prefixlb::routing::key::{extract, KeySpec};
 
 fuzz_target!(|data: &[u8]| {
     let Ok(facts) = extract(Api::Chat, data, None, KeySpec::new(KeyMode::Hybrid, 1024)) else {

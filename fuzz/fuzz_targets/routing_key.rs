@@ -4,7 +4,8 @@
 
 use libfuzzer_sys::fuzz_target;
 use prefixlb::config::KeyMode;
-use prefixlb::routing::key::{extract, key_hashes, Api, KeySpec};
+use prefixlb::routing::facts::Api;
+use prefixlb::routing::key::{extract, key_hashes, KeySpec};
 
 fuzz_target!(|data: &[u8]| {
     let Some((&selector, body)) = data.split_first() else {

@@ -101,7 +101,8 @@ pub struct RoutingSection {
     /// What part of the prompt is hashed: `"hybrid"`, `"conversation"` or
     /// `"prefix"`. Default `"hybrid"` (chosen in the simulator).
     pub key: KeyMode,
-    /// Characters of each part of the key. Default 1024.
+    /// Characters of each part of the key (`"hybrid"`: of the conversation part after
+    /// the shared prefix). Default 1024.
     pub prefix_chars: Spanned<usize>,
     /// Header whose value, when present, is the key. Default `"x-session-id"`.
     pub key_header: String,
@@ -198,7 +199,7 @@ pub struct ShuntStepSection {
     /// A multiple of the peers' reference (the median of their P90 normalized TTFT).
     #[serde(default)]
     pub over_pool: Option<f64>,
-    /// The raw-TTFT threshold of before issue 12: read only to say what replaced it.
+    /// The raw-TTFT threshold of earlier versions: read only to say what replaced it.
     #[serde(default)]
     pub p90: Option<toml::Value>,
     pub divert: f64,

@@ -117,19 +117,19 @@ impl Store {
             addr: addr.clone(),
             ms: (deadline * 2).as_millis(),
         };
-        let mut probe =
+        let mut pinged =
             tokio::time::timeout(deadline * 2, client.get_multiplexed_async_connection())
                 .await
                 .map_err(|_| timeout())?
                 .map_err(fail)?;
         tokio::time::timeout(
             deadline,
-            redis::cmd("PING").query_async::<String>(&mut probe),
+            redis::cmd("PING").query_async::<String>(&mut pinged),
         )
         .await
         .map_err(|_| timeout())?
         .map_err(fail)?;
-        drop(probe);
+        drop(pinged);
         let conn = tokio::time::timeout(
             deadline * 2,
             client.get_connection_manager_with_config(config),

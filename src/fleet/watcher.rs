@@ -1,6 +1,7 @@
 //! The membership watcher of `serve`: every `poll_interval` one round trip to Redis
-//! heartbeats this replica and reads the live engines and replicas; the proxy rebuilds
-//! its table when the set of engines changed (a node that leaves drains: its in-flight
+//! heartbeats this replica and reads the live engines and replicas, and hands them to
+//! the balancer's control plane ([`Members`]), which rebuilds its table when the set of
+//! engines changed (a node that leaves drains: its in-flight
 //! requests hold their slots to the end; one that comes back finds its breaker history).
 //!
 //! Fail static: when Redis is unreachable, slow or refuses, the last membership stays,
@@ -16,10 +17,22 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
+use std::net::SocketAddr;
+
 use super::record::Membership;
 use super::store::{connection_info, unix_now, Store, StoreError};
 use crate::config::RedisConfig;
-use crate::proxy::Proxy;
+use crate::telemetry::metrics::FleetMetrics;
+
+/// What the watcher reads its settings from and feeds: the balancer's control plane.
+pub trait Members: Send + Sync {
+    /// The `[redis]` settings in force now (none: static membership only).
+    fn redis(&self) -> Option<RedisConfig>;
+    /// The balancer's client address, announced in its heartbeat.
+    fn listen(&self) -> SocketAddr;
+    /// Applies a membership read (or, with no `[redis]` any more, an empty one).
+    fn apply(&self, membership: &Membership);
+}
 
 /// Longest wait between tries while Redis is down.
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
@@ -38,7 +51,11 @@ pub fn replica_id() -> String {
 }
 
 /// Watches membership until `stop` turns true, then removes this replica's heartbeat.
-pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
+pub async fn run(
+    members: Arc<dyn Members>,
+    metrics: Arc<FleetMetrics>,
+    mut stop: watch::Receiver<bool>,
+) {
     let id = replica_id();
     let started_at = unix_now();
     let mut store: Option<(RedisConfig, Store)> = None;
@@ -46,10 +63,10 @@ pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
     let mut failures: u32 = 0;
     let mut seen = Seen::default();
     loop {
-        let Some(cfg) = proxy.table().config.redis.clone() else {
+        let Some(cfg) = members.redis() else {
             // No [redis] (any more): static membership only.
             if store.take().is_some() {
-                proxy.apply_membership(&Default::default());
+                members.apply(&Default::default());
             }
             if wait(&mut stop, Duration::from_secs(1)).await {
                 return;
@@ -63,10 +80,13 @@ pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
             store = None;
         }
         let result = match &mut store {
-            Some((_, s)) => poll(&proxy, s, &id, started_at, &cfg, &mut seen).await,
+            Some((_, s)) => poll(&*members, &metrics, s, &id, started_at, &cfg, &mut seen).await,
             None => match connect(&cfg, deadline).await {
                 Ok(mut s) => {
-                    let r = poll(&proxy, &mut s, &id, started_at, &cfg, &mut seen).await;
+                    let r = poll(
+                        &*members, &metrics, &mut s, &id, started_at, &cfg, &mut seen,
+                    )
+                    .await;
                     store = Some((cfg.clone(), s));
                     r
                 }
@@ -74,7 +94,7 @@ pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
             },
         };
         let ok = result.is_ok();
-        proxy.metrics().redis_up.set(i64::from(ok));
+        metrics.redis_up.set(i64::from(ok));
         if !ok {
             seen.outage = true;
         }
@@ -142,7 +162,8 @@ impl Seen {
 }
 
 async fn poll(
-    proxy: &Proxy,
+    members: &dyn Members,
+    metrics: &FleetMetrics,
     store: &mut Store,
     id: &str,
     started_at: u64,
@@ -151,7 +172,7 @@ async fn poll(
 ) -> Result<(), StoreError> {
     let me = serde_json::json!({
         "id": id,
-        "listen": proxy.table().config.server.listen.to_string(),
+        "listen": members.listen().to_string(),
         "started_at": started_at,
     })
     .to_string();
@@ -160,9 +181,8 @@ async fn poll(
         tracing::warn!("{why}");
     }
     let membership = seen.settle(membership, cfg.heartbeat_ttl);
-    proxy.apply_membership(&membership);
-    proxy
-        .metrics()
+    members.apply(&membership);
+    metrics
         .balancer_replicas
         .set(i64::from(membership.replicas));
     Ok(())

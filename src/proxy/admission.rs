@@ -9,48 +9,42 @@
 
 use tokio::time::Instant;
 
-use super::ProxyError;
+use super::{now, ProxyError};
 use crate::config::{RoutingConfig, WhenSaturated};
-use crate::routing::cost::Stakes;
-use crate::routing::table::Pool;
-use crate::routing::walk::{self, Balancer, Choice, Walk};
-use crate::server::metrics::Metrics;
+use crate::routing::decision::Placement;
+use crate::routing::walk::{Choice, Walk};
+use crate::telemetry::metrics::RequestMetrics;
 
-/// Takes a slot on the first willing node of the key's walk; when every willing node
-/// is at cap, applies `routing.when_saturated`. Returns whether the request queued.
+/// Takes a slot on the first willing node of the placement's walk; when every willing
+/// node is at cap, applies `routing.when_saturated`. Returns whether the request queued.
 pub(super) async fn admit(
-    pool: &Pool,
+    placement: &Placement,
     routing: &RoutingConfig,
-    target: walk::Target,
-    stakes: &Stakes,
     tried: &[usize],
-    metrics: &Metrics,
+    metrics: &RequestMetrics,
 ) -> Result<(Choice, bool), ProxyError> {
-    let b = &pool.balancer;
-    let name = || pool.config.name.clone();
-    // FIFO: a new request does not overtake the ones already waiting.
-    let queue_first =
-        routing.when_saturated == WhenSaturated::Queue && tried.is_empty() && b.load().queued() > 0;
-    let walk = if queue_first {
+    let pool = &placement.pool().config.name;
+    let name = || pool.clone();
+    let walk = if placement.joins_queue(routing.when_saturated, tried) {
         Walk::Saturated
     } else {
-        b.choose(target, tried, std::time::Instant::now())
+        placement.choose(tried, now())
     };
     let walk = match walk {
         Walk::Chosen(c) if c.distance > 0 && tried.is_empty() => {
-            let Some((home, budget)) = b.home_wait(target, stakes, c.index) else {
+            let Some((home, budget)) = placement.home_wait(c.index) else {
                 return Ok((c, false));
             };
             drop(c);
             let waited = Instant::now();
-            let at_home = wait_for_home(b, target, home, budget).await;
-            metrics.observe_queue_wait(&pool.config.name, waited.elapsed());
+            let at_home = wait_for_home(placement, home, budget).await;
+            metrics.observe_queue_wait(pool, waited.elapsed());
             if let Some(c) = at_home {
                 return Ok((c, true));
             }
             // The budget ran out: what the walk offers now, as for any request (the
             // pool may have filled meanwhile: then `when_saturated` applies).
-            b.choose(target, tried, std::time::Instant::now())
+            placement.choose(tried, now())
         }
         walk => walk,
     };
@@ -59,14 +53,14 @@ pub(super) async fn admit(
         Walk::Unavailable => Err(ProxyError::NoNode { pool: name() }),
         Walk::Saturated => match routing.when_saturated {
             WhenSaturated::Reject => Err(ProxyError::Saturated { pool: name() }),
-            WhenSaturated::LeastLoaded => b
-                .choose_least_loaded(target, tried)
+            WhenSaturated::LeastLoaded => placement
+                .choose_least_loaded(tried)
                 .map(|c| (c, false))
                 .ok_or_else(|| ProxyError::NoNode { pool: name() }),
             WhenSaturated::Queue => {
                 let waited = Instant::now();
-                let admitted = wait_for_slot(b, routing, target, tried, &pool.config.name).await;
-                metrics.observe_queue_wait(&pool.config.name, waited.elapsed());
+                let admitted = wait_for_slot(placement, routing, tried).await;
+                metrics.observe_queue_wait(pool, waited.elapsed());
                 admitted.map(|c| (c, true))
             }
         },
@@ -77,12 +71,11 @@ pub(super) async fn admit(
 /// home, at most `budget`; gives up at once when the home turns requests away
 /// (drained, unhealthy, breaker open).
 async fn wait_for_home(
-    b: &Balancer,
-    target: walk::Target,
+    placement: &Placement,
     home: usize,
     budget: std::time::Duration,
 ) -> Option<Choice> {
-    let state = b.node(home).state().clone();
+    let state = placement.pool().balancer.node(home).state().clone();
     let _counted = state.wait_here();
     let deadline = Instant::now() + budget;
     loop {
@@ -91,7 +84,7 @@ async fn wait_for_home(
         if state.turned_away() {
             return None;
         }
-        if let Walk::Chosen(c) = b.choose(target, &[], std::time::Instant::now()) {
+        if let Walk::Chosen(c) = placement.choose(&[], now()) {
             if c.index == home {
                 return Some(c);
             }
@@ -103,37 +96,32 @@ async fn wait_for_home(
 /// Waits in the pool's FIFO (bounded by `max_queue` and `queue_timeout`), re-running
 /// the walk each time a slot frees, so the key still lands on its nearest free node.
 async fn wait_for_slot(
-    b: &Balancer,
+    placement: &Placement,
     routing: &RoutingConfig,
-    target: walk::Target,
     tried: &[usize],
-    pool: &str,
 ) -> Result<Choice, ProxyError> {
-    let _ticket = b
-        .load()
+    let load = placement.pool().balancer.load();
+    let pool = || placement.pool().config.name.clone();
+    let _place = load
         .enqueue(routing.max_queue)
         .ok_or_else(|| ProxyError::QueueFull {
-            pool: pool.to_string(),
+            pool: pool(),
             max: routing.max_queue,
         })?;
     let started = Instant::now();
     let deadline = started + routing.queue_timeout;
     loop {
         // Register for the wake-up before looking, so a slot freed in between is not missed.
-        let mut freed = std::pin::pin!(b.load().freed().notified());
+        let mut freed = std::pin::pin!(load.freed().notified());
         freed.as_mut().enable();
-        match b.choose(target, tried, std::time::Instant::now()) {
+        match placement.choose(tried, now()) {
             Walk::Chosen(c) => return Ok(c),
-            Walk::Unavailable => {
-                return Err(ProxyError::NoNode {
-                    pool: pool.to_string(),
-                })
-            }
+            Walk::Unavailable => return Err(ProxyError::NoNode { pool: pool() }),
             Walk::Saturated => {}
         }
         if Instant::now() >= deadline {
             return Err(ProxyError::QueueTimeout {
-                pool: pool.to_string(),
+                pool: pool(),
                 waited_ms: started.elapsed().as_millis(),
             });
         }

@@ -8,7 +8,7 @@ use std::ops::Range;
 
 use bytes::{Bytes, BytesMut};
 
-use crate::routing::key::{BodySpans, ObjectSpan};
+use crate::routing::facts::{BodySpans, ObjectSpan};
 
 /// What to change in a body.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -101,7 +101,8 @@ fn insertion(object: ObjectSpan, members: Vec<String>) -> Splice {
 mod tests {
     use super::*;
     use crate::config::KeyMode;
-    use crate::routing::key::{extract, Api, KeySpec};
+    use crate::routing::facts::Api;
+    use crate::routing::key::{extract, KeySpec};
 
     fn edit(body: &str, model: Option<&str>, include_usage: bool) -> String {
         let spec = KeySpec::new(KeyMode::Hybrid, 64);
@@ -119,7 +120,7 @@ mod tests {
 
     #[test]
     fn the_fallback_stream_bug_is_gone() {
-        // The body of issue 9: both edits at once, `stream_options` absent.
+        // Both edits at once on a body without `stream_options` (a fallback pool's stream).
         let body = r#"{"model":"test-model","messages":[],"stream":true,"max_tokens":8}"#;
         assert_eq!(
             edit(body, Some("backup-model"), true),

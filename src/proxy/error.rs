@@ -6,14 +6,14 @@ use http::{header, HeaderValue, Response, StatusCode};
 use serde_json::json;
 
 use super::body::{full, BoxBody};
-use crate::routing::key::KeyError;
-use crate::routing::table::{PlanError, PoolError};
+use crate::routing::facts::KeyError;
+use crate::routing::table::{PlaceError, PoolError};
 
 /// Everything that can end a request before an engine's response reaches the client.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ProxyError {
     #[error("{0}")]
-    Plan(#[from] PlanError),
+    Place(#[from] PlaceError),
     #[error("could not read the request body: {0}")]
     BodyRead(String),
     #[error("request body exceeds the limit of {limit} bytes (server.max_body_bytes)")]
@@ -51,10 +51,13 @@ pub enum ProxyError {
 impl ProxyError {
     pub fn status(&self) -> StatusCode {
         match self {
-            ProxyError::Plan(PlanError::Pool(PoolError::UnknownModel { .. })) => {
+            ProxyError::Place(PlaceError::Pool(PoolError::UnknownModel { .. })) => {
                 StatusCode::NOT_FOUND
             }
-            ProxyError::Plan(_) | ProxyError::BodyRead(_) => StatusCode::BAD_REQUEST,
+            ProxyError::Place(PlaceError::Pool(PoolError::NoThinking { .. })) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+            ProxyError::Place(_) | ProxyError::BodyRead(_) => StatusCode::BAD_REQUEST,
             ProxyError::UnknownPath { .. } => StatusCode::NOT_FOUND,
             ProxyError::Unauthorized => StatusCode::UNAUTHORIZED,
             ProxyError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
@@ -86,11 +89,20 @@ impl ProxyError {
     /// A stable machine-readable `code`.
     pub fn code(&self) -> &'static str {
         match self {
-            ProxyError::Plan(PlanError::Pool(PoolError::UnknownModel { .. })) => "model_not_found",
-            ProxyError::Plan(PlanError::Pool(PoolError::ModelRequired { .. })) => "model_required",
-            ProxyError::Plan(PlanError::Key(KeyError::Empty)) => "empty_body",
-            ProxyError::Plan(PlanError::Key(KeyError::Json(_))) => "invalid_json",
-            ProxyError::Plan(PlanError::Key(KeyError::Missing(_))) => "missing_required_parameter",
+            ProxyError::Place(PlaceError::Pool(PoolError::UnknownModel { .. })) => {
+                "model_not_found"
+            }
+            ProxyError::Place(PlaceError::Pool(PoolError::ModelRequired { .. })) => {
+                "model_required"
+            }
+            ProxyError::Place(PlaceError::Pool(PoolError::NoThinking { .. })) => {
+                "no_available_node"
+            }
+            ProxyError::Place(PlaceError::Key(KeyError::Empty)) => "empty_body",
+            ProxyError::Place(PlaceError::Key(KeyError::Json(_))) => "invalid_json",
+            ProxyError::Place(PlaceError::Key(KeyError::Missing(_))) => {
+                "missing_required_parameter"
+            }
             ProxyError::BodyRead(_) => "body_read_error",
             ProxyError::BodyTooLarge { .. } => "request_too_large",
             ProxyError::UnsupportedMediaType(_) => "unsupported_media_type",
@@ -153,13 +165,13 @@ mod tests {
     async fn errors_map_to_status_and_openai_json() {
         let cases = [
             (
-                ProxyError::Plan(PlanError::Key(KeyError::Json("eof".into()))),
+                ProxyError::Place(PlaceError::Key(KeyError::Json("eof".into()))),
                 400,
                 "invalid_json",
                 None,
             ),
             (
-                ProxyError::Plan(PlanError::Pool(PoolError::UnknownModel {
+                ProxyError::Place(PlaceError::Pool(PoolError::UnknownModel {
                     model: "x".into(),
                     available: "a, b".into(),
                 })),

@@ -5,7 +5,6 @@
 
 use std::borrow::Cow;
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use http::uri::PathAndQuery;
@@ -15,22 +14,20 @@ use tokio::time::Instant;
 use super::admission;
 use super::body::BoxBody;
 use super::edit::{self, Edits};
-use super::outcome::{FailoverReason, RequestOutcome};
 use super::probe::{self, Commit, ProbeFailure};
-use super::relay::{Finish, Learn, RelayBody};
+use super::relay::{RelayBody, RequestLog};
 use super::upstream::{EngineBody, Outgoing, Upstream};
-use super::{headers, ProxyError};
+use super::{headers, now, ProxyError};
 use crate::clip::clip;
 use crate::config::RoutingConfig;
-use crate::routing::breaker::{BreakerSettings, Outcome};
-use crate::routing::cost::Stakes;
-use crate::routing::facts::RequestFacts;
-use crate::routing::key;
-use crate::routing::node::{Node, NodeState, Prefilling};
+use crate::routing::breaker::Outcome;
+use crate::routing::decision::{Placement, Ticket};
+use crate::routing::facts::Api;
+use crate::routing::node::Node;
 use crate::routing::route::Route;
-use crate::routing::table::{Plan, Pool, Table};
-use crate::routing::walk::{self, Choice};
-use crate::server::metrics::Metrics;
+use crate::routing::table::{Pool, Table};
+use crate::telemetry::metrics::RequestMetrics;
+use crate::telemetry::outcome::{FailoverReason, RequestOutcome};
 
 /// Why one attempt did not produce a response for the client.
 struct Failure {
@@ -44,77 +41,21 @@ impl Failure {
     }
 }
 
-/// The health outcome of one attempt, recorded exactly once: by [`Attempt::finish`],
-/// or as neutral when the attempt is dropped unfinished (the client left), so a
-/// half-open probe slot is never leaked.
-///
-/// Until then its estimated uncached prompt counts in the node's prefill backlog, so
-/// each stream's latency is judged knowing what the node prefilled besides it.
-struct Attempt {
-    node: Arc<NodeState>,
-    probe: bool,
-    settings: Arc<BreakerSettings>,
-    done: bool,
-    /// Its uncached prompt tokens as estimated.
-    uncached_estimate: u32,
-    prefilling: Prefilling,
-}
-
-impl Attempt {
-    /// Starts an attempt on the chosen node.
-    fn start(choice: &Choice, settings: &Arc<BreakerSettings>, uncached_estimate: u32) -> Self {
-        let node = choice.reservation.node().clone();
-        let prefilling = node.start_prefill(uncached_estimate);
-        Attempt {
-            node,
-            probe: choice.probe,
-            settings: settings.clone(),
-            done: false,
-            uncached_estimate,
-            prefilling,
-        }
-    }
-
-    fn finish(mut self, outcome: Outcome) {
-        self.done = true;
-        self.node.record(outcome, self.probe, &self.settings);
-    }
-}
-
-impl Drop for Attempt {
-    fn drop(&mut self) {
-        if !self.done {
-            self.node
-                .record(Outcome::Neutral, self.probe, &self.settings);
-        }
-    }
-}
-
 /// One client request on its way to the engines: what every attempt needs.
 pub(super) struct Exchange<'t> {
     pub upstream: &'t Arc<Upstream>,
-    pub metrics: &'t Arc<Metrics>,
-    pub table: &'t Arc<Table>,
-    pub plan: Plan,
+    pub metrics: &'t Arc<RequestMetrics>,
+    pub table: &'t Table,
+    /// Where it is placed now: its own pool, then each fallback in turn.
+    pub placement: Placement,
     pub method: Method,
     /// Path and query, as the client sent them.
     pub path: PathAndQuery,
     /// The headers for the engines (see [`headers::upstream_headers`]).
     pub headers: HeaderMap,
-    /// The body as the client sent it; every target edits these bytes afresh.
+    /// The body as the client sent it; every pool edits these bytes afresh.
     pub body: Bytes,
     pub started: Instant,
-}
-
-/// Where the request is going now: a pool, the body for it, and the key's walk there.
-struct Target<'t> {
-    pool: &'t Pool,
-    body: Bytes,
-    walk: walk::Target,
-    /// What leaving its home would cost it, and what it should find there.
-    stakes: Stakes,
-    /// Set once the request left its own pool.
-    fallback: bool,
 }
 
 /// An engine's answer that goes to the client.
@@ -137,121 +78,68 @@ impl Exchange<'_> {
     /// and hide that chunk from the client. Only the OpenAI APIs that define
     /// `stream_options` get it (SGLang's `/generate`, say, might reject the field).
     fn strip_usage(&self) -> bool {
-        let facts = &self.plan.facts;
+        let facts = &self.placement.facts;
         facts.stream
-            && matches!(self.plan.api, key::Api::Chat | key::Api::Completions)
+            && matches!(self.placement.api, Api::Chat | Api::Completions)
             && self.routing().track_usage
             && !facts.include_usage
     }
 
-    /// The pools to try, in order: the request's own, then its fallbacks; a request
-    /// asking for reasoning skips pools that do not support it.
-    fn pools(&self) -> Vec<&Pool> {
-        let table = self.table;
-        let own = &table.pools[self.plan.pool];
-        std::iter::once(own)
-            .chain(
-                own.config
-                    .fallbacks
-                    .iter()
-                    .filter_map(|name| table.pools.iter().find(|p| p.config.name == *name)),
-            )
-            .filter(|p| !self.plan.facts.wants_reasoning || p.config.supports_thinking)
-            .collect()
-    }
-
-    /// Points the request at `pool`: the key's hash there, and the body with every
-    /// edit applied in one step on the client's bytes (for a fallback pool, `model`
-    /// rewritten to the pool's first model).
-    fn target<'p>(&self, pool: &'p Pool) -> Target<'p> {
-        let name = &pool.config.name;
-        let facts = &self.plan.facts;
-        let (hash, group) = key::key_hashes(name, facts, self.routing().hash_seed);
-        let fallback = name != &self.table.pools[self.plan.pool].config.name;
-        let b = &pool.balancer;
-        let stakes = Stakes::of(facts, group, b.home_of(hash).is_some());
+    /// The body for the pool placed in, with every edit applied in one step on the
+    /// client's bytes (for a fallback pool, `model` rewritten to the pool's first model).
+    fn body_for(&self, placement: &Placement) -> Bytes {
+        let pool = &placement.pool().config;
         let edits = Edits {
-            model: fallback.then(|| pool.config.models.first().unwrap_or(name).as_str()),
+            model: placement
+                .is_fallback()
+                .then(|| pool.models.first().unwrap_or(&pool.name).as_str()),
             include_usage: self.strip_usage(),
         };
-        Target {
-            pool,
-            body: edit::apply(&self.body, &facts.spans, edits),
-            walk: b.place(hash, group, facts.turn_seen(), stakes.own_tokens),
-            stakes,
-            fallback,
-        }
+        edit::apply(&self.body, &placement.facts.spans, edits)
     }
 
     /// Admission, the exchange and failover, until an answer commits or nothing is
     /// left to try.
-    pub async fn run(self) -> Result<Response<BoxBody>, ProxyError> {
-        let pools = self.pools();
-        let Some((first, mut rest)) = pools.split_first() else {
-            let own = &self.table.pools[self.plan.pool].config.name;
-            return Err(ProxyError::NoNode {
-                pool: format!("{own} (no pool for a reasoning request)"),
-            });
-        };
-        let mut target = self.target(first);
+    pub async fn run(mut self) -> Result<Response<BoxBody>, ProxyError> {
+        let mut body = self.body_for(&self.placement);
         let max_attempts = self.routing().max_attempts;
         let mut tried = Vec::with_capacity(max_attempts as usize);
         let mut failures: Vec<Failure> = Vec::new();
         let mut attempt = 0;
         while attempt < max_attempts {
-            let (choice, queued) = match admission::admit(
-                target.pool,
-                self.routing(),
-                target.walk,
-                &target.stakes,
-                &tried,
-                self.metrics,
-            )
-            .await
-            {
+            let admitted =
+                admission::admit(&self.placement, self.routing(), &tried, self.metrics).await;
+            let (choice, queued) = match admitted {
                 Ok(admitted) => admitted,
-                Err(ProxyError::NoNode { .. }) if !rest.is_empty() => {
-                    let next = rest[0];
-                    rest = &rest[1..];
-                    tracing::debug!(from = %target.pool.config.name, to = %next.config.name, "no node available; trying the fallback pool");
-                    target = self.target(next);
-                    tried.clear();
-                    continue;
-                }
+                Err(e @ ProxyError::NoNode { .. }) => match self.placement.fallback(self.table) {
+                    Some(next) => {
+                        tracing::debug!(from = %self.placement.pool().config.name, to = %next.pool().config.name, "no node available; trying the fallback pool");
+                        self.placement = next;
+                        body = self.body_for(&self.placement);
+                        tried.clear();
+                        continue;
+                    }
+                    None if failures.is_empty() => return Err(e),
+                    None => break,
+                },
                 Err(e) if failures.is_empty() => return Err(e),
                 Err(_) => break, // nothing left to fail over to
             };
-            let admitted_at = Instant::now();
             attempt += 1;
             tried.push(choice.index);
-            let pool = target.pool;
-            let node = pool.balancer.node(choice.index);
-            let estimate = uncached_estimate(&self.plan.facts, &target.stakes, &choice);
-            let health = Attempt::start(&choice, pool.balancer.settings(), estimate);
-            let failure = match self.ask(pool, node, &target.body).await {
-                Ok(answer) => {
-                    let route = route_of(&target, queued, &choice);
-                    let ctx = Decision {
-                        pool,
-                        node,
-                        route,
-                        attempts: attempt,
-                        choice,
-                        walk: target.walk,
-                        stakes: target.stakes,
-                        since: admitted_at,
-                    };
-                    return Ok(self.commit(ctx, answer, health));
-                }
+            let route = route_of(&self.placement, queued, choice.distance, choice.shunted);
+            let ticket = self.placement.ticket(choice, now());
+            let failure = match self.ask(ticket.pool(), ticket.node(), &body).await {
+                Ok(answer) => return Ok(self.commit(ticket, route, attempt, answer)),
                 Err(f) => f,
             };
-            self.metrics
-                .count_failover(&pool.config.name, failure.reason);
+            let pool = &ticket.pool().config.name;
+            self.metrics.count_failover(pool, failure.reason);
             if failure.reason == FailoverReason::Busy {
-                health.finish(Outcome::Neutral);
+                ticket.fail(Outcome::Neutral, now());
             } else {
-                tracing::info!(pool = %pool.config.name, reason = %failure.text, attempt, "attempt failed; failing over");
-                health.finish(Outcome::Failure);
+                tracing::info!(pool = %pool, reason = %failure.text, attempt, "attempt failed; failing over");
+                ticket.fail(Outcome::Failure, now());
             }
             failures.push(failure);
         }
@@ -275,7 +163,7 @@ impl Exchange<'_> {
             headers: &self.headers,
             body,
         };
-        let stream = self.plan.facts.stream;
+        let stream = self.placement.facts.stream;
         let sent = Instant::now();
         // A stream has `first_token_timeout` for its head and first token together.
         let budget = if stream {
@@ -342,42 +230,30 @@ impl Exchange<'_> {
         }
     }
 
-    /// Sends an answer to the client: the node's health recorded, the decision
-    /// counted, the reservation handed to the relayed body.
-    fn commit(&self, c: Decision<'_>, answer: Answer, health: Attempt) -> Response<BoxBody> {
+    /// Sends an answer to the client: the ticket settled (the node's health, the
+    /// conversation's home), the decision counted, the ticket handed to the relayed
+    /// body, which holds the slot to the end.
+    fn commit(
+        &self,
+        mut ticket: Ticket,
+        route: Route,
+        attempts: u32,
+        answer: Answer,
+    ) -> Response<BoxBody> {
         let idle = self.table.config.server.idle_stream_timeout;
-        let settings = c.pool.balancer.settings().clone();
+        let pool = ticket.pool().config.name.clone();
         self.metrics
-            .count_decision(&c.pool.config.name, &c.route, c.choice.distance);
-        c.pool
-            .balancer
-            .settle(c.walk, c.choice.index, c.choice.distance);
-        let pool_index = self
-            .table
-            .pools
-            .iter()
-            .position(|p| std::ptr::eq(p, c.pool))
-            .unwrap_or(0);
-        let (uncached_estimate, ahead) = (health.uncached_estimate, health.prefilling.ahead());
-        let learn = || Learn {
-            table: self.table.clone(),
-            pool: pool_index,
-            target: c.walk,
-            stakes: c.stakes,
-            node: c.choice.index,
-            since: c.since,
-            uncached_estimate,
-            ahead,
-        };
-        let finish = |status: StatusCode, ttft: Option<Duration>| Finish {
+            .count_decision(&pool, &route, ticket.distance());
+        ticket.settle(now());
+        let log = |status: StatusCode, ttft, ticket| RequestLog {
             metrics: self.metrics.clone(),
-            route: c.route.clone(),
-            attempts: c.attempts,
+            route: route.clone(),
+            attempts,
             status: status.as_u16(),
             outcome: RequestOutcome::of_status(status.as_u16()),
             started: self.started,
             ttft,
-            learn: learn(),
+            ticket,
         };
         let (head, body) = match answer {
             Answer::Stream {
@@ -389,71 +265,42 @@ impl Exchange<'_> {
                 let client_error = committed.by == Commit::ClientError;
                 let ttft = (!client_error).then_some(committed.ttft);
                 if let Some(t) = ttft {
-                    self.metrics
-                        .observe_ttft(&c.pool.config.name, c.node.id(), t);
-                }
-                let mut finish = finish(head.status, ttft);
-                if client_error {
-                    finish.outcome = RequestOutcome::ClientError;
+                    self.metrics.observe_ttft(&pool, ticket.node().id(), t);
                 }
                 head.headers.remove(header::CONTENT_LENGTH);
-                health.finish(Outcome::Success);
+                label(&mut head, ticket.node(), &route, attempts);
+                let mut log = log(head.status, ttft, ticket);
+                if client_error {
+                    log.outcome = RequestOutcome::ClientError;
+                }
                 let body = RelayBody::stream(
                     committed.held,
                     committed.rest,
-                    c.choice.reservation,
-                    finish,
+                    log,
                     idle,
-                    settings,
                     self.strip_usage(),
                 );
                 (head, body)
             }
             Answer::Plain(resp) => {
-                health.finish(Outcome::Success);
-                let (head, body) = resp.into_parts();
-                let finish = finish(head.status, None);
-                let body = RelayBody::plain(body, c.choice.reservation, finish, idle, settings);
-                (head, body)
+                let (mut head, body) = resp.into_parts();
+                label(&mut head, ticket.node(), &route, attempts);
+                let log = log(head.status, None, ticket);
+                (head, RelayBody::plain(body, log, idle))
             }
         };
-        respond(head, body, c.node, &c.route, c.attempts)
+        Response::from_parts(head, BoxBody::new(body))
     }
 }
 
-/// The decision being committed.
-struct Decision<'t> {
-    pool: &'t Pool,
-    node: &'t Node,
-    route: Route,
-    attempts: u32,
-    choice: Choice,
-    walk: walk::Target,
-    stakes: Stakes,
-    /// When the slot was taken.
-    since: Instant,
-}
-
-/// A request's uncached prompt tokens on the node chosen, as estimated before it goes:
-/// at its home (the walk's first node) what it should find cached there (its history,
-/// or its group's prefix) is left out; anywhere else all of it.
-fn uncached_estimate(facts: &RequestFacts, stakes: &Stakes, choice: &Choice) -> u32 {
-    let prompt = facts.tokens.prompt;
-    if choice.distance > 0 {
-        return prompt;
-    }
-    let cached = (stakes.expect * f64::from(prompt)) as u32;
-    prompt.saturating_sub(cached.max(stakes.group_tokens))
-}
-
-fn route_of(target: &Target<'_>, queued: bool, choice: &Choice) -> Route {
-    if target.fallback {
-        return Route::Fallback(target.pool.config.name.clone());
+fn route_of(placement: &Placement, queued: bool, distance: usize, shunted: bool) -> Route {
+    if placement.is_fallback() {
+        return Route::Fallback(placement.pool().config.name.clone());
     }
     if queued {
         return Route::Queued;
     }
-    Route::walked(choice.distance, choice.shunted)
+    Route::walked(distance, shunted)
 }
 
 fn is_event_stream(headers: &HeaderMap) -> bool {
@@ -463,14 +310,8 @@ fn is_event_stream(headers: &HeaderMap) -> bool {
         .is_some_and(|ct| ct.starts_with("text/event-stream"))
 }
 
-/// The engine's response head, cleaned and labelled, with the relayed body.
-fn respond(
-    mut head: http::response::Parts,
-    body: RelayBody,
-    node: &Node,
-    route: &Route,
-    attempts: u32,
-) -> Response<BoxBody> {
+/// The engine's response head, cleaned and labelled with where it went.
+fn label(head: &mut http::response::Parts, node: &Node, route: &Route, attempts: u32) {
     headers::strip_hop_by_hop(&mut head.headers);
     let h = &mut head.headers;
     h.reserve(3);
@@ -485,7 +326,6 @@ fn respond(
         h.insert(headers::ROUTE.clone(), v);
     }
     h.insert(headers::ATTEMPTS.clone(), headers::count_value(attempts));
-    Response::from_parts(head, BoxBody::new(body))
 }
 
 fn final_error(failures: &[Failure]) -> ProxyError {

@@ -1,7 +1,7 @@
 //! The relayed response body: the engine's body passed through frame by frame with
-//! the node's [`Reservation`] attached, so the slot is held exactly until the body
-//! ends, fails, or the client leaves (the body is dropped, which drops the upstream
-//! exchange and makes the engine abort the sequence).
+//! the request's [`Ticket`] attached, so its slot is held exactly until the body ends,
+//! fails, or the client leaves (the body is dropped, which drops the upstream exchange
+//! and makes the engine abort the sequence).
 //!
 //! A committed SSE stream is framed by the shared [`SseScanner`]: each complete event
 //! goes to the client as soon as its last byte arrives (no coalescing), and the bytes
@@ -13,7 +13,8 @@
 //! is blamed too. Usage-only events the balancer asked for are dropped whole.
 //!
 //! On the way through, the engine's `usage` numbers are picked out of the bytes (no
-//! JSON parse), and when the body ends the request is counted and logged once.
+//! JSON parse); when the body ends the request is counted and logged once, and its
+//! ticket finished: the pool learns from it.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -27,20 +28,18 @@ use memchr::memmem::Finder;
 use tokio::time::{Instant, Sleep};
 
 use super::body::BodyError;
-use super::outcome::RequestOutcome;
+use super::now;
 use super::sse::{Block, SseScanner};
 use super::upstream::EngineBody;
-use crate::routing::breaker::{BreakerSettings, Outcome};
-use crate::routing::cost::Stakes;
-use crate::routing::node::Reservation;
+use crate::routing::decision::{Ticket, Usage};
 use crate::routing::route::Route;
-use crate::routing::table::Table;
-use crate::routing::walk::{self, Finished};
-use crate::server::metrics::Metrics;
+use crate::telemetry::metrics::RequestMetrics;
+use crate::telemetry::outcome::RequestOutcome;
 
-/// What is known of a request when its response body ends: counted and logged once.
-pub struct Finish {
-    pub metrics: Arc<Metrics>,
+/// What is known of a request when its response body ends: counted and logged once,
+/// and its ticket finished (the pool learns from it when it succeeded).
+pub struct RequestLog {
+    pub metrics: Arc<RequestMetrics>,
     pub route: Route,
     pub attempts: u32,
     pub status: u16,
@@ -48,61 +47,31 @@ pub struct Finish {
     pub outcome: RequestOutcome,
     pub started: Instant,
     pub ttft: Option<Duration>,
-    /// Where it went (naming the pool and node in metrics and the log), and what
-    /// the balancer learns from it when it succeeds.
-    pub learn: Learn,
+    /// Where it went (its pool and node name it in metrics and the log) and its slot.
+    pub ticket: Ticket,
 }
 
-/// The routing facts a finished request teaches its pool's balancer.
-pub struct Learn {
-    pub table: Arc<Table>,
-    pub pool: usize,
-    pub target: walk::Target,
-    pub stakes: Stakes,
-    pub node: usize,
-    /// When its slot was taken.
-    pub since: Instant,
-    /// Its uncached prompt tokens as estimated when sent, and the node's prefill
-    /// backlog ahead of it then.
-    pub uncached_estimate: u32,
-    pub ahead: u32,
-}
-
-impl Finish {
+impl RequestLog {
     fn complete(self, outcome: RequestOutcome, usage: &UsageScan) {
         let duration = self.started.elapsed();
-        let l = &self.learn;
-        let pool = &l.table.pools[l.pool];
-        let (pool_name, node) = (pool.config.name.as_str(), pool.balancer.node(l.node).id());
+        let (pool, index) = (self.ticket.pool().clone(), self.ticket.index());
+        // The slot goes back first, then the pool learns from a request that succeeded.
         if outcome == RequestOutcome::Success {
             let tokens = |n: Option<u64>| n.unwrap_or(0).min(u64::from(u32::MAX)) as u32;
-            let finished = Finished {
-                target: l.target,
-                stakes: l.stakes,
-                node: l.node,
-                held: l.since.elapsed(),
-                ttft: self.ttft,
+            let reported = Usage {
                 prompt_tokens: tokens(usage.prompt),
                 cached_tokens: tokens(usage.cached),
-                uncached_estimate: l.uncached_estimate,
-                ahead: l.ahead,
             };
-            let balancer = &pool.balancer;
-            balancer.judge_latency(&finished, std::time::Instant::now());
-            balancer.finished(&finished);
+            self.ticket.finish(reported, self.ttft, now());
+        } else {
+            drop(self.ticket);
         }
+        let (pool_name, node) = (pool.config.name.as_str(), pool.balancer.node(index).id());
         self.metrics
             .observe_request(pool_name, node, outcome, duration);
         if let Some(prompt) = usage.prompt {
             self.metrics
-                .prompt_tokens
-                .with_label_values(&[node])
-                .inc_by(prompt);
-            let cached = usage.cached.unwrap_or(0);
-            self.metrics
-                .cached_prompt_tokens
-                .with_label_values(&[node])
-                .inc_by(cached);
+                .count_tokens(node, prompt, usage.cached.unwrap_or(0));
         }
         tracing::info!(
             pool = pool_name,
@@ -196,33 +165,24 @@ pub struct RelayBody {
     held: Option<Bytes>,
     /// The engine's body; its connection is handed back once it is read to its end.
     inner: EngineBody,
-    reservation: Option<Reservation>,
     idle: Idle,
-    settings: Arc<BreakerSettings>,
     /// Set for committed SSE streams.
     sse: Option<SseRelay>,
-    finish: Option<Finish>,
+    /// Until the body ends: what is counted then, with the request's ticket (its slot).
+    log: Option<RequestLog>,
     usage: UsageScan,
     ended: bool,
 }
 
 impl RelayBody {
     /// A body passed through as it is, cut after `idle` of silence.
-    pub fn plain(
-        body: EngineBody,
-        reservation: Reservation,
-        finish: Finish,
-        idle: Duration,
-        settings: Arc<BreakerSettings>,
-    ) -> Self {
+    pub fn plain(body: EngineBody, log: RequestLog, idle: Duration) -> Self {
         RelayBody {
             held: None,
             inner: body,
-            reservation: Some(reservation),
             idle: Idle::new(idle),
-            settings,
             sse: None,
-            finish: Some(finish),
+            log: Some(log),
             usage: UsageScan::default(),
             ended: false,
         }
@@ -232,10 +192,8 @@ impl RelayBody {
     pub fn stream(
         held: Bytes,
         body: EngineBody,
-        reservation: Reservation,
-        finish: Finish,
+        log: RequestLog,
         idle: Duration,
-        settings: Arc<BreakerSettings>,
         strip_usage: bool,
     ) -> Self {
         let mut usage = UsageScan::default();
@@ -248,11 +206,9 @@ impl RelayBody {
         RelayBody {
             held: Some(held),
             inner: body,
-            reservation: Some(reservation),
             idle: Idle::new(idle),
-            settings,
             sse: Some(sse),
-            finish: Some(finish),
+            log: Some(log),
             usage,
             ended: false,
         }
@@ -261,9 +217,8 @@ impl RelayBody {
     fn end(&mut self, outcome: RequestOutcome) {
         self.ended = true;
         self.inner.release();
-        self.reservation = None;
-        if let Some(f) = self.finish.take() {
-            f.complete(outcome, &self.usage);
+        if let Some(log) = self.log.take() {
+            log.complete(outcome, &self.usage);
         }
     }
 
@@ -272,9 +227,9 @@ impl RelayBody {
     fn fail(&mut self, why: String) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         // A connection that broke, or went silent mid-body, carries nothing more:
         // `end` hands back only a body read to its end.
-        if let Some(r) = &self.reservation {
-            tracing::warn!(node = %r.node().id, reason = %why, "response failed after commit");
-            r.node().record(Outcome::Failure, false, &self.settings);
+        if let Some(log) = &self.log {
+            tracing::warn!(node = %log.ticket.node().id(), reason = %why, "response failed after commit");
+            log.ticket.broke(now());
         }
         self.end(RequestOutcome::Interrupted);
         if self.sse.is_none() {
@@ -291,9 +246,9 @@ impl RelayBody {
     }
 
     fn outcome(&self) -> RequestOutcome {
-        self.finish
+        self.log
             .as_ref()
-            .map_or(RequestOutcome::Success, |f| f.outcome)
+            .map_or(RequestOutcome::Success, |l| l.outcome)
     }
 }
 
@@ -370,8 +325,8 @@ impl Body for RelayBody {
 impl Drop for RelayBody {
     fn drop(&mut self) {
         // The client left before the end.
-        if let Some(f) = self.finish.take() {
-            f.complete(RequestOutcome::Cancelled, &self.usage);
+        if let Some(log) = self.log.take() {
+            log.complete(RequestOutcome::Cancelled, &self.usage);
         }
     }
 }

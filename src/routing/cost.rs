@@ -10,23 +10,15 @@ use std::time::Duration;
 
 use super::facts::{RequestFacts, TokenEstimate, Turn};
 use super::group::Grouping;
-use super::latency::Expectation;
+use super::latency::{is_base, Expectation};
 
 /// Samples in the median.
 const SAMPLES: usize = 63;
-/// A stream with fewer uncached tokens says little about prefill speed.
-const MIN_UNCACHED: u32 = 64;
 /// Until samples arrive: 100 µs per token (an 8B model on one GPU prefills ≈ 10k
 /// tokens per second; the same as `mock-engine`'s default).
 const DEFAULT_PER_TOKEN_NS: u32 = 100_000;
 /// Until samples arrive: a base TTFT of 20 ms (one decode step and scheduling).
 const DEFAULT_BASE_US: u32 = 20_000;
-
-/// Whether a stream with `tokens` to prefill measures the base TTFT rather than the
-/// time per token.
-pub fn is_base(tokens: u32) -> bool {
-    tokens < MIN_UNCACHED
-}
 
 /// A running median of the last [`SAMPLES`] values, lock-free (a racing writer may
 /// overwrite a sample; a median does not mind).
@@ -77,7 +69,7 @@ const LEARNED: u32 = 8;
 /// nothing to prefill).
 #[derive(Debug)]
 pub struct PrefillRate {
-    /// ns per token, over streams with at least [`MIN_UNCACHED`] tokens to prefill.
+    /// ns per token, over streams with enough tokens to prefill (see [`is_base`]).
     per_token_ns: RunningMedian,
     /// µs, over streams with fewer.
     base_us: RunningMedian,
@@ -149,8 +141,7 @@ impl SlotTime {
 
 /// What a spill costs, in prefills of the tokens it gives up: the prefill now, and about
 /// as many tokens of other prefixes evicted from the cache of the node it lands on
-/// (measured: on `shared-prefix` at 4 per node, 1 → 77.1 % of tokens from cache,
-/// 2 → 82.2 %, 4 → 84.1 % with TTFT p99 doubled; multi-turn unchanged).
+/// (docs/evidence.md, "The constants behind the rules").
 pub const SPILL_COST_FACTOR: u32 = 2;
 
 /// How long a request whose home is full should wait for it: `Some(budget)` when the

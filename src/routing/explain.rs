@@ -1,18 +1,22 @@
 //! The explanation of one request's routing, as `prefixlb route` prints it and
 //! `POST /admin/explain` returns it: pool, key (shortened), hash, the key's successor
 //! walk with each node's load and state (for a grouped key: the group and its width),
-//! and the node the next request would get, found by the balancer's own side-effect
-//! free [`Balancer::peek`](crate::routing::walk::Balancer::peek), so it is the truth.
+//! and the node the next request would get. It is placed by the one entry point
+//! requests are placed by, [`Table::place`], in [`Mode::Explain`], and walked by the
+//! side-effect free [`Placement::peek`](super::decision::Placement::peek), so it is the
+//! truth and changes nothing.
+
+use std::time::Instant;
 
 use serde::Serialize;
 
-use super::cost::Stakes;
 use super::facts::Turn;
+use super::group::Grouping;
 use super::route::Route;
+use super::table::{PlaceError, Table};
+use super::walk::Peek;
+use super::Mode;
 use crate::config::WhenSaturated;
-use crate::routing::key::Grouping;
-use crate::routing::table::{PlanError, Table};
-use crate::routing::walk::Peek;
 
 /// Characters of key text shown; the rest is summarised by `key_chars`.
 const SHOWN_KEY_CHARS: usize = 160;
@@ -100,26 +104,20 @@ pub struct Step {
     pub shunts_key: bool,
 }
 
-/// Explains how `table` would route a request with this path, key header and body.
+/// Explains how `table` would route a request with this path, key header and body at
+/// `now`.
 pub fn explain(
     table: &Table,
     path: &str,
     header_key: Option<&[u8]>,
     body: &[u8],
-) -> Result<Explanation, PlanError> {
-    let plan = table.peek_plan(path, header_key, body)?;
-    let pool = &table.pools[plan.pool];
+    now: Instant,
+) -> Result<Explanation, PlaceError> {
+    let p = table.place(path, header_key, body, Mode::Explain)?;
+    let pool = p.pool();
     let b = &pool.balancer;
-    let home = b.home_of(plan.hash);
-    let stakes = Stakes::of(&plan.facts, plan.group, home.is_some());
-    let target = b.peek_place(
-        plan.hash,
-        plan.group,
-        plan.facts.turn_seen(),
-        stakes.own_tokens,
-    );
     let successors: Vec<Step> = b
-        .order(target)
+        .order(p.target)
         .map(|i| {
             let n = b.node(i);
             let state = n.state();
@@ -129,71 +127,75 @@ pub fn explain(
                 cap: b.cap_of(n),
                 accepts_new: state.accepts_new(),
                 breaker: state.breaker.state().as_str(),
-                shunts_key: state.breaker.shunts(plan.hash),
+                shunts_key: state.breaker.shunts(p.hash),
             }
         })
         .collect();
-    let queue_first =
-        table.config.routing.when_saturated == WhenSaturated::Queue && b.load().queued() > 0;
-    let (choice, route) = match b.peek(target, &[], std::time::Instant::now()) {
-        // FIFO: with requests already waiting, a new one joins them.
-        _ if queue_first => (None, "queued".to_string()),
+    let when_saturated = table.config.routing.when_saturated;
+    let (choice, route) = match p.peek(&[], now) {
+        _ if p.joins_queue(when_saturated, &[]) => (None, "queued".to_string()),
         Peek::Node {
             index,
             distance,
             shunted,
         } => {
-            let route = Route::walked(distance, shunted).label().into_owned();
-            (Some(b.node(index).id().to_string()), route)
+            let route = if p.is_fallback() {
+                Route::Fallback(pool.config.name.clone())
+            } else {
+                Route::walked(distance, shunted)
+            };
+            (
+                Some(b.node(index).id().to_string()),
+                route.label().into_owned(),
+            )
         }
-        Peek::Saturated if table.config.routing.when_saturated == WhenSaturated::Queue => {
-            (None, "queued".to_string())
-        }
+        Peek::Saturated if when_saturated == WhenSaturated::Queue => (None, "queued".to_string()),
         Peek::Saturated => (None, "saturated".to_string()),
         Peek::Unavailable => (None, "unavailable".to_string()),
     };
-    let text = String::from_utf8_lossy(&plan.facts.key);
+    let facts = &p.facts;
+    let text = String::from_utf8_lossy(&facts.key);
     let key_chars = text.chars().count();
     let mut key: String = text.chars().take(SHOWN_KEY_CHARS).collect();
     if key_chars > SHOWN_KEY_CHARS {
         key.push('…');
     }
+    let turn = facts.turn_seen();
     Ok(Explanation {
         pool: pool.config.name.clone(),
-        model: plan.facts.model.clone(),
-        api: plan.api.as_str(),
-        stream: plan.facts.stream,
-        key_source: plan.facts.source.as_str(),
+        model: facts.model.clone(),
+        api: p.api.as_str(),
+        stream: facts.stream,
+        key_source: facts.source.as_str(),
         key,
         key_chars,
-        hash: format!("{:016x}", plan.hash),
-        group: target.group.map(|(g, width)| GroupInfo {
-            hash: matches!(plan.group, Grouping::Group(_)).then(|| format!("{g:016x}")),
+        hash: format!("{:016x}", p.hash),
+        group: p.target.group.map(|(g, width)| GroupInfo {
+            hash: matches!(p.grouping, Grouping::Group(_)).then(|| format!("{g:016x}")),
             width,
         }),
-        prefix: plan.facts.prefix.map(|p| PrefixInfo {
-            bytes: p.bytes,
-            hot_chunks: p.hot_chunks,
-            found_by: if p.learned { "learned" } else { "system part" },
-            stopped_at: p.stop.as_str(),
+        prefix: facts.prefix.map(|f| PrefixInfo {
+            bytes: f.bytes,
+            hot_chunks: f.hot_chunks,
+            found_by: if f.learned { "learned" } else { "system part" },
+            stopped_at: f.stop.as_str(),
         }),
-        turn: match plan.facts.turn_seen() {
+        turn: match turn {
             Turn::First => "first",
             Turn::Later => "later",
             Turn::Unknown => "unknown",
         },
-        home: home.map(|i| b.node(i).id().to_string()),
-        placement: (home.is_none()
-            && plan.facts.turn_seen() == Turn::First
-            && plan.group != Grouping::Ring)
-            .then(|| PlacementInfo {
-                own_tokens: stakes.own_tokens,
-                by: if b.places_by_homes(stakes.own_tokens) {
+        home: p.home.map(|i| b.node(i).id().to_string()),
+        placement: (p.home.is_none() && turn == Turn::First && p.grouping != Grouping::Ring).then(
+            || PlacementInfo {
+                own_tokens: p.stakes.own_tokens,
+                by: if b.places_by_homes(p.stakes.own_tokens) {
                     "recent homes, then load"
                 } else {
                     "load"
                 },
-            }),
+            },
+        ),
         successors,
         choice,
         route,

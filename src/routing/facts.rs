@@ -81,7 +81,7 @@ pub struct RequestFacts {
     pub stream: bool,
     /// The request asks for reasoning (`reasoning_effort`, `reasoning`, or
     /// `chat_template_kwargs.enable_thinking = true`).
-    pub wants_reasoning: bool,
+    pub wants_thinking: bool,
     /// `stream_options.include_usage = true`: the client asked for the usage chunk.
     pub include_usage: bool,
     /// Where the body may be edited (model rewrite, `stream_options`).
@@ -219,7 +219,7 @@ pub enum KeyError {
 pub struct Envelope<'a> {
     pub(super) model: Option<Cow<'a, str>>,
     pub(super) spans: BodySpans,
-    pub(super) wants_reasoning: bool,
+    pub(super) wants_thinking: bool,
     pub(super) include_usage: bool,
     pub(super) stream: Option<bool>,
     pub(super) messages: Option<Vec<Message<'a>>>,
@@ -256,7 +256,7 @@ fn read_envelope(text: &str) -> Result<Envelope<'_>, ScanError> {
                 return Ok(());
             }
             "reasoning_effort" | "reasoning" => {
-                env.wants_reasoning |= sc.value()? != "null";
+                env.wants_thinking |= sc.value()? != "null";
                 return Ok(());
             }
             "stream_options" => {
@@ -268,7 +268,7 @@ fn read_envelope(text: &str) -> Result<Envelope<'_>, ScanError> {
             "chat_template_kwargs" if sc.peek() == Some(b'{') => {
                 sc.object(|sc, k| {
                     let v = sc.value()?;
-                    env.wants_reasoning |=
+                    env.wants_thinking |=
                         matches!(&*k, "enable_thinking" | "thinking") && v == "true";
                     Ok(())
                 })?;

@@ -16,6 +16,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use parking_lot::Mutex;
 
+use super::Mode;
+
 /// How a key is placed. `Ring`: its ring walk (`conversation` and `prefix` keys, key
 /// headers, and APIs without a system part). `Pool`: a `hybrid` key whose system part
 /// is short or absent: every node, ranked by rendezvous with the key (a perfectly even
@@ -72,8 +74,13 @@ impl std::fmt::Debug for GroupHeat {
 }
 
 impl GroupHeat {
-    /// Counts one request of `group` and returns the group's width among `nodes`.
-    pub fn observe(&self, group: u64, nodes: usize) -> usize {
+    /// The group's width among `nodes` for a request of it; a counted request
+    /// (`mode.counts()`) is counted first, an explanation's width is the one the
+    /// group's next request would get.
+    pub fn width(&self, group: u64, nodes: usize, mode: Mode) -> usize {
+        if !mode.counts() {
+            return self.next_width(group, nodes);
+        }
         let slot = self.claim(group);
         self.counts[slot].fetch_add(1, Ordering::Relaxed);
         if self.total.fetch_add(1, Ordering::Relaxed) + 1 >= WINDOW {
@@ -89,9 +96,8 @@ impl GroupHeat {
         next
     }
 
-    /// The width the group's next request would get, without counting it (for
-    /// explanations).
-    pub fn width(&self, group: u64, nodes: usize) -> usize {
+    /// The width the group's next request would get, counting nothing.
+    fn next_width(&self, group: u64, nodes: usize) -> usize {
         let Some(slot) = self.find(group) else {
             // Unseen: as its first request would find it.
             let total = self.total.load(Ordering::Relaxed) + 1;
@@ -259,11 +265,11 @@ mod tests {
     fn a_group_fronting_all_traffic_spreads_over_every_node() {
         let heat = GroupHeat::default();
         assert_eq!(
-            heat.width(7, 8),
+            heat.width(7, 8, Mode::Explain),
             8,
             "an unseen group's first request: all nodes"
         );
-        let widths: Vec<usize> = (0..100).map(|_| heat.observe(7, 8)).collect();
+        let widths: Vec<usize> = (0..100).map(|_| heat.width(7, 8, Mode::Route)).collect();
         assert!(widths.iter().all(|&w| w == 8), "{widths:?}");
     }
 
@@ -273,7 +279,7 @@ mod tests {
         let groups: Vec<u64> = (0..64u64).map(|g| g << 54).collect();
         for round in 0..50 {
             for &g in &groups {
-                let w = heat.observe(g, 8);
+                let w = heat.width(g, 8, Mode::Route);
                 if round >= 10 {
                     assert_eq!(w, 1, "64 equal groups on 8 nodes: one node each");
                 }
@@ -285,11 +291,11 @@ mod tests {
         let heat = GroupHeat::default();
         for _ in 0..500 {
             for g in 0..4u64 {
-                heat.observe(g << 54, 8);
+                heat.width(g << 54, 8, Mode::Route);
             }
         }
         for g in 0..4u64 {
-            let w = heat.width(g << 54, 8);
+            let w = heat.width(g << 54, 8, Mode::Explain);
             assert!((4..=7).contains(&w), "group {g}: {w}");
         }
     }
@@ -305,7 +311,7 @@ mod tests {
                 } else {
                     (2 + i % 50) << 54
                 };
-                let w = heat.observe(g, 8);
+                let w = heat.width(g, 8, Mode::Route);
                 if g == 1 << 54 {
                     last = w;
                 }
@@ -328,12 +334,16 @@ mod tests {
     fn counts_decay_so_shares_follow_recent_traffic() {
         let heat = GroupHeat::default();
         for _ in 0..20_000 {
-            heat.observe(1 << 54, 8);
+            heat.width(1 << 54, 8, Mode::Route);
         }
         for i in 0..40_000u64 {
-            heat.observe((2 + i % 64) << 54, 8);
+            heat.width((2 + i % 64) << 54, 8, Mode::Route);
         }
         assert!(heat.total.load(Ordering::Relaxed) < WINDOW);
-        assert_eq!(heat.width(1 << 54, 8), 1, "the old hot group is forgotten");
+        assert_eq!(
+            heat.width(1 << 54, 8, Mode::Explain),
+            1,
+            "the old hot group is forgotten"
+        );
     }
 }

@@ -8,22 +8,22 @@
 
 use xxhash_rust::xxh3::{xxh3_64_with_seed, Xxh3};
 
-use super::facts::{self, Envelope, Message, PrefixFound};
-pub use super::facts::{
-    Api, BodySpans, KeyError, KeySource, ObjectSpan, RequestFacts, StreamOptionsSpan,
+use super::facts::{
+    self, Api, BodySpans, Envelope, KeyError, KeySource, Message, PrefixFound, RequestFacts,
     TokenEstimate, Turn,
 };
-pub use super::group::Grouping;
+use super::group::Grouping;
 use super::key_text::KeyText;
 use super::prefix::{Chunks, Pos, PrefixTable, Segment, Stop};
+use super::Mode;
 use crate::config::KeyMode;
 
 /// How to build keys: the `[routing]` settings that matter here.
 #[derive(Debug, Clone, Copy)]
 pub struct KeySpec {
     pub mode: KeyMode,
-    /// `conversation`/`prefix`: characters per part; `hybrid`: bytes of the
-    /// conversation part.
+    /// Characters per part of the key (`hybrid`: of the conversation part after the
+    /// shared prefix, as raw JSON text).
     pub prefix_chars: usize,
     /// `hybrid`: most bytes of canonical text walked for the shared prefix.
     pub max_scan_bytes: usize,
@@ -43,15 +43,10 @@ impl KeySpec {
     }
 }
 
-/// Where a `hybrid` key's shared prefix is learned: a pool's table, counted in
-/// (`Observe`, a request being routed) or only read (`Peek`, an explanation); or
-/// nowhere (the structural end of the system part is used).
-#[derive(Debug, Clone, Copy)]
-pub enum Learned<'t> {
-    Nowhere,
-    Observe(&'t PrefixTable),
-    Peek(&'t PrefixTable),
-}
+/// Where a `hybrid` key's shared prefix is learned: a pool's table, walked as `Mode`
+/// says (counted for a request being routed, only read for an explanation); with none,
+/// the structural end of the system part is used.
+pub type Prefixes<'t> = Option<(&'t PrefixTable, Mode)>;
 
 /// Reads a request body for routing. `header_key` is the value of the key header, if
 /// the request has one; it wins over the prompt.
@@ -68,25 +63,25 @@ pub fn extract(
         envelope.as_ref(),
         header_key,
         spec,
-        Learned::Nowhere,
+        None,
     ))
 }
 
 /// The facts of a body whose envelope was read already, with a `hybrid` key's prefix
-/// learned where `learned` says.
+/// learned where `prefixes` says.
 pub fn facts_of(
     api: Api,
     body: &[u8],
     envelope: Option<&Envelope<'_>>,
     header_key: Option<&[u8]>,
     spec: KeySpec,
-    learned: Learned<'_>,
+    prefixes: Prefixes<'_>,
 ) -> RequestFacts {
-    let (model, stream, wants_reasoning, spans, include_usage) = match envelope {
+    let (model, stream, wants_thinking, spans, include_usage) = match envelope {
         Some(env) => (
             env.model.as_deref().map(str::to_owned),
             env.stream == Some(true),
-            env.wants_reasoning,
+            env.wants_thinking,
             env.spans.clone(),
             env.include_usage,
         ),
@@ -110,7 +105,7 @@ pub fn facts_of(
             KeySource::Header,
         ),
         (None, Some(env)) if spec.mode == KeyMode::Hybrid => {
-            match hybrid_key(api, env, spec, learned) {
+            match hybrid_key(api, env, spec, prefixes) {
                 Some(k) => (k, KeySource::Prompt),
                 None => (raw(), KeySource::Raw),
             }
@@ -139,7 +134,7 @@ pub fn facts_of(
     RequestFacts {
         model,
         stream,
-        wants_reasoning,
+        wants_thinking,
         include_usage,
         spans,
         key: k.key,
@@ -263,7 +258,7 @@ fn hybrid_key(
     api: Api,
     env: &Envelope<'_>,
     spec: KeySpec,
-    learned: Learned<'_>,
+    prefixes: Prefixes<'_>,
 ) -> Option<PromptKey> {
     let items = match (api, env.input) {
         (Api::Responses, Some(raw)) if raw.starts_with('[') => {
@@ -273,11 +268,7 @@ fn hybrid_key(
     };
     let (segments, chat) = segments(api, env, items.as_deref())?;
     let walk = || Chunks::new(&segments, spec.seed, spec.max_scan_bytes, !chat);
-    let depth = match learned {
-        Learned::Observe(t) => Some(t.observe(walk())),
-        Learned::Peek(t) => Some(t.peek(walk())),
-        Learned::Nowhere => None,
-    };
+    let depth = prefixes.map(|(t, mode)| t.walk(walk(), mode));
     let (hot_chunks, stop) = depth.map_or((0, Stop::End), |d| (d.hot_chunks, d.stop));
     let structural = structural_end(&segments, walk());
     let learned = depth.and_then(|d| {
@@ -420,10 +411,12 @@ const TURN_ENDS: [&[u8]; 7] = [
 /// keeps it the same on every later turn, whose text only continues past it.
 fn conversation_part(segments: &[Segment<'_>], pos: Pos, chat: bool, limit: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(limit.min(4096));
-    let push = |out: &mut Vec<u8>, bytes: &[u8]| {
-        let room = limit.saturating_sub(out.len());
-        out.extend_from_slice(&bytes[..bytes.len().min(room)]);
-        out.len() >= limit
+    let mut left = limit;
+    let mut push = |out: &mut Vec<u8>, bytes: &[u8]| {
+        let (len, chars) = take_chars(bytes, left);
+        out.extend_from_slice(&bytes[..len]);
+        left -= chars;
+        left == 0
     };
     let Some(first) = segments.get(pos.seg) else {
         return out;
@@ -449,6 +442,26 @@ fn conversation_part(segments: &[Segment<'_>], pos: Pos, chat: bool, limit: usiz
     out
 }
 
+/// The first `n` characters of UTF-8 text (or all of it): their length in bytes, and
+/// how many characters that is. A cut chunk may start inside a character; its
+/// continuation bytes count as nothing.
+fn take_chars(text: &[u8], n: usize) -> (usize, usize) {
+    let head = &text[..text.len().min(n)];
+    if head.is_ascii() {
+        return (head.len(), head.len());
+    }
+    let mut chars = 0;
+    for (i, &b) in text.iter().enumerate() {
+        if b & 0xC0 != 0x80 {
+            if chars == n {
+                return (i, chars);
+            }
+            chars += 1;
+        }
+    }
+    (text.len(), chars)
+}
+
 /// The turn of a templated prompt string, and its history (the bytes before its last
 /// user turn): a second user turn (of the template whose user marker comes first) makes
 /// it a later turn; one, a first; none, unknown.
@@ -465,9 +478,10 @@ fn templated_turn(text: &[u8]) -> Option<(Turn, usize)> {
 
 /// The start of a templated prompt up to the end of its first user turn (the first
 /// turn end after a user turn opens, or the first turn end when no user turn opens in
-/// `window` bytes), at most `window` bytes; the whole window when it has no markers.
+/// `window` characters), at most `window` characters; the whole window when it has no
+/// markers.
 fn first_user_turn(text: &[u8], window: usize) -> &[u8] {
-    let text = &text[..text.len().min(window)];
+    let text = &text[..take_chars(text, window).0];
     let find = |needles: &[&[u8]], from: usize| {
         needles
             .iter()
@@ -485,15 +499,14 @@ fn first_user_turn(text: &[u8], window: usize) -> &[u8] {
 /// share of the pool's recent requests goes through it. With a system part the
 /// conversation key starts at the first user message; a deeper group is right for a
 /// preamble the traffic shares (instructions pasted into every prompt) but not for one
-/// of many documents: grouping by a document spread each popular one over several
-/// nodes and cost `rag` 4–5 points of hit rate in the simulator (52 % vs 57 %).
+/// of many documents, which grouping spreads over several nodes (docs/evidence.md,
+/// "The constants behind the rules").
 pub const PREAMBLE_SHARE: f64 = 0.5;
 
 /// A shared prefix shorter than this (bytes of JSON text, ≈ 256 tokens) forms no
 /// prefix group, and its conversations spread over the whole pool: it prefills in
-/// milliseconds, so gathering them would buy nothing and coarsen the balance (many
-/// tenants with one-line prompts lost 3–6 points of hit rate in the simulator when
-/// grouped).
+/// milliseconds, so gathering them would buy nothing and coarsen the balance
+/// (docs/evidence.md, "The constants behind the rules").
 pub const MIN_GROUP_BYTES: usize = 1024;
 
 /// In `conversation` mode, system and user parts are cut separately (each to
@@ -605,434 +618,4 @@ fn raw_prefix(body: &[u8], n: usize) -> Vec<u8> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-    use xxhash_rust::xxh3::xxh3_64_with_seed;
-
-    const CONV: KeySpec = KeySpec::new(KeyMode::Conversation, 1024);
-    const PREFIX: KeySpec = KeySpec::new(KeyMode::Prefix, 1024);
-
-    fn key(api: Api, body: &serde_json::Value, spec: KeySpec) -> String {
-        let bytes = serde_json::to_vec(body).unwrap();
-        String::from_utf8(extract(api, &bytes, None, spec).unwrap().key).unwrap()
-    }
-
-    fn chat(system: &str, turns: &[&str]) -> serde_json::Value {
-        let mut messages = vec![json!({"role": "system", "content": system})];
-        for (i, t) in turns.iter().enumerate() {
-            let role = if i % 2 == 0 { "user" } else { "assistant" };
-            messages.push(json!({"role": role, "content": t}));
-        }
-        json!({"model": "m", "messages": messages, "stream": true})
-    }
-
-    #[test]
-    fn turns_of_one_conversation_share_the_key() {
-        let t1 = key(Api::Chat, &chat("You are helpful.", &["hi there"]), CONV);
-        let t2 = key(
-            Api::Chat,
-            &chat("You are helpful.", &["hi there", "hello!", "more"]),
-            CONV,
-        );
-        let t3 = key(
-            Api::Chat,
-            &chat(
-                "You are helpful.",
-                &["hi there", "hello!", "more", "ok", "bye"],
-            ),
-            CONV,
-        );
-        assert_eq!(t1, t2);
-        assert_eq!(t2, t3);
-        assert_eq!(t1, "system\nYou are helpful.\nuser\nhi there\n");
-    }
-
-    #[test]
-    fn different_system_prompts_give_different_keys() {
-        let a = key(Api::Chat, &chat("You are a pirate.", &["hi"]), CONV);
-        let b = key(Api::Chat, &chat("You are a lawyer.", &["hi"]), CONV);
-        assert_ne!(a, b);
-        let a = key(Api::Chat, &chat("You are a pirate.", &["hi"]), PREFIX);
-        let b = key(Api::Chat, &chat("You are a lawyer.", &["hi"]), PREFIX);
-        assert_ne!(a, b);
-    }
-
-    #[test]
-    fn conversation_mode_keeps_the_user_part_behind_a_long_system_prompt() {
-        let long = "x".repeat(5000);
-        let a = key(Api::Chat, &chat(&long, &["question one"]), CONV);
-        let b = key(Api::Chat, &chat(&long, &["question two"]), CONV);
-        assert_ne!(
-            a, b,
-            "conversations sharing a system prompt must not collapse"
-        );
-        let pa = key(Api::Chat, &chat(&long, &["question one"]), PREFIX);
-        let pb = key(Api::Chat, &chat(&long, &["question two"]), PREFIX);
-        assert_eq!(pa, pb, "prefix mode hashes only the shared prefix");
-        assert_eq!(pa.chars().count(), 1024);
-    }
-
-    #[test]
-    fn hybrid_keys_are_conversation_keys_placed_by_their_system_part() {
-        let spec = KeySpec::new(KeyMode::Hybrid, 1024);
-        let facts = |body: &serde_json::Value| {
-            extract(Api::Chat, &serde_json::to_vec(body).unwrap(), None, spec).unwrap()
-        };
-        // Before anything is learned, a long system part (≥ MIN_GROUP_BYTES) is the
-        // group; the key is the first user message, the same on every turn.
-        let long = format!("Group A few-shot prefix. {}", "Example. ".repeat(120));
-        let turn1 = facts(&chat(&long, &["question one"]));
-        let turn3 = facts(&chat(&long, &["question one", "answer", "more"]));
-        let other = facts(&chat(&long, &["question two"]));
-        assert_eq!(
-            turn1.key, turn3.key,
-            "every turn of a conversation: one key"
-        );
-        assert_eq!(turn1.key, b"user\n\"question one\"\n");
-        assert_ne!(turn1.key, other.key);
-        let prefix = turn1.prefix.unwrap();
-        assert!(!prefix.learned);
-        assert_eq!(
-            prefix.bytes,
-            long.len() + 2,
-            "the system content's JSON text"
-        );
-        assert_eq!(turn1.prefix, other.prefix, "one group");
-        assert!(matches!(turn1.group, Grouping::Group(h) if h == prefix.hash));
-        let (conv_hash, group) = key_hashes("pool", &turn1, 7);
-        let group_hash = key_hash("pool", &prefix.hash.to_le_bytes(), 7);
-        assert_eq!(group, Grouping::Group(group_hash));
-        assert_eq!(conv_hash, xxh3_64_with_seed(&turn1.key, group_hash));
-        // A short system part, or none: no group, spread over the pool.
-        for body in [
-            chat("Group A few-shot prefix.", &["q"]),
-            json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
-        ] {
-            let f = facts(&body);
-            assert_eq!(f.group, Grouping::Pool);
-            assert_eq!(key_hashes("pool", &f, 7).1, Grouping::Pool);
-        }
-        // Other modes and a key header: the ring.
-        let conv = extract(
-            Api::Chat,
-            &serde_json::to_vec(&chat(&long, &["q"])).unwrap(),
-            None,
-            CONV,
-        );
-        assert_eq!(conv.unwrap().group, Grouping::Ring);
-        let header = extract(
-            Api::Chat,
-            &serde_json::to_vec(&chat(&long, &["q"])).unwrap(),
-            Some(b"session-1"),
-            spec,
-        );
-        assert_eq!(header.unwrap().group, Grouping::Ring);
-    }
-
-    /// Routes `bodies` through one table, in order; returns the facts of the last.
-    fn learned(table: &PrefixTable, api: Api, bodies: &[serde_json::Value]) -> RequestFacts {
-        let spec = KeySpec::new(KeyMode::Hybrid, 1024);
-        let mut last = None;
-        for b in bodies {
-            let bytes = serde_json::to_vec(b).unwrap();
-            let env = facts::read(api, &bytes).unwrap();
-            last = Some(facts_of(
-                api,
-                &bytes,
-                env.as_ref(),
-                None,
-                spec,
-                Learned::Observe(table),
-            ));
-        }
-        last.unwrap()
-    }
-
-    /// A multi-turn chat whose first user message starts with `preamble`.
-    fn preamble_chat(preamble: &str, user: usize, turns: usize) -> serde_json::Value {
-        let mut messages = Vec::new();
-        for t in 0..turns {
-            let opening = if t == 0 { preamble } else { "" };
-            messages.push(json!({"role": "user", "content": format!("{opening}user {user} asks {t}: {}", "why? ".repeat(30))}));
-            if t + 1 < turns {
-                messages
-                    .push(json!({"role": "assistant", "content": format!("answer {user}.{t}")}));
-            }
-        }
-        json!({"model": "m", "messages": messages})
-    }
-
-    #[test]
-    fn a_preamble_in_the_first_user_message_is_learned_and_keys_stay_put() {
-        let table = PrefixTable::default();
-        let preamble = "Read these instructions first. ".repeat(300); // ~9 KB
-                                                                      // Warm up: many conversations' first turns.
-        let warm: Vec<_> = (0..40).map(|u| preamble_chat(&preamble, u, 1)).collect();
-        learned(&table, Api::Chat, &warm);
-        let turn1 = learned(&table, Api::Chat, &[preamble_chat(&preamble, 99, 1)]);
-        let prefix = turn1.prefix.unwrap();
-        assert!(prefix.learned, "{prefix:?}");
-        let chunks = preamble.len() / super::super::prefix::CHUNK;
-        assert!(
-            prefix.hot_chunks >= chunks,
-            "the walk went through the preamble: {prefix:?}"
-        );
-        assert!(
-            prefix.bytes + super::super::prefix::CHUNK > preamble.len(),
-            "{prefix:?}"
-        );
-        assert!(matches!(turn1.group, Grouping::Group(_)));
-        // Later turns of the same conversation: the same prefix and key, even after many
-        // turns made its own text hot.
-        for turns in 2..8 {
-            let later = learned(&table, Api::Chat, &[preamble_chat(&preamble, 99, turns)]);
-            assert_eq!(
-                later.prefix.map(|p| p.hash),
-                Some(prefix.hash),
-                "turn {turns}"
-            );
-            assert_eq!(later.key, turn1.key, "turn {turns}");
-        }
-        // Another conversation: same group, different key.
-        let other = learned(&table, Api::Chat, &[preamble_chat(&preamble, 7, 1)]);
-        assert_eq!(other.prefix.map(|p| p.hash), Some(prefix.hash));
-        assert_ne!(other.key, turn1.key);
-        let text = String::from_utf8_lossy(&turn1.key);
-        assert!(text.contains("user 99 asks 0"), "{text}");
-    }
-
-    #[test]
-    fn a_templated_completions_prompt_keeps_its_key_across_turns() {
-        let table = PrefixTable::default();
-        let system = "You answer questions about GPUs. ".repeat(60);
-        let prompt = |u: usize, turns: usize| {
-            let mut p = format!("<|im_start|>system\n{system}<|im_end|>\n");
-            for t in 0..turns {
-                p.push_str(&format!(
-                    "<|im_start|>user\nhi from {u}<|im_end|>\n<|im_start|>assistant\n"
-                ));
-                if t + 1 < turns {
-                    p.push_str(&format!("answer {t}<|im_end|>\n"));
-                }
-            }
-            json!({"model": "m", "prompt": p})
-        };
-        let warm: Vec<_> = (0..40).map(|u| prompt(u, 1)).collect();
-        learned(&table, Api::Completions, &warm);
-        let turn1 = learned(&table, Api::Completions, &[prompt(500, 1)]);
-        assert!(turn1.prefix.unwrap().learned);
-        for turns in 2..5 {
-            let later = learned(&table, Api::Completions, &[prompt(500, turns)]);
-            assert_eq!(later.key, turn1.key, "a short first turn: turn {turns}");
-        }
-        let other = learned(&table, Api::Completions, &[prompt(501, 1)]);
-        assert_ne!(other.key, turn1.key);
-    }
-
-    #[test]
-    fn content_arrays_use_text_and_urls() {
-        let body = json!({"model": "m", "messages": [
-            {"role": "user", "content": [
-                {"type": "text", "text": "look at "},
-                {"type": "image_url", "image_url": {"url": "https://x/cat.png"}},
-                {"type": "text", "text": " please"}
-            ]}
-        ]});
-        assert_eq!(
-            key(Api::Chat, &body, CONV),
-            "user\nlook at image_url https://x/cat.png please\n"
-        );
-    }
-
-    #[test]
-    fn tools_are_compact_json_before_messages() {
-        let body = r#"{"model":"m","tools":[ {"type" : "function", "name":"a b"} ],"messages":[{"role":"user","content":"q"}]}"#;
-        let facts = extract(Api::Chat, body.as_bytes(), None, PREFIX).unwrap();
-        assert_eq!(
-            String::from_utf8(facts.key).unwrap(),
-            r#"[{"type":"function","name":"a b"}]user
-q
-"#
-        );
-    }
-
-    #[test]
-    fn unicode_is_cut_on_char_boundaries() {
-        let spec = KeySpec::new(KeyMode::Prefix, 10);
-        let body =
-            json!({"model": "m", "messages": [{"role": "user", "content": "héllo wörld 🎉🎉🎉"}]});
-        let k = key(Api::Chat, &body, spec);
-        assert_eq!(k.chars().count(), 10);
-        assert_eq!(k, "user\nhéllo");
-        // Escaped surrogate pairs decode to one char.
-        let raw = br#"{"messages":[{"role":"user","content":"\ud83c\udf89\n\u00e9"}]}"#;
-        let k = extract(Api::Chat, raw, None, spec).unwrap().key;
-        assert_eq!(String::from_utf8(k).unwrap(), "user\n🎉\né\n");
-    }
-
-    #[test]
-    fn other_apis_find_their_prompt() {
-        let c = key(
-            Api::Completions,
-            &json!({"model": "m", "prompt": "Once upon"}),
-            CONV,
-        );
-        assert_eq!(c, "Once upon");
-        let c = key(
-            Api::Completions,
-            &json!({"model": "m", "prompt": ["first", "second"]}),
-            CONV,
-        );
-        assert_eq!(c, "first");
-        let c = key(
-            Api::Completions,
-            &json!({"model": "m", "prompt": [1, 2, 3]}),
-            CONV,
-        );
-        assert_eq!(c, "[1,2,3]");
-        let g = key(Api::Generate, &json!({"text": "abc"}), CONV);
-        assert_eq!(g, "abc");
-        let g = key(Api::Generate, &json!({"input_ids": [7, 8]}), CONV);
-        assert_eq!(g, "[7,8]");
-        let r = key(
-            Api::Responses,
-            &json!({"model": "m", "instructions": "be brief", "input": "hi"}),
-            CONV,
-        );
-        assert_eq!(r, "be briefhi");
-        let r = key(
-            Api::Responses,
-            &json!({"model": "m", "input": [{"role": "developer", "content": "d"}, {"role": "user", "content": [{"type": "input_text", "text": "u"}]}, {"role": "assistant", "content": "a"}]}),
-            CONV,
-        );
-        assert_eq!(r, "developer\nd\nuser\nu\n");
-        let e = key(
-            Api::Embeddings,
-            &json!({"model": "m", "input": "embed me"}),
-            CONV,
-        );
-        assert_eq!(e, "embed me");
-    }
-
-    #[test]
-    fn model_and_stream_are_read_wherever_they_are() {
-        let body = br#"{"messages":[{"role":"user","content":"x"}],"temperature":0.2,"stream":true,"model":"llama-3"}"#;
-        let f = extract(Api::Chat, body, None, CONV).unwrap();
-        assert_eq!(f.model.as_deref(), Some("llama-3"));
-        assert!(f.stream);
-    }
-
-    #[test]
-    fn reasoning_requests_and_the_model_span_are_found() {
-        let body = br#"{"model": "qwen", "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"enable_thinking": true}}"#;
-        let f = extract(Api::Chat, body, None, CONV).unwrap();
-        assert!(f.wants_reasoning);
-        let span = f.spans.model.unwrap();
-        assert_eq!(&body[span], br#""qwen""#);
-        let f = extract(
-            Api::Chat,
-            br#"{"messages": [], "reasoning_effort": "high"}"#,
-            None,
-            CONV,
-        )
-        .unwrap();
-        assert!(f.wants_reasoning);
-        let f = extract(Api::Chat, br#"{"messages": [], "reasoning_effort": null, "chat_template_kwargs": {"enable_thinking": false}}"#, None, CONV).unwrap();
-        assert!(!f.wants_reasoning);
-    }
-
-    #[test]
-    fn header_key_wins() {
-        let body = serde_json::to_vec(&chat("s", &["u"])).unwrap();
-        let f = extract(Api::Chat, &body, Some(b"session-42"), CONV).unwrap();
-        assert_eq!(f.key, b"session-42");
-        assert_eq!(f.source, KeySource::Header);
-    }
-
-    #[test]
-    fn raw_bodies_use_their_bytes() {
-        let f = extract(Api::Other, b"plain text body", None, CONV).unwrap();
-        assert_eq!(f.key, b"plain text body");
-        assert_eq!(f.source, KeySource::Raw);
-        let f = extract(Api::Other, &[0xff, 0xfe, 0x00], None, CONV).unwrap();
-        assert_eq!(f.key, vec![0xff, 0xfe, 0x00]);
-    }
-
-    #[test]
-    fn bad_bodies_are_errors_not_panics() {
-        for body in [
-            &b""[..],
-            b"   ",
-            b"{",
-            b"[1,2]",
-            b"null",
-            b"{\"messages\": \"nope\"}",
-            b"{\"model\": 5, \"messages\": []}",
-            b"{\"messages\": [{\"role\": 1}]}",
-            b"{\"messages\": [], \"stream\": \"yes\"}",
-            &[0xff, 0xfe],
-        ] {
-            let r = extract(Api::Chat, body, None, CONV);
-            assert!(
-                r.is_err(),
-                "{:?} was accepted",
-                String::from_utf8_lossy(body)
-            );
-        }
-        // A lone surrogate is valid JSON: it is routed, the key holds U+FFFD.
-        let lone = extract(
-            Api::Chat,
-            b"{\"messages\": [{\"role\": \"user\", \"content\": \"\\ud800\"}]}",
-            None,
-            CONV,
-        );
-        assert_eq!(lone.unwrap().key, "user\n\u{fffd}\n".as_bytes());
-        assert_eq!(extract(Api::Chat, b"", None, CONV), Err(KeyError::Empty));
-        assert!(matches!(
-            extract(Api::Chat, b"{", None, CONV),
-            Err(KeyError::Json(_))
-        ));
-        assert_eq!(
-            extract(Api::Chat, b"{\"model\":\"m\"}", None, CONV),
-            Err(KeyError::Missing("messages"))
-        );
-        assert_eq!(
-            extract(Api::Completions, b"{\"model\":\"m\"}", None, CONV),
-            Err(KeyError::Missing("prompt"))
-        );
-    }
-
-    #[test]
-    fn hash_is_golden() {
-        // Replicas and restarts agree on every key's home only if this never changes.
-        assert_eq!(
-            format!("{:016x}", key_hash("llama", b"user\nhi\n", 0)),
-            GOLDEN_HASH
-        );
-        assert_ne!(key_hash("llama", b"k", 0), key_hash("mistral", b"k", 0));
-        assert_ne!(key_hash("llama", b"k", 0), key_hash("llama", b"k", 1));
-        // The pool/key separator keeps ("ab", "c") apart from ("a", "bc").
-        assert_ne!(key_hash("ab", b"c", 0), key_hash("a", b"bc", 0));
-    }
-    const GOLDEN_HASH: &str = "ba26594ed5f3b7d7";
-
-    use proptest::prelude::*;
-
-    proptest! {
-        #[test]
-        fn arbitrary_bytes_never_panic(body in proptest::collection::vec(proptest::num::u8::ANY, 0..200)) {
-            let _ = extract(Api::Chat, &body, None, CONV);
-            let _ = extract(Api::Other, &body, None, PREFIX);
-        }
-
-        #[test]
-        fn keys_are_valid_prefixes(s in "\\PC{0,300}", n in 1usize..50) {
-            let spec = KeySpec::new(KeyMode::Prefix, n);
-            let body = serde_json::to_vec(&json!({"prompt": s})).unwrap();
-            let k = String::from_utf8(extract(Api::Completions, &body, None, spec).unwrap().key).unwrap();
-            prop_assert!(s.starts_with(&k));
-            prop_assert_eq!(k.chars().count(), s.chars().count().min(n));
-        }
-    }
-}
+mod tests;

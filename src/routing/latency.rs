@@ -1,5 +1,5 @@
 //! What a stream's time to first token says about its node, judged against the work
-//! and against the node's peers (DESIGN §5), never by raw TTFT alone.
+//! and against the node's peers, never by raw TTFT alone.
 //!
 //! A stream's expected TTFT is the pool's base TTFT (what a prompt the engine has all
 //! cached takes) plus its prefill: the prompt tokens the node had to prefill before its
@@ -17,7 +17,14 @@
 
 use std::time::Duration;
 
-use super::cost::is_base;
+/// A stream with fewer uncached tokens says little about prefill speed.
+const MIN_UNCACHED: u32 = 64;
+
+/// Whether a stream with `tokens` to prefill measures the base TTFT rather than the
+/// time per token.
+pub fn is_base(tokens: u32) -> bool {
+    tokens < MIN_UNCACHED
+}
 
 /// A normalized TTFT in thousandths: 1000 = exactly as expected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]

@@ -176,7 +176,7 @@ impl NodeState {
             healthy: AtomicBool::new(true),
             check_failures: AtomicU32::new(0),
             check_passes: AtomicU32::new(0),
-            breaker: Breaker::new(Instant::now()),
+            breaker: Breaker::default(),
             transitions: Default::default(),
             slot_time: SlotTime::default(),
             waiting: AtomicU32::new(0),
@@ -203,11 +203,11 @@ impl NodeState {
         self.waiting.load(Ordering::Acquire)
     }
 
-    /// Counts a request waiting for a slot here until the ticket is dropped; wait on
+    /// Counts a request waiting for a slot here until the waiter is dropped; wait on
     /// [`NodeState::freed`].
-    pub fn wait_here(self: &Arc<Self>) -> HomeTicket {
+    pub fn wait_here(self: &Arc<Self>) -> HomeWaiter {
         self.waiting.fetch_add(1, Ordering::AcqRel);
-        HomeTicket { node: self.clone() }
+        HomeWaiter { node: self.clone() }
     }
 
     /// Notified once per slot freed here, and all at once when the node turns requests
@@ -222,8 +222,8 @@ impl NodeState {
     }
 
     /// Records how an exchange with this node ended (see [`Breaker::record`]).
-    pub fn record(&self, outcome: Outcome, probe: bool, s: &BreakerSettings) {
-        let flip = self.breaker.record(outcome, probe, s, Instant::now());
+    pub fn record(&self, outcome: Outcome, trial: bool, s: &BreakerSettings, now: Instant) {
+        let flip = self.breaker.record(outcome, trial, s, now);
         self.log_flip(flip);
     }
 
@@ -264,6 +264,7 @@ impl NodeState {
         unhealthy_after: u32,
         healthy_after: u32,
         s: &BreakerSettings,
+        now: Instant,
     ) -> bool {
         let flipped = if passed {
             self.check_failures.store(0, Ordering::Relaxed);
@@ -277,7 +278,7 @@ impl NodeState {
         if flipped {
             tracing::warn!(node = %self.id, healthy = passed, "health check state changed");
         }
-        self.log_flip(self.breaker.on_health_check(passed, s, Instant::now()));
+        self.log_flip(self.breaker.on_health_check(passed, s, now));
         flipped
     }
 
@@ -392,24 +393,24 @@ impl PoolLoad {
         &self.freed
     }
 
-    /// Joins the queue if it holds fewer than `max`; the ticket leaves it on drop.
-    pub fn enqueue(self: &Arc<Self>, max: usize) -> Option<QueueTicket> {
+    /// Joins the queue if it holds fewer than `max`; the place leaves it on drop.
+    pub fn enqueue(self: &Arc<Self>, max: usize) -> Option<QueuePlace> {
         self.queued
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n < max).then_some(n + 1)
             })
             .ok()
-            .map(|_| QueueTicket { pool: self.clone() })
+            .map(|_| QueuePlace { pool: self.clone() })
     }
 }
 
 /// A place in a pool's queue; dropping it leaves the queue.
 #[derive(Debug)]
-pub struct QueueTicket {
+pub struct QueuePlace {
     pool: Arc<PoolLoad>,
 }
 
-impl Drop for QueueTicket {
+impl Drop for QueuePlace {
     fn drop(&mut self) {
         self.pool.queued.fetch_sub(1, Ordering::AcqRel);
     }
@@ -453,11 +454,11 @@ impl Drop for Reservation {
 
 /// A request waiting for its home node; dropping it stops counting it there.
 #[derive(Debug)]
-pub struct HomeTicket {
+pub struct HomeWaiter {
     node: Arc<NodeState>,
 }
 
-impl Drop for HomeTicket {
+impl Drop for HomeWaiter {
     fn drop(&mut self) {
         self.node.waiting.fetch_sub(1, Ordering::AcqRel);
     }

@@ -20,6 +20,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use parking_lot::Mutex;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+use super::Mode;
+
 /// Bytes per chunk. Smaller chunks find a boundary more precisely and cost more per
 /// request; a preamble's last partial chunk goes into the conversation part.
 pub const CHUNK: usize = 512;
@@ -250,25 +252,22 @@ impl std::fmt::Debug for PrefixTable {
 }
 
 impl PrefixTable {
-    /// Walks a request's chunks while they are hot, counting the request in each (and
-    /// in a few cold ones past the first), and returns the deepest hot branch point.
-    pub fn observe(&self, chunks: Chunks<'_, '_>) -> Depth {
-        if self.total.fetch_add(1, Ordering::Relaxed) + 1 >= WINDOW {
+    /// Walks a request's chunks while they are hot and returns the deepest hot branch
+    /// point. A counted walk (`mode.counts()`) counts the request in each chunk (and in
+    /// a few cold ones past the first); an explanation's changes nothing.
+    pub fn walk(&self, chunks: Chunks<'_, '_>, mode: Mode) -> Depth {
+        let count = mode.counts();
+        if count && self.total.fetch_add(1, Ordering::Relaxed) + 1 >= WINDOW {
             self.halve();
         }
-        self.walk(chunks, true)
-    }
-
-    /// The same walk, counting nothing (for explanations).
-    pub fn peek(&self, chunks: Chunks<'_, '_>) -> Depth {
-        self.walk(chunks, false)
+        self.walk_counting(chunks, count)
     }
 
     fn hot_threshold(&self) -> u32 {
         HOT_MIN.max(self.total.load(Ordering::Relaxed) / HOT_SHARE)
     }
 
-    fn walk(&self, mut chunks: Chunks<'_, '_>, count: bool) -> Depth {
+    fn walk_counting(&self, mut chunks: Chunks<'_, '_>, count: bool) -> Depth {
         let hot = self.hot_threshold();
         let mut depth = Depth {
             boundary: None,

@@ -1,16 +1,16 @@
 //! The routing table: one immutable snapshot of pools, their nodes and rings, built
 //! from a validated [`Config`] and swapped whole. Node and pool runtime state (in-flight
 //! counts, breakers, queues, group counters) lives in the [`Registry`], keyed by id, so
-//! it survives every rebuild. Also the pure "which pool, which key, which hash" step
-//! shared by the proxy, `prefixlb route`, `/admin/explain` and the simulator.
+//! it survives every rebuild. A request is placed on it by
+//! [`Table::place`](super::decision) (its own module).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::facts;
-use super::key::{self, Api, KeyError, KeySpec, Learned, RequestFacts};
+use super::facts::KeyError;
+use super::key::KeySpec;
 use super::node::{Node, NodeSource, NodeState, PoolLoad};
 use super::walk::Balancer;
 use crate::config::{Config, PoolConfig};
@@ -52,7 +52,8 @@ pub struct Pool {
 #[derive(Debug)]
 pub struct Table {
     pub config: Config,
-    pub pools: Vec<Pool>,
+    /// Shared with the tickets of requests in flight, which learn into their pool.
+    pub pools: Vec<Arc<Pool>>,
     by_model: HashMap<String, usize>,
     default_pool: Option<usize>,
 }
@@ -67,22 +68,15 @@ pub enum PoolError {
     UnknownModel { model: String, available: String },
     #[error("'model' is required: this balancer serves several pools ({available})")]
     ModelRequired { available: String },
+    /// The request asks for reasoning and neither its pool nor a fallback supports it.
+    #[error("this request asks for reasoning, and neither pool `{pool}` nor any of its fallbacks supports it (supports_thinking = false)")]
+    NoThinking { pool: String },
 }
 
-/// The routing of one request before any node is asked: pool, key and hash.
-#[derive(Debug, Clone)]
-pub struct Plan {
-    pub api: Api,
-    pub pool: usize,
-    pub facts: RequestFacts,
-    pub hash: u64,
-    /// How the key is placed (`key = "hybrid"`: its prefix group's hash, or the pool).
-    pub group: key::Grouping<u64>,
-}
-
-/// Why a request cannot be planned: both are the client's fault.
+/// Why a request cannot be placed: the client's fault, or (`NoThinking`) no pool of
+/// its chain serves what it asks.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum PlanError {
+pub enum PlaceError {
     #[error(transparent)]
     Key(#[from] KeyError),
     #[error(transparent)]
@@ -125,7 +119,7 @@ impl Table {
                         Node::new(n.clone(), source, cap, registry.node(&n.id))
                     })
                     .collect();
-                Pool {
+                Arc::new(Pool {
                     config: p.clone(),
                     balancer: Balancer::new(
                         nodes,
@@ -135,7 +129,7 @@ impl Table {
                         breaker.clone(),
                     )
                     .with_split_cap(config.routing.split_cap_across_replicas),
-                }
+                })
             })
             .collect();
         Table {
@@ -150,7 +144,7 @@ impl Table {
     pub fn models(&self) -> impl Iterator<Item = (&str, &Pool)> {
         self.pools
             .iter()
-            .flat_map(|p| p.config.models.iter().map(move |m| (m.as_str(), p)))
+            .flat_map(|p| p.config.models.iter().map(move |m| (m.as_str(), &**p)))
     }
 
     fn model_list(&self) -> String {
@@ -179,27 +173,6 @@ impl Table {
         }
     }
 
-    /// Finds the pool, key and hash of a request, counting it in its pool's prefix
-    /// table (`hybrid`).
-    pub fn plan(
-        &self,
-        path: &str,
-        header_key: Option<&[u8]>,
-        body: &[u8],
-    ) -> Result<Plan, PlanError> {
-        self.plan_as(path, header_key, body, true)
-    }
-
-    /// [`Table::plan`] counting nothing (for explanations).
-    pub fn peek_plan(
-        &self,
-        path: &str,
-        header_key: Option<&[u8]>,
-        body: &[u8],
-    ) -> Result<Plan, PlanError> {
-        self.plan_as(path, header_key, body, false)
-    }
-
     /// The key spec of this table's routing settings.
     pub fn key_spec(&self) -> KeySpec {
         let r = &self.config.routing;
@@ -211,43 +184,11 @@ impl Table {
         }
     }
 
-    fn plan_as(
-        &self,
-        path: &str,
-        header_key: Option<&[u8]>,
-        body: &[u8],
-        observe: bool,
-    ) -> Result<Plan, PlanError> {
-        let api = Api::from_path(path);
-        let envelope = facts::read(api, body)?;
-        let pool = self.pool_for(envelope.as_ref().and_then(|e| e.model()))?;
-        let prefixes = &self.pools[pool].balancer.load().prefixes;
-        let learned = if observe {
-            Learned::Observe(prefixes)
-        } else {
-            Learned::Peek(prefixes)
-        };
-        let spec = self.key_spec();
-        let facts = key::facts_of(api, body, envelope.as_ref(), header_key, spec, learned);
-        let (hash, group) = key::key_hashes(
-            &self.pools[pool].config.name,
-            &facts,
-            self.config.routing.hash_seed,
-        );
-        Ok(Plan {
-            api,
-            pool,
-            facts,
-            hash,
-            group,
-        })
-    }
-
     /// Finds a node by id, with its pool.
     pub fn find_node(&self, id: &str) -> Option<(&Pool, &Node)> {
         self.pools.iter().find_map(|pool| {
             let node = pool.balancer.nodes().iter().find(|n| n.id() == id)?;
-            Some((pool, node))
+            Some((&**pool, node))
         })
     }
 }
@@ -255,6 +196,8 @@ impl Table {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::routing::group::Grouping;
+    use crate::routing::Mode;
 
     fn table(text: &str) -> Table {
         Table::build(Config::parse(text, "t.toml").unwrap(), &Registry::default())
@@ -307,18 +250,17 @@ nodes = [{ id = "b", url = "http://h:2" }]
             let body = format!(
                 r#"{{"messages": [{{"role": "system", "content": "One product's prompt. {long}"}}, {{"role": "user", "content": "conversation {c}"}}]}}"#
             );
-            let plan = t
-                .plan("/v1/chat/completions", None, body.as_bytes())
+            let placement = t
+                .place("/v1/chat/completions", None, body.as_bytes(), Mode::Route)
                 .unwrap();
-            let b = &t.pools[plan.pool].balancer;
-            assert!(matches!(plan.group, key::Grouping::Group(_)));
-            let target = b.target(plan.hash, plan.group);
+            let b = &placement.pool().balancer;
+            assert!(matches!(placement.grouping, Grouping::Group(_)));
             assert_eq!(
-                target.group.map(|g| g.1),
+                placement.target.group.map(|g| g.1),
                 Some(3),
                 "the only group: all nodes"
             );
-            served[b.order(target).next().unwrap()] += 1;
+            served[b.order(placement.target).next().unwrap()] += 1;
         }
         let big = served[0] as f64 / 3000.0;
         assert!(

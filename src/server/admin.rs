@@ -4,28 +4,30 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Instant;
 
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use serde_json::{json, Value};
 
+use super::control::Control;
 use crate::proxy::body::{full, BoxBody};
-use crate::proxy::Proxy;
 use crate::routing::explain::explain;
+use crate::routing::table::Table;
 
 /// Handles one admin request.
 pub async fn handle(
-    proxy: Arc<Proxy>,
+    control: Arc<Control>,
     req: Request<Incoming>,
     _peer: SocketAddr,
 ) -> Response<BoxBody> {
-    let table = proxy.table();
+    let table = control.table();
     let path = req.uri().path().to_string();
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
     match (req.method(), segments.as_slice()) {
         (&Method::GET, ["healthz"]) => return json_ok(json!({"status": "ok"})),
-        (&Method::GET, ["readyz"]) => return readyz(&proxy),
+        (&Method::GET, ["readyz"]) => return readyz(&control),
         _ => {}
     }
     if let Some(token) = &table.config.server.admin_token {
@@ -42,21 +44,21 @@ pub async fn handle(
     }
     match (req.method(), segments.as_slice()) {
         (&Method::GET, ["metrics"]) => {
-            let mut resp = Response::new(full(proxy.metrics().render(&table)));
+            let mut resp = Response::new(full(control.metrics().render(&table)));
             resp.headers_mut().insert(
                 header::CONTENT_TYPE,
                 HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
             );
             resp
         }
-        (&Method::POST, ["admin", "reload"]) => match proxy.reload() {
+        (&Method::POST, ["admin", "reload"]) => match control.reload() {
             Ok(()) => json_ok(json!({"result": "ok"})),
             Err(e) => error(StatusCode::BAD_REQUEST, &e.to_string()),
         },
-        (&Method::GET, ["admin", "nodes"]) => json_ok(nodes(&proxy)),
-        (&Method::POST, ["admin", "explain"]) => explain_request(&proxy, req).await,
+        (&Method::GET, ["admin", "nodes"]) => json_ok(nodes(&table)),
+        (&Method::POST, ["admin", "explain"]) => explain_request(&table, req).await,
         (&Method::POST, ["admin", "nodes", id, action @ ("drain" | "undrain")]) => {
-            drain(&proxy, id, *action == "drain")
+            drain(&table, id, *action == "drain")
         }
         _ => error(
             StatusCode::NOT_FOUND,
@@ -65,15 +67,15 @@ pub async fn handle(
     }
 }
 
-fn readyz(proxy: &Proxy) -> Response<BoxBody> {
-    let table = proxy.table();
+fn readyz(control: &Control) -> Response<BoxBody> {
+    let table = control.table();
     let open = table
         .pools
         .iter()
         .flat_map(|p| p.balancer.nodes())
         .filter(|n| n.state().accepts_new())
         .count();
-    if proxy.is_stopping() {
+    if control.proxy().is_stopping() {
         error(StatusCode::SERVICE_UNAVAILABLE, "shutting down")
     } else if open == 0 {
         error(StatusCode::SERVICE_UNAVAILABLE, "no node accepts requests")
@@ -82,8 +84,8 @@ fn readyz(proxy: &Proxy) -> Response<BoxBody> {
     }
 }
 
-fn nodes(proxy: &Proxy) -> Value {
-    let table = proxy.table();
+fn nodes(table: &Table) -> Value {
+    let now = Instant::now();
     let list: Vec<Value> = table
         .pools
         .iter()
@@ -91,9 +93,7 @@ fn nodes(proxy: &Proxy) -> Value {
             let b = &pool.balancer;
             b.nodes().iter().map(move |n| {
                 let state = n.state();
-                let ttft = state
-                    .breaker
-                    .ttft_quantiles(b.settings(), std::time::Instant::now());
+                let ttft = state.breaker.ttft_quantiles(b.settings(), now);
                 let norm = state.breaker.summary(1);
                 let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
                 json!({
@@ -122,8 +122,7 @@ fn nodes(proxy: &Proxy) -> Value {
     json!({ "nodes": list })
 }
 
-async fn explain_request(proxy: &Proxy, req: Request<Incoming>) -> Response<BoxBody> {
-    let table = proxy.table();
+async fn explain_request(table: &Table, req: Request<Incoming>) -> Response<BoxBody> {
     let path = req
         .uri()
         .query()
@@ -146,14 +145,13 @@ async fn explain_request(proxy: &Proxy, req: Request<Incoming>) -> Response<BoxB
             )
         }
     };
-    match explain(&table, &path, header_key.as_deref(), &body) {
+    match explain(table, &path, header_key.as_deref(), &body, Instant::now()) {
         Ok(x) => json_ok(serde_json::to_value(x).unwrap_or(Value::Null)),
         Err(e) => error(StatusCode::BAD_REQUEST, &e.to_string()),
     }
 }
 
-fn drain(proxy: &Proxy, id: &str, draining: bool) -> Response<BoxBody> {
-    let table = proxy.table();
+fn drain(table: &Table, id: &str, draining: bool) -> Response<BoxBody> {
     let Some((_, node)) = table.find_node(id) else {
         return error(StatusCode::NOT_FOUND, &format!("no node {id:?}"));
     };

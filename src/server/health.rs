@@ -11,13 +11,21 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Request, Uri};
 use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
-use crate::proxy::{Proxy, UpstreamClient};
+use crate::proxy::Proxy;
+
+/// The health checker's own HTTP client (requests go through the data plane's engine
+/// connections, not this).
+type HealthClient = Client<HttpConnector, Full<Bytes>>;
 
 /// Checks every node until `stop` turns true.
 pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
+    let client = health_client(proxy.table().config.server.connect_timeout);
     loop {
         let table = proxy.table();
         let h = &table.config.health;
@@ -28,7 +36,7 @@ pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
                     continue;
                 };
                 let (client, state, settings) = (
-                    proxy.client().clone(),
+                    client.clone(),
                     node.state().clone(),
                     pool.balancer.settings().clone(),
                 );
@@ -36,7 +44,8 @@ pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
                     (h.timeout, h.unhealthy_after, h.healthy_after);
                 checks.spawn(async move {
                     let passed = check(&client, uri, timeout).await;
-                    state.record_check(passed, down_after, up_after, &settings);
+                    let now = tokio::time::Instant::now().into_std();
+                    state.record_check(passed, down_after, up_after, &settings, now);
                 });
             }
         }
@@ -50,7 +59,7 @@ pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
 }
 
 /// One check: a 2xx within `timeout`, body read to the end (so the connection is reused).
-async fn check(client: &UpstreamClient, uri: Uri, timeout: Duration) -> bool {
+async fn check(client: &HealthClient, uri: Uri, timeout: Duration) -> bool {
     let Ok(req) = Request::get(uri).body(Full::new(Bytes::new())) else {
         return false;
     };
@@ -64,4 +73,16 @@ async fn check(client: &UpstreamClient, uri: Uri, timeout: Duration) -> bool {
         tokio::time::timeout(timeout, exchange).await,
         Ok(Some(true))
     )
+}
+
+/// Pooled keep-alive connections for the checks, dropped after 4 s idle (engines close
+/// theirs after 5 s; one reused past that would fail a healthy node's check).
+fn health_client(connect_timeout: Duration) -> HealthClient {
+    let mut connector = HttpConnector::new();
+    connector.set_connect_timeout(Some(connect_timeout));
+    connector.set_nodelay(true);
+    Client::builder(TokioExecutor::new())
+        .pool_timer(TokioTimer::new())
+        .pool_idle_timeout(Duration::from_secs(4))
+        .build(connector)
 }

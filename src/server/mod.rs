@@ -1,11 +1,11 @@
-//! The process and control plane: the HTTP listener and its limits ([`listener`]),
-//! `prefixlb serve` ([`serve`]) with its reload triggers ([`reload`]), the admin API
-//! ([`admin`]), active health checks ([`health`]) and the Prometheus metrics
-//! ([`metrics`]).
+//! The process and control plane: the control plane's state and the table rebuilds
+//! ([`control`]), the HTTP listener and its limits ([`listener`]), `prefixlb serve`
+//! ([`serve`]) with its reload triggers ([`reload`]), the admin API ([`admin`]) and
+//! active health checks ([`health`]).
 
 pub mod admin;
+pub mod control;
 pub mod health;
 pub mod listener;
-pub mod metrics;
 pub mod reload;
 pub mod serve;

@@ -1,5 +1,5 @@
 //! What triggers a config reload: SIGHUP, and with `server.watch_config` a change of
-//! the file's mtime. The reload itself ([`Proxy::reload`]) parses, validates and swaps
+//! the file's mtime. The reload itself ([`Control::reload`]) parses, validates and swaps
 //! the routing snapshot; these triggers only decide when, and run it off the async
 //! workers.
 
@@ -9,13 +9,13 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use crate::proxy::Proxy;
+use super::control::Control;
 
 /// Reloads the config on SIGHUP, and when `server.watch_config` is on, on a change of
 /// the file's mtime that has held for one poll (polled every second: no watcher
 /// dependency needed), so a file still being written is not applied half-way.
-pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
-    let Some(path) = proxy.source().map(PathBuf::from) else {
+pub async fn run(control: Arc<Control>, mut stop: watch::Receiver<bool>) {
+    let Some(path) = control.source().map(PathBuf::from) else {
         return;
     };
     let mtime = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
@@ -44,7 +44,8 @@ pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
         let now = mtime(&path);
         if hup {
             tracing::info!("SIGHUP: reloading the config");
-        } else if !(proxy.table().config.server.watch_config && now != applied && now == previous) {
+        } else if !(control.table().config.server.watch_config && now != applied && now == previous)
+        {
             previous = now;
             continue;
         } else {
@@ -52,13 +53,13 @@ pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
         }
         applied = now;
         previous = now;
-        spawn_reload(&proxy).await;
+        spawn_reload(&control).await;
     }
 }
 
 /// Runs a reload (file I/O and a table build) off the async workers.
-async fn spawn_reload(proxy: &Arc<Proxy>) {
-    let proxy = proxy.clone();
+async fn spawn_reload(control: &Arc<Control>) {
+    let control = control.clone();
     // The outcome is logged and counted by `reload`.
-    let _ = tokio::task::spawn_blocking(move || proxy.reload()).await;
+    let _ = tokio::task::spawn_blocking(move || control.reload()).await;
 }

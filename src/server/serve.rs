@@ -9,9 +9,9 @@ use std::path::PathBuf;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use super::control::Control;
 use super::{admin, health, listener, reload};
 use crate::config::Config;
-use crate::proxy::Proxy;
 
 /// Binds both listeners, announces them on stdout, and serves until `shutdown`.
 pub async fn run(
@@ -52,22 +52,24 @@ pub async fn run_on(
             "the admin listener is not on loopback and has no admin_token: anyone who can reach it can drain nodes and reload the config"
         );
     }
-    let proxy = Proxy::new(config, source);
+    let control = Control::new(config, source);
+    let proxy = control.proxy().clone();
 
     // Admin and health checks outlive the client listener: /readyz says 503 while
     // in-flight requests drain.
     let (admin_stop_tx, mut admin_stop) = watch::channel(false);
     let health_task = tokio::spawn(health::run(proxy.clone(), admin_stop.clone()));
-    let reload_task = tokio::spawn(reload::run(proxy.clone(), admin_stop.clone()));
+    let reload_task = tokio::spawn(reload::run(control.clone(), admin_stop.clone()));
     let fleet_task = tokio::spawn(crate::fleet::watcher::run(
-        proxy.clone(),
+        control.clone(),
+        control.metrics().fleet.clone(),
         admin_stop.clone(),
     ));
     let admin_task = {
-        let proxy = proxy.clone();
+        let control = control.clone();
         tokio::spawn(listener::serve(
             admin_listener,
-            move |req, peer| admin::handle(proxy.clone(), req, peer),
+            move |req, peer| admin::handle(control.clone(), req, peer),
             async move {
                 let _ = admin_stop.wait_for(|stop| *stop).await;
             },

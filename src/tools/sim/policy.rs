@@ -1,19 +1,20 @@
 //! The routing policies the simulator compares, each one type behind [`Policy`]:
 //! baselines (round robin, least loaded, plain consistent hashing, CHWBL), prefixlb
-//! itself (the proxy's own table and walk), SGLang-router-style cache-aware routing,
-//! and an oracle that sees every engine's true cache.
+//! itself (the proxy's own table, placed and walked through the one entry point the
+//! proxy uses, [`Table::place`], on a virtual clock), SGLang-router-style cache-aware
+//! routing, and an oracle that sees every engine's true cache.
 
 use std::cmp::Reverse;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::Engine;
-use std::time::Duration;
 
 use crate::config::{Config, NodeConfig};
-use crate::routing::cost::Stakes;
-use crate::routing::node::{HomeTicket, Reservation};
+use crate::routing::decision::{Placement, Ticket, Usage};
+use crate::routing::node::HomeWaiter;
 use crate::routing::table::{Registry, Table};
-use crate::routing::walk::{Balancer, Finished, Target, Walk};
+use crate::routing::walk::Walk;
+use crate::routing::Mode;
 use crate::tools::engine_model::{PrefixCache, Prompt};
 use crate::tools::workload::{Rng, Turn};
 
@@ -40,8 +41,8 @@ pub struct View<'a> {
 pub struct Pending<'a> {
     pub turn: &'a Turn,
     pub prompt: &'a Prompt,
-    /// What the policy keeps of the request across waits (prefixlb: its replica, plan
-    /// and walk target, computed once so it is counted once, as the proxy counts it).
+    /// What the policy keeps of the request across waits (prefixlb: its replica and
+    /// placement, computed once so it is counted once, as the proxy counts it).
     pub state: &'a mut Option<Routed>,
     /// Now, in µs of virtual time.
     pub now: u64,
@@ -50,30 +51,28 @@ pub struct Pending<'a> {
 /// prefixlb's state of one request while it waits to be placed.
 pub struct Routed {
     replica: usize,
-    pool: usize,
-    target: Target,
-    stakes: Stakes,
+    placement: Placement,
     /// Waiting for its full home until then (µs), counted there meanwhile.
-    home_wait: Option<(u64, HomeTicket)>,
+    home_wait: Option<(u64, HomeWaiter)>,
 }
 
 /// A request that finished, as its balancer learns of it.
-pub struct Done<'a> {
-    pub state: Option<&'a Routed>,
-    pub engine: usize,
-    /// Placement to first token, and to the end, in µs.
+pub struct Done {
+    /// prefixlb's ticket, finished now.
+    pub ticket: Option<Ticket>,
+    /// Now, and placement to first token, in µs.
+    pub now: u64,
     pub ttft_us: u64,
-    pub held_us: u64,
     pub prompt_tokens: usize,
     pub cached_tokens: usize,
 }
 
 /// Where a policy sends a request.
-pub enum Placement {
+pub enum Pick {
     To {
         engine: usize,
-        /// prefixlb's reservation, held until the request finishes.
-        reservation: Option<Reservation>,
+        /// prefixlb's ticket (its slot), held until the request finishes.
+        ticket: Option<Ticket>,
         /// Not the key's first node.
         spilled: bool,
     },
@@ -83,12 +82,12 @@ pub enum Placement {
     WaitUntil(u64),
 }
 
-impl Placement {
-    /// An engine chosen without a reservation or a spill.
-    fn plain(engine: usize) -> Placement {
-        Placement::To {
+impl Pick {
+    /// An engine chosen without a ticket or a spill.
+    fn plain(engine: usize) -> Pick {
+        Pick::To {
             engine,
-            reservation: None,
+            ticket: None,
             spilled: false,
         }
     }
@@ -96,10 +95,10 @@ impl Placement {
 
 /// A routing policy.
 pub trait Policy {
-    fn place(&mut self, req: Pending<'_>, view: &View<'_>) -> Result<Placement, String>;
+    fn place(&mut self, req: Pending<'_>, view: &View<'_>) -> Result<Pick, String>;
 
     /// A request it placed finished.
-    fn finished(&mut self, _done: &Done<'_>) {}
+    fn finished(&mut self, _done: Done) {}
 
     /// How often its replicas disagreed on a request's first node (share of
     /// placements), for policies with replicas.
@@ -219,16 +218,12 @@ fn fleet_table(
     Table::build(c, &Registry::default())
 }
 
-/// The pool and walk target the proxy would compute for a turn (counting it toward its
-/// group's share, as the proxy does).
-fn plan_of(table: &Table, turn: &Turn, model: &str) -> Result<(usize, Target), String> {
-    let plan = table
-        .plan(turn.path(), None, &turn.body(model))
-        .map_err(|e| e.to_string())?;
-    let target = table.pools[plan.pool]
-        .balancer
-        .target(plan.hash, plan.group);
-    Ok((plan.pool, target))
+/// A turn placed as the proxy places it (counted toward its group's share, as the
+/// proxy counts it), on the simulator's clock.
+fn place_turn(table: &Table, turn: &Turn, model: &str, mode: Mode) -> Result<Placement, String> {
+    table
+        .place(turn.path(), None, &turn.body(model), mode)
+        .map_err(|e| e.to_string())
 }
 
 /// The least loaded engine (ties to the lowest index).
@@ -241,17 +236,17 @@ struct RoundRobin {
 }
 
 impl Policy for RoundRobin {
-    fn place(&mut self, _: Pending<'_>, view: &View<'_>) -> Result<Placement, String> {
+    fn place(&mut self, _: Pending<'_>, view: &View<'_>) -> Result<Pick, String> {
         self.next += 1;
-        Ok(Placement::plain((self.next - 1) % view.loads.len()))
+        Ok(Pick::plain((self.next - 1) % view.loads.len()))
     }
 }
 
 struct LeastLoaded;
 
 impl Policy for LeastLoaded {
-    fn place(&mut self, _: Pending<'_>, view: &View<'_>) -> Result<Placement, String> {
-        Ok(Placement::plain(least_loaded(view.loads)))
+    fn place(&mut self, _: Pending<'_>, view: &View<'_>) -> Result<Pick, String> {
+        Ok(Pick::plain(least_loaded(view.loads)))
     }
 }
 
@@ -262,14 +257,10 @@ struct ConsistentHash {
 }
 
 impl Policy for ConsistentHash {
-    fn place(&mut self, req: Pending<'_>, _: &View<'_>) -> Result<Placement, String> {
-        let (pool, target) = plan_of(&self.table, req.turn, &self.model)?;
-        let engine = self.table.pools[pool]
-            .balancer
-            .order(target)
-            .next()
-            .unwrap_or(0);
-        Ok(Placement::plain(engine))
+    fn place(&mut self, req: Pending<'_>, _: &View<'_>) -> Result<Pick, String> {
+        let p = place_turn(&self.table, req.turn, &self.model, Mode::Replay)?.without_homes();
+        let engine = p.pool().balancer.order(p.target).next().unwrap_or(0);
+        Ok(Pick::plain(engine))
     }
 }
 
@@ -282,7 +273,7 @@ struct Bounded {
     rng: Rng,
     next: usize,
     model: String,
-    /// The balancer's clock, which only breakers read (they never trip here).
+    /// Virtual time 0 on the balancer's clock (only breakers and slot times read it).
     epoch: Instant,
     /// prefixlb's placement (homes, waits) rather than the plain walk.
     smart: bool,
@@ -363,32 +354,29 @@ impl Bounded {
         }
     }
 
-    /// Plans a request on a replica and decides where its walk starts.
+    /// The balancer's clock at `now` µs of virtual time.
+    fn at(&self, now: u64) -> Instant {
+        self.epoch + Duration::from_micros(now)
+    }
+
+    /// Places a request on a replica: where its walk starts.
     fn route(&mut self, turn: &Turn, now: u64) -> Result<Routed, String> {
         let replica = self.pick_replica();
-        let plan = self.replicas[replica]
-            .plan(turn.path(), None, &turn.body(&self.model))
-            .map_err(|e| e.to_string())?;
         if self.share_load && self.replicas.len() > 1 {
-            // Before the placement: a new conversation is placed by load too.
-            self.share_load_at(replica, plan.pool, now);
+            // Before the placement: a new conversation is placed by load too. (The
+            // simulated fleet has one pool.)
+            self.share_load_at(replica, 0, now);
         }
         let table = &self.replicas[replica];
-        let b = &table.pools[plan.pool].balancer;
-        let stakes = Stakes::of(&plan.facts, plan.group, b.home_of(plan.hash).is_some());
-        let target = if self.smart {
-            b.place(
-                plan.hash,
-                plan.group,
-                plan.facts.turn_seen(),
-                stakes.own_tokens,
-            )
+        let placement = place_turn(table, turn, &self.model, Mode::Replay)?;
+        let placement = if self.smart {
+            placement
         } else {
-            b.target(plan.hash, plan.group)
+            placement.without_homes()
         };
         if self.replicas.len() > 1 {
             self.placements += 1;
-            let first = b.order(target).next();
+            let first = placement.pool().balancer.order(placement.target).next();
             let disagree =
                 self.replicas.iter().enumerate().any(|(r, other)| {
                     r != replica && other_first(other, turn, &self.model) != first
@@ -397,9 +385,7 @@ impl Bounded {
         }
         Ok(Routed {
             replica,
-            pool: plan.pool,
-            target,
-            stakes,
+            placement,
             home_wait: None,
         })
     }
@@ -407,70 +393,56 @@ impl Bounded {
 
 /// The first node another replica would walk to for a turn (counting nothing).
 fn other_first(table: &Table, turn: &Turn, model: &str) -> Option<usize> {
-    let plan = table.peek_plan(turn.path(), None, &turn.body(model)).ok()?;
-    let b = &table.pools[plan.pool].balancer;
-    let own = Stakes::of(&plan.facts, plan.group, false).own_tokens;
-    b.order(b.peek_place(plan.hash, plan.group, plan.facts.turn, own))
-        .next()
+    let p = place_turn(table, turn, model, Mode::Explain).ok()?;
+    p.pool().balancer.order(p.target).next()
 }
 
 impl Policy for Bounded {
-    fn place(&mut self, req: Pending<'_>, _: &View<'_>) -> Result<Placement, String> {
+    fn place(&mut self, req: Pending<'_>, _: &View<'_>) -> Result<Pick, String> {
         let routed_now = req.state.is_none();
         if routed_now {
             *req.state = Some(self.route(req.turn, req.now)?);
         }
+        let at = self.at(req.now);
         let Some(r) = req.state.as_mut() else {
             return Err("unrouted".into());
         };
         if self.share_load && self.replicas.len() > 1 && !routed_now {
             // A request that waited: its walk reads the load of now.
-            let (replica, pool) = (r.replica, r.pool);
-            self.share_load_at(replica, pool, req.now);
+            self.share_load_at(r.replica, 0, req.now);
         }
-        let b = &self.replicas[r.replica].pools[r.pool].balancer;
-        let c = match b.choose(r.target, &[], self.epoch) {
+        let c = match r.placement.choose(&[], at) {
             Walk::Chosen(c) => c,
-            _ => return Ok(Placement::Wait),
+            _ => return Ok(Pick::Wait),
         };
         if self.smart && c.distance > 0 {
-            if let Some(until) = home_wait(b, r, c.index, req.now) {
+            if let Some(until) = home_wait(r, c.index, req.now) {
                 // `c` is dropped: its slot goes back.
-                return Ok(Placement::WaitUntil(until));
+                return Ok(Pick::WaitUntil(until));
             }
         }
-        if self.smart {
-            b.settle(r.target, c.index, c.distance);
-        }
         r.home_wait = None;
-        Ok(Placement::To {
-            engine: c.index,
-            spilled: c.distance > 0,
-            reservation: Some(c.reservation),
+        let (engine, spilled) = (c.index, c.distance > 0);
+        let mut ticket = r.placement.ticket(c, at);
+        ticket.settle(at);
+        Ok(Pick::To {
+            engine,
+            spilled,
+            ticket: Some(ticket),
         })
     }
 
-    fn finished(&mut self, done: &Done<'_>) {
-        let Some(r) = done.state else {
+    fn finished(&mut self, done: Done) {
+        let Some(ticket) = done.ticket else {
             return;
         };
-        let b = &self.replicas[r.replica].pools[r.pool].balancer;
-        let stakes = Stakes {
-            guessed: r.stakes.guessed && self.smart,
-            ..r.stakes
-        };
         let tokens = |n: usize| n.min(u32::MAX as usize) as u32;
-        b.finished(&Finished {
-            target: r.target,
-            stakes,
-            node: done.engine,
-            held: Duration::from_micros(done.held_us),
-            ttft: Some(Duration::from_micros(done.ttft_us)),
+        let usage = Usage {
             prompt_tokens: tokens(done.prompt_tokens),
             cached_tokens: tokens(done.cached_tokens),
-            uncached_estimate: 0,
-            ahead: 0,
-        });
+        };
+        let ttft = Duration::from_micros(done.ttft_us);
+        ticket.finish(usage, Some(ttft), self.at(done.now));
     }
 
     fn disagreement(&self) -> Option<f64> {
@@ -480,13 +452,14 @@ impl Policy for Bounded {
 
 /// Whether a request whose walk found its home full should wait for it rather than
 /// spill to `spill`, and until when (µs): decided once, on the first spill offered.
-fn home_wait(b: &Balancer, r: &mut Routed, spill: usize, now: u64) -> Option<u64> {
+fn home_wait(r: &mut Routed, spill: usize, now: u64) -> Option<u64> {
     if let Some((until, _)) = &r.home_wait {
         return (now < *until).then_some(*until);
     }
-    let (home, budget) = b.home_wait(r.target, &r.stakes, spill)?;
+    let (home, budget) = r.placement.home_wait(spill)?;
     let until = now + budget.as_micros() as u64;
-    r.home_wait = Some((until, b.node(home).state().wait_here()));
+    let waiter = r.placement.pool().balancer.node(home).state().wait_here();
+    r.home_wait = Some((until, waiter));
     Some(until)
 }
 
@@ -497,7 +470,7 @@ struct CacheAware {
 }
 
 impl Policy for CacheAware {
-    fn place(&mut self, req: Pending<'_>, view: &View<'_>) -> Result<Placement, String> {
+    fn place(&mut self, req: Pending<'_>, view: &View<'_>) -> Result<Pick, String> {
         let loads = view.loads;
         let (max, min) = (
             *loads.iter().max().unwrap_or(&0),
@@ -519,7 +492,7 @@ impl Policy for CacheAware {
             }
         };
         self.trees[engine].serve(&req.prompt.blocks);
-        Ok(Placement::plain(engine))
+        Ok(Pick::plain(engine))
     }
 }
 
@@ -531,7 +504,7 @@ struct Oracle {
 }
 
 impl Policy for Oracle {
-    fn place(&mut self, req: Pending<'_>, view: &View<'_>) -> Result<Placement, String> {
+    fn place(&mut self, req: Pending<'_>, view: &View<'_>) -> Result<Pick, String> {
         let loads = view.loads;
         let free: Vec<usize> = (0..loads.len()).filter(|&i| loads[i] < self.cap).collect();
         let best = free
@@ -546,9 +519,9 @@ impl Policy for Oracle {
             .copied()
             .min_by_key(|&i| (loads[i], view.engines[i].served, i));
         Ok(match (best, least) {
-            (Some((i, m)), _) if 2 * m > req.prompt.blocks.len() => Placement::plain(i),
-            (_, Some(i)) => Placement::plain(i),
-            _ => Placement::Wait,
+            (Some((i, m)), _) if 2 * m > req.prompt.blocks.len() => Pick::plain(i),
+            (_, Some(i)) => Pick::plain(i),
+            _ => Pick::Wait,
         })
     }
 }

@@ -1,4 +1,4 @@
-//! The data plane's vocabulary for what happened to a request: why an attempt was
+//! The vocabulary for what happened to a request: why an attempt was
 //! abandoned, and how the request ended (where it was routed is
 //! [`Route`](crate::routing::route::Route)). Each has one spelling (`as_str`), used by
 //! the logs and the metric labels; the metrics' label lists are these enums' `ALL`.

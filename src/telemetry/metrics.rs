@@ -1,10 +1,15 @@
-//! Prometheus metrics, created once and handed to the proxy. Label sets are bounded:
-//! node ids, pool names and fixed enums, never a model string from a client or a path.
-//! Per-node state (in-flight, caps, breaker, health, shunting, queues, ring sizes) is
-//! read from the current routing snapshot at scrape time, so it is always exact and a
-//! node removed by a reload disappears from the page.
+//! Prometheus metrics: one registry, and the families each component updates, handed
+//! to it when it is made: what requests did ([`RequestMetrics`], the data plane's), what
+//! the membership watcher sees ([`FleetMetrics`]) and config reloads (the control
+//! plane's). Label sets are bounded: node ids, pool names and fixed enums, never a model
+//! string from a client or a path. Node ids are unique across pools, so the per-node
+//! families carry `node` alone (the card's names); the per-request families carry
+//! `pool` too. Per-node state (in-flight, caps, breaker, health, shunting, queues, ring
+//! sizes) is read from the current routing snapshot at scrape time, so it is always
+//! exact and a node removed by a reload disappears from the page.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -13,7 +18,7 @@ use prometheus::{
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
-use crate::proxy::outcome::{FailoverReason, RequestOutcome};
+use super::outcome::{FailoverReason, RequestOutcome};
 use crate::routing::breaker::BreakerState;
 use crate::routing::route::{Route, RouteKind};
 use crate::routing::table::Table;
@@ -34,17 +39,44 @@ const QUEUE_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
 
-/// Every metric of the balancer.
+/// Every metric of the balancer: the registry and its families, by who updates them.
 pub struct Metrics {
     registry: Registry,
-    pub requests: IntCounterVec,
-    pub request_duration: HistogramVec,
+    /// The data plane's.
+    pub requests: Arc<RequestMetrics>,
+    /// The membership watcher's.
+    pub fleet: Arc<FleetMetrics>,
+    /// The control plane's: config reloads, by result.
+    pub config_reloads: IntCounterVec,
+    /// Read from the routing snapshot at each scrape.
+    snapshot: SnapshotGauges,
+}
+
+/// What requests did: the families the data plane updates.
+pub struct RequestMetrics {
+    requests: IntCounterVec,
+    request_duration: HistogramVec,
     ttft: HistogramVec,
-    in_flight: IntGaugeVec,
-    node_cap: IntGaugeVec,
     routing_decisions: IntCounterVec,
     spill_distance: Histogram,
     failovers: IntCounterVec,
+    queue_wait: HistogramVec,
+    prompt_tokens: IntCounterVec,
+    cached_prompt_tokens: IntCounterVec,
+}
+
+/// What the membership watcher sees of Redis.
+pub struct FleetMetrics {
+    /// 1 while the Redis watcher reads membership, 0 while Redis is unreachable.
+    pub redis_up: IntGauge,
+    /// `serve` replicas heartbeating in Redis, this one included.
+    pub balancer_replicas: IntGauge,
+}
+
+/// Gauges set from the routing snapshot when the page is rendered.
+struct SnapshotGauges {
+    in_flight: IntGaugeVec,
+    node_cap: IntGaugeVec,
     breaker_state: IntGaugeVec,
     breaker_transitions: IntCounterVec,
     shunt_ratio: GaugeVec,
@@ -52,15 +84,7 @@ pub struct Metrics {
     normalized_ttft_p90: GaugeVec,
     node_healthy: IntGaugeVec,
     queue_depth: IntGaugeVec,
-    queue_wait: HistogramVec,
-    pub prompt_tokens: IntCounterVec,
-    pub cached_prompt_tokens: IntCounterVec,
     ring_nodes: IntGaugeVec,
-    pub config_reloads: IntCounterVec,
-    /// 1 while the Redis watcher reads membership, 0 while Redis is unreachable.
-    pub redis_up: IntGauge,
-    /// `serve` replicas heartbeating in Redis, this one included.
-    pub balancer_replicas: IntGauge,
     engine_running: GaugeVec,
     engine_waiting: GaugeVec,
     engine_kv_cache_usage: GaugeVec,
@@ -90,7 +114,7 @@ impl Metrics {
                 m
             }};
         }
-        let metrics = Metrics {
+        let requests = RequestMetrics {
             requests: reg!(IntCounterVec::new(
                 opts("requests_total", "Requests finished, by pool, final node and outcome."),
                 &["pool", "node", "outcome"]
@@ -103,8 +127,6 @@ impl Metrics {
                 hist("ttft_seconds", "Time to first token of committed streams (upstream send to first output).", TTFT_BUCKETS),
                 &["pool", "node"]
             )),
-            in_flight: reg!(IntGaugeVec::new(opts("in_flight", "Requests reserved on a node."), &["node"])),
-            node_cap: reg!(IntGaugeVec::new(opts("node_cap", "A node's in-flight cap now."), &["node"])),
             routing_decisions: reg!(IntCounterVec::new(
                 opts("routing_decisions_total", "Where requests were sent: primary, spill, shunt, queued or fallback."),
                 &["pool", "route"]
@@ -118,6 +140,22 @@ impl Metrics {
                 opts("failovers_total", "Attempts abandoned before commit, by reason."),
                 &["pool", "reason"]
             )),
+            queue_wait: reg!(HistogramVec::new(
+                hist("queue_wait_seconds", "Time queued requests waited for a slot.", QUEUE_BUCKETS),
+                &["pool"]
+            )),
+            prompt_tokens: reg!(IntCounterVec::new(
+                opts("prompt_tokens_total", "Prompt tokens, from the engines' usage reports."),
+                &["node"]
+            )),
+            cached_prompt_tokens: reg!(IntCounterVec::new(
+                opts("cached_prompt_tokens_total", "Prompt tokens served from the engines' prefix caches (usage.prompt_tokens_details.cached_tokens)."),
+                &["node"]
+            )),
+        };
+        let snapshot = SnapshotGauges {
+            in_flight: reg!(IntGaugeVec::new(opts("in_flight", "Requests reserved on a node."), &["node"])),
+            node_cap: reg!(IntGaugeVec::new(opts("node_cap", "A node's in-flight cap now."), &["node"])),
             breaker_state: reg!(IntGaugeVec::new(
                 opts("breaker_state", "Breaker state: 0 closed, 1 open, 2 half_open, 3 recovering."),
                 &["node"]
@@ -131,32 +169,137 @@ impl Metrics {
             normalized_ttft_p90: reg!(GaugeVec::new(opts("normalized_ttft_p90", "P90 over the breaker window of TTFT divided by the TTFT the work should take (1 = as expected)."), &["node"])),
             node_healthy: reg!(IntGaugeVec::new(opts("node_healthy", "1 if the node passes its health checks."), &["node"])),
             queue_depth: reg!(IntGaugeVec::new(opts("queue_depth", "Requests waiting for a slot."), &["pool"])),
-            queue_wait: reg!(HistogramVec::new(
-                hist("queue_wait_seconds", "Time queued requests waited for a slot.", QUEUE_BUCKETS),
-                &["pool"]
-            )),
-            prompt_tokens: reg!(IntCounterVec::new(
-                opts("prompt_tokens_total", "Prompt tokens, from the engines' usage reports."),
-                &["node"]
-            )),
-            cached_prompt_tokens: reg!(IntCounterVec::new(
-                opts("cached_prompt_tokens_total", "Prompt tokens served from the engines' prefix caches (usage.prompt_tokens_details.cached_tokens)."),
-                &["node"]
-            )),
             ring_nodes: reg!(IntGaugeVec::new(opts("ring_nodes", "Nodes on a pool's ring."), &["pool"])),
-            config_reloads: reg!(IntCounterVec::new(opts("config_reloads_total", "Config reloads, by result."), &["result"])),
-            redis_up: reg!(IntGauge::with_opts(opts("redis_up", "1 while membership is read from Redis; 0 while Redis is unreachable (membership frozen as last known)."))),
-            balancer_replicas: reg!(IntGauge::with_opts(opts("balancer_replicas", "prefixlb serve replicas heartbeating in Redis, this one included (1 without Redis)."))),
             engine_running: reg!(GaugeVec::new(opts("engine_requests_running", "Sequences the engine reports running (vLLM/SGLang metrics, via its agent)."), &["pool", "node"])),
             engine_waiting: reg!(GaugeVec::new(opts("engine_requests_waiting", "Requests waiting in the engine's own queue, as it reports (via its agent)."), &["pool", "node"])),
             engine_kv_cache_usage: reg!(GaugeVec::new(opts("engine_kv_cache_usage", "Share of the engine's KV cache in use, 0-1, as it reports (via its agent)."), &["pool", "node"])),
             transitions_seen: Mutex::new(HashMap::new()),
-            registry,
         };
-        metrics.balancer_replicas.set(1);
-        metrics
+        let fleet = FleetMetrics {
+            redis_up: reg!(IntGauge::with_opts(opts("redis_up", "1 while membership is read from Redis; 0 while Redis is unreachable (membership frozen as last known)."))),
+            balancer_replicas: reg!(IntGauge::with_opts(opts("balancer_replicas", "prefixlb serve replicas heartbeating in Redis, this one included (1 without Redis)."))),
+        };
+        fleet.balancer_replicas.set(1);
+        let config_reloads = reg!(IntCounterVec::new(
+            opts("config_reloads_total", "Config reloads, by result."),
+            &["result"]
+        ));
+        Metrics {
+            registry,
+            requests: Arc::new(requests),
+            fleet: Arc::new(fleet),
+            config_reloads,
+            snapshot,
+        }
     }
 
+    /// The Prometheus text page, with snapshot-derived series refreshed first.
+    pub fn render(&self, table: &Table) -> String {
+        self.refresh(table);
+        let mut out = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        String::from_utf8(out).unwrap_or_default()
+    }
+    fn refresh(&self, table: &Table) {
+        let (g, r) = (&self.snapshot, &self.requests);
+        for g in [
+            &g.in_flight,
+            &g.node_cap,
+            &g.breaker_state,
+            &g.node_degraded,
+            &g.node_healthy,
+            &g.queue_depth,
+            &g.ring_nodes,
+        ] {
+            g.reset();
+        }
+        g.shunt_ratio.reset();
+        g.normalized_ttft_p90.reset();
+        for g in [
+            &g.engine_running,
+            &g.engine_waiting,
+            &g.engine_kv_cache_usage,
+        ] {
+            g.reset();
+        }
+        for result in ["ok", "error"] {
+            self.config_reloads.with_label_values(&[result]);
+        }
+        let mut seen = g.transitions_seen.lock();
+        for pool in &table.pools {
+            let p = pool.config.name.as_str();
+            let b = &pool.balancer;
+            g.ring_nodes
+                .with_label_values(&[p])
+                .set(b.ring().len() as i64);
+            g.queue_depth
+                .with_label_values(&[p])
+                .set(b.load().queued() as i64);
+            r.queue_wait.with_label_values(&[p]);
+            for route in RouteKind::ALL {
+                r.routing_decisions.with_label_values(&[p, route.as_str()]);
+            }
+            for reason in FailoverReason::ALL {
+                r.failovers.with_label_values(&[p, reason.as_str()]);
+            }
+            for node in b.nodes() {
+                let n = node.id();
+                let state = node.state();
+                g.in_flight
+                    .with_label_values(&[n])
+                    .set(state.in_flight() as i64);
+                g.node_cap
+                    .with_label_values(&[n])
+                    .set(b.cap_of(node) as i64);
+                g.breaker_state
+                    .with_label_values(&[n])
+                    .set(state.breaker.state() as i64);
+                g.shunt_ratio
+                    .with_label_values(&[n])
+                    .set(state.breaker.shunt_ratio());
+                g.node_degraded
+                    .with_label_values(&[n])
+                    .set(state.breaker.is_degraded() as i64);
+                if let Some(load) = state.engine_load() {
+                    for (g, v) in [
+                        (&g.engine_running, load.running),
+                        (&g.engine_waiting, load.waiting),
+                        (&g.engine_kv_cache_usage, load.kv_cache_usage),
+                    ] {
+                        if let Some(v) = v {
+                            g.with_label_values(&[p, n]).set(v);
+                        }
+                    }
+                }
+                if let Some((_, p90)) = state.breaker.summary(1) {
+                    g.normalized_ttft_p90
+                        .with_label_values(&[n])
+                        .set(p90.as_f64());
+                }
+                g.node_healthy
+                    .with_label_values(&[n])
+                    .set(state.is_healthy() as i64);
+                r.prompt_tokens.with_label_values(&[n]);
+                r.cached_prompt_tokens.with_label_values(&[n]);
+                r.ttft.with_label_values(&[p, n]);
+                for to in [
+                    BreakerState::Closed,
+                    BreakerState::Open,
+                    BreakerState::HalfOpen,
+                    BreakerState::Recovering,
+                ] {
+                    let now = state.transitions(to);
+                    let last = seen.entry((n.to_string(), to)).or_insert(0);
+                    let counter = g.breaker_transitions.with_label_values(&[n, to.as_str()]);
+                    counter.inc_by(now.saturating_sub(*last));
+                    *last = now;
+                }
+            }
+        }
+    }
+}
+
+impl RequestMetrics {
     /// Counts a finished request (node `none` when no node answered).
     pub fn observe_request(
         &self,
@@ -202,112 +345,13 @@ impl Metrics {
             .observe(waited.as_secs_f64());
     }
 
-    /// The Prometheus text page, with snapshot-derived series refreshed first.
-    pub fn render(&self, table: &Table) -> String {
-        self.refresh(table);
-        let mut out = Vec::new();
-        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
-        String::from_utf8(out).unwrap_or_default()
-    }
-
-    fn refresh(&self, table: &Table) {
-        for g in [
-            &self.in_flight,
-            &self.node_cap,
-            &self.breaker_state,
-            &self.node_degraded,
-            &self.node_healthy,
-            &self.queue_depth,
-            &self.ring_nodes,
-        ] {
-            g.reset();
-        }
-        self.shunt_ratio.reset();
-        self.normalized_ttft_p90.reset();
-        for g in [
-            &self.engine_running,
-            &self.engine_waiting,
-            &self.engine_kv_cache_usage,
-        ] {
-            g.reset();
-        }
-        for result in ["ok", "error"] {
-            self.config_reloads.with_label_values(&[result]);
-        }
-        let mut seen = self.transitions_seen.lock();
-        for pool in &table.pools {
-            let p = pool.config.name.as_str();
-            let b = &pool.balancer;
-            self.ring_nodes
-                .with_label_values(&[p])
-                .set(b.ring().len() as i64);
-            self.queue_depth
-                .with_label_values(&[p])
-                .set(b.load().queued() as i64);
-            self.queue_wait.with_label_values(&[p]);
-            for route in RouteKind::ALL {
-                self.routing_decisions
-                    .with_label_values(&[p, route.as_str()]);
-            }
-            for reason in FailoverReason::ALL {
-                self.failovers.with_label_values(&[p, reason.as_str()]);
-            }
-            for node in b.nodes() {
-                let n = node.id();
-                let state = node.state();
-                self.in_flight
-                    .with_label_values(&[n])
-                    .set(state.in_flight() as i64);
-                self.node_cap
-                    .with_label_values(&[n])
-                    .set(b.cap_of(node) as i64);
-                self.breaker_state
-                    .with_label_values(&[n])
-                    .set(state.breaker.state() as i64);
-                self.shunt_ratio
-                    .with_label_values(&[n])
-                    .set(state.breaker.shunt_ratio());
-                self.node_degraded
-                    .with_label_values(&[n])
-                    .set(state.breaker.is_degraded() as i64);
-                if let Some(load) = state.engine_load() {
-                    for (g, v) in [
-                        (&self.engine_running, load.running),
-                        (&self.engine_waiting, load.waiting),
-                        (&self.engine_kv_cache_usage, load.kv_cache_usage),
-                    ] {
-                        if let Some(v) = v {
-                            g.with_label_values(&[p, n]).set(v);
-                        }
-                    }
-                }
-                if let Some((_, p90)) = state.breaker.summary(1) {
-                    self.normalized_ttft_p90
-                        .with_label_values(&[n])
-                        .set(p90.as_f64());
-                }
-                self.node_healthy
-                    .with_label_values(&[n])
-                    .set(state.is_healthy() as i64);
-                self.prompt_tokens.with_label_values(&[n]);
-                self.cached_prompt_tokens.with_label_values(&[n]);
-                self.ttft.with_label_values(&[p, n]);
-                for to in [
-                    BreakerState::Closed,
-                    BreakerState::Open,
-                    BreakerState::HalfOpen,
-                    BreakerState::Recovering,
-                ] {
-                    let now = state.transitions(to);
-                    let last = seen.entry((n.to_string(), to)).or_insert(0);
-                    let counter = self
-                        .breaker_transitions
-                        .with_label_values(&[n, to.as_str()]);
-                    counter.inc_by(now.saturating_sub(*last));
-                    *last = now;
-                }
-            }
-        }
+    /// Counts a request's prompt tokens and those its engine served from cache, as the
+    /// engine reported them.
+    pub fn count_tokens(&self, node: &str, prompt: u64, cached: u64) {
+        self.prompt_tokens.with_label_values(&[node]).inc_by(prompt);
+        self.cached_prompt_tokens
+            .with_label_values(&[node])
+            .inc_by(cached);
     }
 }
 

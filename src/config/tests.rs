@@ -1,0 +1,180 @@
+//! The config's tests: defaults, every validation error at file:line:col, and the shipped example.
+
+use super::*;
+
+const MIN: &str = r#"
+[[pools]]
+name = "llama"
+nodes = [{ id = "a", url = "http://127.0.0.1:8001" }]
+"#;
+
+fn err(text: &str) -> ConfigError {
+    Config::parse(text, "t.toml").unwrap_err()
+}
+
+#[test]
+fn minimal_config_gets_documented_defaults() {
+    let c = Config::parse(MIN, "t.toml").unwrap();
+    assert_eq!(c.server.listen.to_string(), "0.0.0.0:8080");
+    assert_eq!(c.server.admin_listen.to_string(), "127.0.0.1:9091");
+    assert_eq!(c.server.max_body_bytes, 16 << 20);
+    assert_eq!(c.server.request_timeout, Duration::from_secs(600));
+    assert_eq!(c.routing.key, KeyMode::Hybrid);
+    assert_eq!(c.routing.prefix_chars, 1024);
+    assert_eq!(c.routing.vnodes, 160);
+    assert_eq!(c.routing.max_in_flight, 4);
+    assert_eq!(c.routing.max_attempts, 3);
+    assert_eq!(c.routing.max_queue, 1024);
+    assert_eq!(c.routing.when_saturated, WhenSaturated::Queue);
+    assert_eq!(c.pools[0].models, vec!["llama".to_string()]);
+    assert_eq!(c.pools[0].nodes[0].weight, 1);
+}
+
+#[test]
+fn shipped_example_is_valid() {
+    let text = include_str!("../../config/prefixlb.toml");
+    let c = Config::parse(text, "config/prefixlb.toml").unwrap();
+    assert_eq!(c.routing.vnodes, 160);
+}
+
+#[test]
+fn unknown_key_is_located() {
+    let e = err("[routing]\nvnodes = 10\nmax_inflight = 3\n[[pools]]\nname=\"p\"\nnodes=[{id=\"a\",url=\"http://h:1\"}]\n");
+    assert_eq!((e.line, e.col), (3, 1), "{e}");
+    assert!(e.message.contains("unknown field `max_inflight`"), "{e}");
+    assert!(e.to_string().starts_with("t.toml:3:1: "));
+}
+
+#[test]
+fn semantic_errors_point_at_the_value() {
+    let dup = err("[[pools]]\nname=\"p\"\nnodes=[{id=\"a\",url=\"http://h:1\"},{id=\"a\",url=\"http://h:2\"}]\n");
+    assert_eq!(dup.line, 3);
+    assert!(dup.message.contains("duplicate node id"), "{dup}");
+
+    let url = err("[[pools]]\nname=\"p\"\n[[pools.nodes]]\nid=\"a\"\nurl=\"h:1:2\"\n");
+    assert_eq!((url.line, url.col), (5, 5), "{url}");
+
+    let w = err("[[pools]]\nname=\"p\"\n[[pools.nodes]]\nid=\"a\"\nurl=\"http://h:1\"\nweight=0\n");
+    assert_eq!(w.line, 6);
+    assert!(w.message.contains("weight 0"), "{w}");
+
+    let fb =
+        err("[[pools]]\nname=\"p\"\nfallbacks=[\"q\"]\nnodes=[{id=\"a\",url=\"http://h:1\"}]\n");
+    assert_eq!(fb.line, 3);
+    assert!(fb.message.contains("names no pool"), "{fb}");
+
+    let d = err("[server]\nrequest_timeout=\"10 parsecs\"\n[[pools]]\nname=\"p\"\nnodes=[{id=\"a\",url=\"http://h:1\"}]\n");
+    assert_eq!(d.line, 2);
+    assert!(d.message.contains("unit"), "{d}");
+
+    let none = err("[routing]\nvnodes=1\n");
+    assert!(none.message.contains("no [[pools]]"), "{none}");
+
+    let lf = err("[routing]\nload_factor=0.5\n[[pools]]\nname=\"p\"\nnodes=[{id=\"a\",url=\"http://h:1\"}]\n");
+    assert_eq!(lf.line, 2);
+}
+
+#[test]
+fn the_breaker_judges_normalized_ttft() {
+    let b = Config::parse(MIN, "t.toml").unwrap().breaker;
+    assert_eq!((b.slow_factor, b.max_ejected_share), (3.0, 0.5));
+    assert_eq!(b.slow_ttft, Duration::from_secs(1));
+    // A config written for raw-TTFT shunt steps says what replaced them.
+    let old = err(&format!(
+        "[breaker]\nshunt_steps = [{{ p90 = \"2s\", divert = 0.2 }}]\n{MIN}"
+    ));
+    assert_eq!(old.line, 2);
+    assert!(old.message.contains("over_pool"), "{old}");
+    let share = err(&format!("[breaker]\nmax_ejected_share = 1.5\n{MIN}"));
+    assert!(share.message.contains("max_ejected_share 1.5"), "{share}");
+    let factor = err(&format!("[breaker]\nslow_factor = 0.5\n{MIN}"));
+    assert!(factor.message.contains("slow_factor 0.5"), "{factor}");
+}
+
+#[test]
+fn secrets_never_print() {
+    let c = Config::parse(
+        &format!("[server]\nadmin_token = \"tok-3f9a\"\n{MIN}"),
+        "t.toml",
+    )
+    .unwrap();
+    let shown = format!("{c:?}");
+    assert!(!shown.contains("tok-3f9a"), "{shown}");
+    assert!(c.server.admin_token.unwrap().matches(b"tok-3f9a"));
+}
+
+#[test]
+fn values_are_bounded_where_they_are_written() {
+    for (line, key) in [
+        ("[server]\nrequest_timeout = \"1e999s\"", "unit"),
+        (
+            "[server]\nrequest_timeout = \"99999999999999999999999s\"",
+            "limit",
+        ),
+        ("[server]\nconnect_timeout = \"8d\"", "unit"),
+        (
+            "[server]\nmax_body_bytes = 99999999999999",
+            "max_body_bytes",
+        ),
+        ("[server]\nmax_connections = 0", "max_connections"),
+        ("[routing]\nmax_attempts = 100", "max_attempts"),
+        ("[routing]\nprefix_chars = 9999999999", "prefix_chars"),
+        ("[breaker]\nmin_samples = 100000", "min_samples"),
+        ("[health]\nunhealthy_after = 0", "unhealthy_after"),
+        ("[routing]\nextra_paths = [\"v1/x\"]", "extra_paths"),
+    ] {
+        let e = err(&format!("{line}\n{MIN}"));
+        assert_eq!(e.line, 2, "{line}: {e}");
+        assert!(e.message.contains(key), "{line}: {e}");
+    }
+    assert_eq!(
+        parse_duration("168h").unwrap(),
+        MAX_DURATION,
+        "7 days is the limit"
+    );
+    assert!(parse_duration("169h").is_err());
+}
+
+#[test]
+fn api_keys_come_from_a_file_and_the_environment() {
+    let dir = std::env::temp_dir().join(format!("prefixlb-keys-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("keys"), "# comment\n  k1  \n\nk2\n").unwrap();
+    std::env::set_var("PREFIXLB_UNIT_KEYS", "k3,k4 k5");
+    let text =
+        format!("[auth]\napi_keys_file = \"keys\"\napi_keys_env = \"PREFIXLB_UNIT_KEYS\"\n{MIN}");
+    let file = dir.join("c.toml");
+    let c = Config::parse(&text, file.to_str().unwrap()).unwrap();
+    assert_eq!(c.auth.keys.len(), 5);
+    for k in ["k1", "k2", "k3", "k5"] {
+        assert!(c.auth.admits(Some(format!("Bearer {k}").as_bytes())), "{k}");
+    }
+    assert!(!c.auth.admits(Some(b"Bearer k6")));
+    assert!(!c.auth.admits(Some(b"k1")), "the Bearer scheme is required");
+    assert!(!c.auth.admits(None));
+    assert!(
+        Config::parse(MIN, "t").unwrap().auth.admits(None),
+        "no keys: open"
+    );
+    let missing = err(&format!("[auth]\napi_keys_file = \"nope\"\n{MIN}"));
+    assert_eq!(missing.line, 2);
+    let unset = err(&format!(
+        "[auth]\napi_keys_env = \"PREFIXLB_UNSET_VAR_1\"\n{MIN}"
+    ));
+    assert!(unset.message.contains("not set"), "{unset}");
+}
+
+#[test]
+fn upstream_uri_keeps_base_path() {
+    let n = NodeConfig {
+        id: "a".into(),
+        url: "http://h:8000/engine/".parse().unwrap(),
+        weight: 1,
+    };
+    assert_eq!(
+        n.upstream_uri("/v1/chat/completions?x=1")
+            .unwrap()
+            .to_string(),
+        "http://h:8000/engine/v1/chat/completions?x=1"
+    );
+}

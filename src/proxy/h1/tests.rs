@@ -1,0 +1,235 @@
+//! Engine-side HTTP/1.1 framing as pure functions: heads, lengths, chunked bodies,
+//! split at every byte.
+
+use super::*;
+use proptest::prelude::*;
+
+fn head(text: &str) -> Result<Option<ResponseHead>, WireError> {
+    parse_response(&mut BytesMut::from(text), &Method::POST)
+}
+
+#[test]
+fn a_request_head_carries_host_headers_and_length() {
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    let mut out = Vec::new();
+    let host = HeaderValue::from_static("10.0.0.7:8000");
+    encode_request(
+        &Method::POST,
+        "/v1/chat/completions",
+        &host,
+        &headers,
+        17,
+        &mut out,
+    );
+    assert_eq!(
+        String::from_utf8(out).unwrap(),
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: 10.0.0.7:8000\r\n\
+         content-type: application/json\r\ncontent-length: 17\r\n\r\n"
+    );
+    let mut out = Vec::new();
+    encode_request(
+        &Method::GET,
+        "/v1/models",
+        &host,
+        &HeaderMap::new(),
+        0,
+        &mut out,
+    );
+    assert!(!String::from_utf8(out).unwrap().contains("content-length"));
+}
+
+#[test]
+fn a_head_is_parsed_with_its_framing_and_the_rest_left() {
+    let mut buf = BytesMut::from(
+        "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello",
+    );
+    let h = parse_response(&mut buf, &Method::POST).unwrap().unwrap();
+    assert_eq!(h.parts.status, StatusCode::OK);
+    assert_eq!(h.parts.headers[header::CONTENT_TYPE], "text/event-stream");
+    assert_eq!(h.framing, Framing::Chunked);
+    assert!(h.reusable);
+    assert_eq!(&buf[..], b"5\r\nhello");
+}
+
+#[test]
+fn framing_follows_rfc_9112() {
+    let framing = |t: &str| head(t).unwrap().unwrap().framing;
+    assert_eq!(
+        framing("HTTP/1.1 200 OK\r\ncontent-length: 12\r\n\r\n"),
+        Framing::Length(12)
+    );
+    assert_eq!(
+        framing("HTTP/1.1 200 OK\r\ncontent-length: 3, 3\r\n\r\n"),
+        Framing::Length(3)
+    );
+    assert_eq!(
+        framing("HTTP/1.1 204 No Content\r\ncontent-length: 9\r\n\r\n"),
+        Framing::Empty
+    );
+    assert_eq!(framing("HTTP/1.1 200 OK\r\n\r\n"), Framing::UntilClose);
+    assert_eq!(
+        framing("HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\ncontent-length: 4\r\n\r\n"),
+        Framing::Chunked
+    );
+    assert_eq!(
+        framing("HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n"),
+        Framing::UntilClose
+    );
+    let mut buf = BytesMut::from("HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n");
+    let h = parse_response(&mut buf, &Method::HEAD).unwrap().unwrap();
+    assert_eq!(h.framing, Framing::Empty);
+}
+
+#[test]
+fn close_and_http_1_0_are_not_reused() {
+    let reusable = |t: &str| head(t).unwrap().unwrap().reusable;
+    assert!(!reusable(
+        "HTTP/1.1 200 OK\r\nconnection: keep-alive, Close\r\ncontent-length: 0\r\n\r\n"
+    ));
+    assert!(!reusable("HTTP/1.0 200 OK\r\ncontent-length: 0\r\n\r\n"));
+    assert!(!reusable("HTTP/1.1 200 OK\r\n\r\n"));
+    assert!(reusable("HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"));
+}
+
+#[test]
+fn a_head_with_many_fields_parses_and_one_with_too_many_is_an_error() {
+    let fields = |n: usize| {
+        (0..n)
+            .map(|i| format!("x-f{i}: {i}\r\n"))
+            .collect::<String>()
+    };
+    let h = head(&format!(
+        "HTTP/1.1 200 OK\r\n{}content-length: 0\r\n\r\n",
+        fields(100)
+    ))
+    .unwrap()
+    .unwrap();
+    assert_eq!(h.parts.headers.len(), 101);
+    assert_eq!(h.parts.headers["x-f99"], "99");
+    let err = head(&format!(
+        "HTTP/1.1 200 OK\r\n{}\r\n",
+        fields(MAX_HEADERS + 1)
+    ))
+    .unwrap_err();
+    assert_eq!(err, WireError::Head("too many headers".into()));
+}
+
+#[test]
+fn interim_responses_are_skipped() {
+    let h = head("HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\nHTTP/1.1 201 Created\r\ncontent-length: 0\r\n\r\n")
+        .unwrap()
+        .unwrap();
+    assert_eq!(h.parts.status, StatusCode::CREATED);
+}
+
+#[test]
+fn bad_heads_are_errors_and_partial_ones_wait() {
+    assert!(head("HTTP/1.1 200 OK\r\ncontent-le").unwrap().is_none());
+    assert!(matches!(
+        head("SSH-2.0-OpenSSH\r\n\r\n"),
+        Err(WireError::Head(_))
+    ));
+    assert_eq!(
+        head("HTTP/1.1 200 OK\r\ncontent-length: 3\r\ncontent-length: 4\r\n\r\n").err(),
+        Some(WireError::BadLength)
+    );
+    assert_eq!(
+        head("HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n").err(),
+        Some(WireError::BadLength)
+    );
+    let long = format!("HTTP/1.1 200 OK\r\nx: {}", "a".repeat(MAX_HEAD_BYTES));
+    assert_eq!(head(&long).err(), Some(WireError::HeadTooLarge));
+}
+
+/// Decodes `wire` fed in pieces cut at `cuts`: the body, or the first error.
+fn decode_in_pieces(wire: &[u8], cuts: &[usize]) -> Result<(Vec<u8>, bool), WireError> {
+    let mut dec = Chunked::default();
+    let mut buf = BytesMut::new();
+    let mut body = Vec::new();
+    let mut bounds: Vec<usize> = cuts.iter().map(|c| c % (wire.len() + 1)).collect();
+    bounds.push(wire.len());
+    bounds.sort_unstable();
+    let mut fed = 0;
+    for b in bounds {
+        buf.extend_from_slice(&wire[fed..b]);
+        fed = b;
+        loop {
+            match dec.decode(&mut buf)? {
+                Decoded::Data(d) => body.extend_from_slice(&d),
+                Decoded::NeedMore => break,
+                Decoded::End => return Ok((body, buf.is_empty())),
+            }
+        }
+    }
+    Ok((body, false))
+}
+
+fn chunked(pieces: &[Vec<u8>]) -> Vec<u8> {
+    let mut wire = Vec::new();
+    for p in pieces.iter().filter(|p| !p.is_empty()) {
+        wire.extend_from_slice(format!("{:x};ext=1\r\n", p.len()).as_bytes());
+        wire.extend_from_slice(p);
+        wire.extend_from_slice(b"\r\n");
+    }
+    wire.extend_from_slice(b"0\r\nx-trailer: 1\r\n\r\n");
+    wire
+}
+
+proptest! {
+    #[test]
+    fn a_chunked_body_decodes_the_same_however_it_arrives(
+        pieces in prop::collection::vec(prop::collection::vec(any::<u8>(), 0..300), 0..8),
+        cuts in prop::collection::vec(any::<usize>(), 0..12),
+    ) {
+        let wire = chunked(&pieces);
+        let (body, all_used) = decode_in_pieces(&wire, &cuts).unwrap();
+        prop_assert_eq!(body, pieces.concat());
+        prop_assert!(all_used);
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic_the_decoder(
+        wire in prop::collection::vec(any::<u8>(), 0..400),
+        cuts in prop::collection::vec(any::<usize>(), 0..6),
+    ) {
+        let _ = decode_in_pieces(&wire, &cuts);
+        let _ = parse_response(&mut BytesMut::from(&wire[..]), &Method::POST);
+    }
+}
+
+#[test]
+fn bad_chunks_are_errors() {
+    let err = |w: &str| decode_in_pieces(w.as_bytes(), &[]).err();
+    assert_eq!(
+        err("zz\r\n"),
+        Some(WireError::BadChunk("chunk size is not hex"))
+    );
+    assert_eq!(
+        err("3\r\nabcX\r\n"),
+        Some(WireError::BadChunk("no CRLF after chunk data"))
+    );
+    assert_eq!(
+        err("11111111111111111\r\n"),
+        Some(WireError::BadChunk("chunk size overflows"))
+    );
+    assert_eq!(
+        err("3\nabc"),
+        Some(WireError::BadChunk("line not ended by CRLF"))
+    );
+    let long = format!("1{}", " ".repeat(MAX_CHUNK_LINE + 1));
+    assert_eq!(
+        err(&long),
+        Some(WireError::BadChunk("chunk-size line too long"))
+    );
+    let trailers = format!("0\r\n{}", "x: y\r\n".repeat(MAX_TRAILER_BYTES / 6 + 1));
+    assert_eq!(err(&trailers), Some(WireError::TrailersTooLarge));
+    // A body cut short is not an error here: the reader sees the connection end.
+    assert_eq!(
+        decode_in_pieces(b"5\r\nab", &[]).unwrap(),
+        (b"ab".to_vec(), false)
+    );
+}

@@ -1,0 +1,178 @@
+//! The engine connection pool and the engine's body, over loopback sockets.
+
+use super::*;
+use http_body_util::BodyExt;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use tokio::io::AsyncReadExt;
+use tokio::net::TcpListener;
+
+/// An HTTP/1.1 server that answers every request on a connection with `answer`
+/// (then closes it if `close`), counting connections accepted.
+async fn engine_answering(answer: &'static [u8], close: bool) -> (Authority, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        loop {
+            let (mut s, _) = listener.accept().await.unwrap();
+            count.fetch_add(1, SeqCst);
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                loop {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(_) => {
+                            if s.write_all(answer).await.is_err() || close {
+                                return;
+                            }
+                        }
+                    }
+                }
+            });
+        }
+    });
+    (addr.to_string().parse().unwrap(), accepted)
+}
+
+async fn engine() -> (Authority, Arc<AtomicUsize>) {
+    engine_answering(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", false).await
+}
+
+static BODY: Bytes = Bytes::from_static(b"{}");
+static HOST: HeaderValue = HeaderValue::from_static("engine");
+
+async fn send(
+    up: &Arc<Upstream>,
+    authority: &Authority,
+) -> Result<Response<EngineBody>, UpstreamError> {
+    let headers = HeaderMap::new();
+    let req = Outgoing {
+        method: &Method::POST,
+        target: "/x",
+        host: &HOST,
+        headers: &headers,
+        body: &BODY,
+    };
+    up.send(authority, req).await
+}
+
+/// One request on `up`, its body read and the connection handed back.
+async fn round_trip(up: &Arc<Upstream>, authority: &Authority) -> Bytes {
+    let mut body = send(up, authority).await.unwrap().into_body();
+    let mut data = BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        data.extend_from_slice(&frame.unwrap().into_data().unwrap());
+    }
+    body.release();
+    data.freeze()
+}
+
+#[tokio::test]
+async fn a_released_connection_carries_the_next_request() {
+    let (authority, accepted) = engine().await;
+    let up = Upstream::new(Duration::from_secs(1), Duration::from_secs(4));
+    for _ in 0..3 {
+        assert_eq!(&round_trip(&up, &authority).await[..], b"ok");
+    }
+    assert_eq!(accepted.load(SeqCst), 1);
+    assert_eq!(up.idle_count(), 1);
+}
+
+#[tokio::test]
+async fn a_chunked_body_is_decoded_and_its_connection_reused() {
+    let answer =
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n\
+                   6\r\ndata: \r\n4\r\nhi\n\n\r\n0\r\n\r\n";
+    let (authority, accepted) = engine_answering(answer, false).await;
+    let up = Upstream::new(Duration::from_secs(1), Duration::from_secs(4));
+    for _ in 0..2 {
+        assert_eq!(&round_trip(&up, &authority).await[..], b"data: hi\n\n");
+    }
+    assert_eq!(accepted.load(SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_connection_the_engine_closed_is_not_reused() {
+    let (authority, accepted) =
+        engine_answering(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", true).await;
+    let up = Upstream::new(Duration::from_secs(1), Duration::from_secs(4));
+    for _ in 0..3 {
+        assert_eq!(&round_trip(&up, &authority).await[..], b"ok");
+        // Let the engine's close reach us before the next checkout.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(accepted.load(SeqCst), 3);
+}
+
+#[tokio::test]
+async fn a_body_cut_short_is_an_error_and_its_connection_closed() {
+    let (authority, _) =
+        engine_answering(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort", true).await;
+    let up = Upstream::new(Duration::from_secs(1), Duration::from_secs(4));
+    let mut body = send(&up, &authority).await.unwrap().into_body();
+    assert_eq!(
+        &body.frame().await.unwrap().unwrap().into_data().unwrap()[..],
+        b"short"
+    );
+    let err = body.frame().await.unwrap().unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "connection closed before the body was complete"
+    );
+    body.release();
+    assert_eq!(up.idle_count(), 0);
+}
+
+#[tokio::test]
+async fn a_malformed_head_is_an_error_naming_it() {
+    let (authority, _) = engine_answering(b"SSH-2.0-OpenSSH_9.6\r\n\r\n", true).await;
+    let up = Upstream::new(Duration::from_secs(1), Duration::from_secs(4));
+    let err = send(&up, &authority).await.err().unwrap();
+    assert!(
+        err.to_string().starts_with("malformed response head"),
+        "{err}"
+    );
+    let (authority, _) = engine_answering(b"HTTP/1.1 200 OK\r\ncontent-le", true).await;
+    let err = send(&up, &authority).await.err().unwrap();
+    assert_eq!(
+        err.to_string(),
+        "connection closed before the response head"
+    );
+}
+
+#[tokio::test]
+async fn a_dropped_body_closes_its_connection_and_expired_ones_go() {
+    let (authority, accepted) = engine().await;
+    let up = Upstream::new(Duration::from_secs(1), Duration::from_millis(50));
+    drop(send(&up, &authority).await.unwrap());
+    round_trip(&up, &authority).await;
+    assert_eq!(accepted.load(SeqCst), 2);
+    tokio::time::sleep(Duration::from_millis(80)).await;
+    let _unreleased = send(&up, &authority).await.unwrap();
+    assert_eq!(accepted.load(SeqCst), 3);
+    assert_eq!(up.idle_count(), 0);
+}
+
+#[tokio::test]
+async fn a_sweep_forgets_expired_connections_and_empty_engines() {
+    let (authority, _) = engine().await;
+    let up = Upstream::new(Duration::from_secs(1), Duration::from_millis(50));
+    round_trip(&up, &authority).await;
+    up.sweep();
+    assert_eq!(up.idle_count(), 1, "still fresh");
+    tokio::time::sleep(Duration::from_millis(80)).await;
+    up.sweep();
+    assert_eq!(up.idle_count(), 0);
+    assert!(up.idle.lock().is_empty());
+}
+
+#[tokio::test]
+async fn refused_connections_are_an_error_naming_the_cause() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let authority: Authority = listener.local_addr().unwrap().to_string().parse().unwrap();
+    drop(listener);
+    let up = Upstream::new(Duration::from_secs(1), Duration::from_secs(4));
+    let err = send(&up, &authority).await.err().unwrap();
+    assert!(err.to_string().starts_with("tcp connect error"), "{err}");
+}

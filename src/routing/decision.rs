@@ -1,0 +1,390 @@
+//! One way to place a request. [`Table::place`] turns a request (path, key header,
+//! body) into a [`Placement`] in the first pool that serves it: its facts, its key's
+//! hash and grouping there, the walk's target (its home, or a new conversation's
+//! placement) and what leaving its home would cost. Admission asks the placement for a
+//! node; the node chosen becomes a [`Ticket`] that carries the decision to its end:
+//! [`Ticket::settle`] when the answer commits (the breaker's outcome, the home),
+//! [`Ticket::finish`] when it ends (the stream's latency judged and what the request
+//! teaches learned, in one call). A ticket dropped unsettled records a neutral
+//! outcome, so a half-open trial is never leaked. The proxy, `prefixlb route` and
+//! `/admin/explain`, the simulator and the benches all go through here.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::breaker::Outcome;
+use super::cost::Stakes;
+use super::facts::{self, Api, RequestFacts};
+use super::group::Grouping;
+use super::key;
+use super::node::{Node, Prefilling, Reservation};
+use super::table::{PlaceError, Pool, PoolError, Table};
+use super::walk::{Choice, Peek, Target, Walk};
+use super::Mode;
+use crate::config::WhenSaturated;
+
+/// A request placed in one pool: everything admission and the explanation need.
+#[derive(Debug)]
+pub struct Placement {
+    pub api: Api,
+    pub facts: RequestFacts,
+    /// The key's hash in this pool, and how it is grouped.
+    pub hash: u64,
+    pub grouping: Grouping<u64>,
+    /// Where the walk starts.
+    pub target: Target,
+    /// What leaving its home would cost it, and what it should find there.
+    pub stakes: Stakes,
+    /// The node this balancer remembers as the conversation's home, if any.
+    pub home: Option<usize>,
+    pool: Arc<Pool>,
+    /// The request's own pool, and this pool's place in its chain (0: the own pool,
+    /// `k`: its `k`-th fallback).
+    own: usize,
+    at: usize,
+    mode: Mode,
+    /// Homes are remembered and learned (off for the simulator's plain bounded walk).
+    homes: bool,
+}
+
+impl Table {
+    /// Places a request: its pool (by `model`, then the first of the pool and its
+    /// fallbacks that can serve it: a request asking for reasoning skips pools with
+    /// `supports_thinking = false`), its key and hash there, and the walk's target.
+    /// `mode` says whether the decision counts (see [`Mode`]).
+    pub fn place(
+        &self,
+        path: &str,
+        header_key: Option<&[u8]>,
+        body: &[u8],
+        mode: Mode,
+    ) -> Result<Placement, PlaceError> {
+        let api = Api::from_path(path);
+        let envelope = facts::read(api, body)?;
+        let own = self.pool_for(envelope.as_ref().and_then(|e| e.model()))?;
+        let prefixes = &self.pools[own].balancer.load().prefixes;
+        let facts = key::facts_of(
+            api,
+            body,
+            envelope.as_ref(),
+            header_key,
+            self.key_spec(),
+            Some((prefixes, mode)),
+        );
+        let Some((at, pool)) = self.serving_pool(own, 0, &facts) else {
+            return Err(PlaceError::Pool(PoolError::NoThinking {
+                pool: self.pools[own].config.name.clone(),
+            }));
+        };
+        Ok(Placement::new(self, api, facts, own, at, pool, mode))
+    }
+
+    /// The first pool of `own`'s chain, from position `from` on, that serves a request
+    /// with these facts, with its position in the chain.
+    fn serving_pool(
+        &self,
+        own: usize,
+        from: usize,
+        facts: &RequestFacts,
+    ) -> Option<(usize, usize)> {
+        let chain = std::iter::once(Some(own)).chain(
+            self.pools[own]
+                .config
+                .fallbacks
+                .iter()
+                .map(|name| self.pools.iter().position(|p| p.config.name == *name)),
+        );
+        chain
+            .enumerate()
+            .skip(from)
+            .filter_map(|(at, pool)| Some((at, pool?)))
+            .find(|&(_, pool)| !facts.wants_thinking || self.pools[pool].config.supports_thinking)
+    }
+}
+
+impl Placement {
+    fn new(
+        table: &Table,
+        api: Api,
+        facts: RequestFacts,
+        own: usize,
+        at: usize,
+        index: usize,
+        mode: Mode,
+    ) -> Placement {
+        let pool = table.pools[index].clone();
+        let (hash, grouping) =
+            key::key_hashes(&pool.config.name, &facts, table.config.routing.hash_seed);
+        let b = &pool.balancer;
+        let home = b.home_of(hash);
+        let stakes = Stakes::of(&facts, grouping, home.is_some());
+        let keyed = b.target(hash, grouping, mode);
+        let target = b.place(keyed, home, facts.turn_seen(), stakes.own_tokens);
+        Placement {
+            api,
+            facts,
+            hash,
+            grouping,
+            target,
+            stakes,
+            home,
+            pool,
+            own,
+            at,
+            mode,
+            homes: true,
+        }
+    }
+
+    /// The same request placed in the next pool of its chain that serves it (its
+    /// fallbacks, in order), if any: when this pool has no node to offer.
+    pub fn fallback(&self, table: &Table) -> Option<Placement> {
+        let (at, index) = table.serving_pool(self.own, self.at + 1, &self.facts)?;
+        let next = Placement::new(
+            table,
+            self.api,
+            self.facts.clone(),
+            self.own,
+            at,
+            index,
+            self.mode,
+        );
+        Some(next.with_homes(self.homes))
+    }
+
+    /// The plain bounded walk: the key's own order, no homes remembered or learned
+    /// (the simulator's `chwbl` and `consistent_hash`).
+    pub fn without_homes(self) -> Placement {
+        self.with_homes(false)
+    }
+
+    fn with_homes(mut self, homes: bool) -> Placement {
+        if !homes {
+            self.target.first = None;
+            self.stakes.guessed = false;
+            self.homes = false;
+        }
+        self
+    }
+
+    /// The pool it is placed in.
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.pool
+    }
+
+    /// The index of the request's own pool (the one its `model` names).
+    pub fn own_pool(&self) -> usize {
+        self.own
+    }
+
+    /// It left its own pool for a fallback.
+    pub fn is_fallback(&self) -> bool {
+        self.at > 0
+    }
+
+    /// Whether it joins the pool's queue before walking (see [`Balancer::joins_queue`]).
+    ///
+    /// [`Balancer::joins_queue`]: super::walk::Balancer::joins_queue
+    pub fn joins_queue(&self, when_saturated: WhenSaturated, tried: &[usize]) -> bool {
+        self.pool.balancer.joins_queue(when_saturated, tried)
+    }
+
+    /// Reserves the first willing node of its walk, skipping `tried`.
+    pub fn choose(&self, tried: &[usize], now: Instant) -> Walk {
+        debug_assert!(self.mode.counts(), "an explanation reserves nothing");
+        self.pool.balancer.choose(self.target, tried, now)
+    }
+
+    /// The node [`Placement::choose`] would take now, changing nothing.
+    pub fn peek(&self, tried: &[usize], now: Instant) -> Peek {
+        self.pool.balancer.peek(self.target, tried, now)
+    }
+
+    /// Overcommits the least loaded willing node (`when_saturated = "least_loaded"`).
+    pub fn choose_least_loaded(&self, tried: &[usize]) -> Option<Choice> {
+        self.pool.balancer.choose_least_loaded(self.target, tried)
+    }
+
+    /// Whether to wait for its full home instead of taking `spill`, and for how long
+    /// at most: `(home, budget)` (see [`super::cost::wait_budget`]).
+    pub fn home_wait(&self, spill: usize) -> Option<(usize, Duration)> {
+        self.pool
+            .balancer
+            .home_wait(self.target, &self.stakes, spill)
+    }
+
+    /// The ticket of an admitted node: its estimated uncached prompt counts in the
+    /// node's prefill backlog from `now` until the answer commits.
+    pub fn ticket(&self, choice: Choice, now: Instant) -> Ticket {
+        let node = choice.reservation.node().clone();
+        let uncached_estimate = uncached_estimate(&self.facts, &self.stakes, choice.distance);
+        let prefilling = node.start_prefill(uncached_estimate);
+        Ticket {
+            pool: self.pool.clone(),
+            index: choice.index,
+            distance: choice.distance,
+            shunted: choice.shunted,
+            trial: choice.trial,
+            reservation: Some(choice.reservation),
+            target: self.target,
+            stakes: self.stakes,
+            since: now,
+            uncached_estimate,
+            prefilling: Some(prefilling),
+            ahead: 0,
+            settled: false,
+            mode: self.mode,
+            homes: self.homes,
+        }
+    }
+}
+
+/// A request's uncached prompt tokens on the node chosen, as estimated before it goes:
+/// at its home (the walk's first node) what it should find cached there (its history,
+/// or its group's prefix) is left out; anywhere else all of it.
+fn uncached_estimate(facts: &RequestFacts, stakes: &Stakes, distance: usize) -> u32 {
+    let prompt = facts.tokens.prompt;
+    if distance > 0 {
+        return prompt;
+    }
+    let cached = (stakes.expect * f64::from(prompt)) as u32;
+    prompt.saturating_sub(cached.max(stakes.group_tokens))
+}
+
+/// What an engine reported of a request's prompt (`usage`; zeros when it did not).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub cached_tokens: u32,
+}
+
+/// One admitted node, from its slot taken to the request's end: the slot, the health
+/// outcome owed to its breaker, and what the pool learns when the request finishes.
+#[derive(Debug)]
+pub struct Ticket {
+    pool: Arc<Pool>,
+    pub(super) index: usize,
+    distance: usize,
+    shunted: bool,
+    /// It is the node's half-open trial: its outcome must be recorded.
+    trial: bool,
+    reservation: Option<Reservation>,
+    pub(super) target: Target,
+    pub(super) stakes: Stakes,
+    /// When its slot was taken.
+    pub(super) since: Instant,
+    /// Its uncached prompt tokens as estimated when sent.
+    uncached_estimate: u32,
+    /// Its place in the node's prefill backlog, until it commits.
+    prefilling: Option<Prefilling>,
+    /// Estimated prompt tokens other streams had to prefill on its node before it
+    /// (read when it commits).
+    pub(super) ahead: u32,
+    /// The breaker's outcome was recorded.
+    settled: bool,
+    mode: Mode,
+    homes: bool,
+}
+
+impl Ticket {
+    /// The pool it was admitted in.
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.pool
+    }
+
+    /// The node, and its index in the pool.
+    pub fn node(&self) -> &Node {
+        self.pool.balancer.node(self.index)
+    }
+
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// Its position in the key's walk (0 = primary), and whether an earlier node
+    /// shunted the key here.
+    pub fn distance(&self) -> usize {
+        self.distance
+    }
+
+    pub fn shunted(&self) -> bool {
+        self.shunted
+    }
+
+    /// The attempt ended before anything went to the client: `Failure` counts against
+    /// the node, `Neutral` (the engine was busy) does not. The slot goes back.
+    pub fn fail(mut self, outcome: Outcome, now: Instant) {
+        self.record(outcome, now);
+    }
+
+    /// The answer commits: the node served (a trial's success starts its canary), the
+    /// request's place in the prefill backlog is read and left, and the conversation
+    /// is at home where it settled.
+    pub fn settle(&mut self, now: Instant) {
+        self.record(Outcome::Success, now);
+        if let Some(p) = self.prefilling.take() {
+            self.ahead = p.ahead();
+        }
+        if self.homes {
+            self.pool
+                .balancer
+                .settle(self.target, self.index, self.distance);
+        }
+    }
+
+    /// The engine failed after commit (a broken or silent body): blamed, as a stream
+    /// like any other (its trial outcome was recorded when it committed).
+    pub fn broke(&self, now: Instant) {
+        let settings = self.pool.balancer.settings();
+        self.node()
+            .state()
+            .record(Outcome::Failure, false, settings, now);
+    }
+
+    /// Its uncached prompt tokens: as the engine reported them, else as estimated.
+    pub fn uncached(&self, usage: Usage) -> u32 {
+        if usage.prompt_tokens > 0 {
+            usage.prompt_tokens.saturating_sub(usage.cached_tokens)
+        } else {
+            self.uncached_estimate
+        }
+    }
+
+    /// The request ended well: its slot goes back, its stream's time to first token is
+    /// judged against its work and the node's peers (not on the simulator's virtual
+    /// clock), and the pool learns from it (prefill rate, slot time, its home).
+    pub fn finish(mut self, usage: Usage, ttft: Option<Duration>, now: Instant) {
+        self.reservation = None;
+        let b = &self.pool.balancer;
+        if let (Some(ttft), Mode::Route) = (ttft, self.mode) {
+            b.judge_latency(self.index, ttft, self.ahead, self.uncached(usage), now);
+        }
+        b.learn(&self, usage, ttft, now);
+    }
+
+    fn record(&mut self, outcome: Outcome, now: Instant) {
+        if std::mem::replace(&mut self.settled, true) {
+            return;
+        }
+        let settings = self.pool.balancer.settings();
+        self.node()
+            .state()
+            .record(outcome, self.trial, settings, now);
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        // The client left before an answer committed: says nothing of the node, and a
+        // trial slot is given back (a neutral outcome moves no state: its time is moot).
+        if !self.settled {
+            let settings = self.pool.balancer.settings();
+            self.node()
+                .state()
+                .record(Outcome::Neutral, self.trial, settings, self.since);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

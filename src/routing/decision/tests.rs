@@ -1,0 +1,170 @@
+//! The one entry point: a placement's pool chain, and a ticket from admission to its
+//! end (the trial it owes a breaker, the home it settles, what it teaches).
+
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::config::Config;
+use crate::routing::breaker::{Admission, BreakerState};
+use crate::routing::table::Registry;
+
+fn table(text: &str) -> Table {
+    Table::build(Config::parse(text, "t.toml").unwrap(), &Registry::default())
+}
+
+const ONE: &str = r#"
+[[pools]]
+name = "p"
+models = ["m"]
+nodes = [{ id = "a", url = "http://h:1" }, { id = "b", url = "http://h:2" }]
+"#;
+
+fn chat(user: &str) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "model": "m",
+        "messages": [{"role": "user", "content": user}],
+    }))
+    .unwrap()
+}
+
+fn chosen(w: Walk) -> Choice {
+    match w {
+        Walk::Chosen(c) => c,
+        other => panic!("expected a node, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_ticket_dropped_before_it_settles_gives_its_trial_back() {
+    let t = table(ONE);
+    let now = Instant::now();
+    let p = t
+        .place("/v1/chat/completions", None, &chat("hi"), Mode::Route)
+        .unwrap();
+    let b = &p.pool().balancer;
+    // Open both nodes, then let `open_for` pass: the next asker is a node's trial.
+    for n in b.nodes() {
+        for _ in 0..2 {
+            n.state().record(Outcome::Failure, false, b.settings(), now);
+        }
+        assert_eq!(n.state().breaker.state(), BreakerState::Open);
+    }
+    let later = now + Duration::from_secs(31);
+    let c = chosen(p.choose(&[], later));
+    assert!(c.trial);
+    let index = c.index;
+    let ticket = p.ticket(c, later);
+    // Its node's breaker refuses a second trial while this one is out.
+    let breaker = &b.node(index).state().breaker;
+    assert_eq!(breaker.peek(p.hash, b.settings(), later), Admission::Refuse);
+    // The client leaves before the answer commits: the trial is given back.
+    drop(ticket);
+    assert_eq!(breaker.peek(p.hash, b.settings(), later), Admission::Trial);
+    assert_eq!(b.node(index).state().in_flight(), 0);
+}
+
+#[test]
+fn a_settled_ticket_remembers_the_home_and_its_finish_teaches_the_pool() {
+    let t = table(ONE);
+    let now = Instant::now();
+    let opening = chat("a conversation that opens here");
+    let p = t
+        .place("/v1/chat/completions", None, &opening, Mode::Route)
+        .unwrap();
+    assert_eq!(p.home, None);
+    let pool = p.pool().clone();
+    let b = &pool.balancer;
+    let mut ticket = p.ticket(chosen(p.choose(&[], now)), now);
+    let node = ticket.index();
+    ticket.settle(now);
+    assert_eq!(b.home_of(p.hash), Some(node), "settled: at home there");
+    assert_eq!(
+        b.node(node).state().in_flight(),
+        1,
+        "the slot is held to the end"
+    );
+    let usage = Usage {
+        prompt_tokens: 2000,
+        cached_tokens: 0,
+    };
+    ticket.finish(
+        usage,
+        Some(Duration::from_millis(400)),
+        now + Duration::from_secs(2),
+    );
+    assert_eq!(b.node(node).state().in_flight(), 0);
+    assert_eq!(
+        b.node(node).state().slot_time.get(),
+        Some(Duration::from_secs(2)),
+        "held from its slot to its end"
+    );
+    // Its next turn goes home, and an explanation says so without counting anything.
+    let x = t
+        .place("/v1/chat/completions", None, &opening, Mode::Explain)
+        .unwrap();
+    assert_eq!(x.home, Some(node));
+    assert_eq!(x.target.first, Some(node));
+}
+
+#[test]
+fn a_reasoning_request_is_placed_in_the_first_pool_of_its_chain_that_thinks() {
+    let t = table(
+        r#"
+[[pools]]
+name = "fast"
+models = ["m"]
+fallbacks = ["deep", "deeper"]
+supports_thinking = false
+nodes = [{ id = "a", url = "http://h:1" }]
+[[pools]]
+name = "deep"
+models = ["d"]
+nodes = [{ id = "b", url = "http://h:2" }]
+[[pools]]
+name = "deeper"
+models = ["dd"]
+nodes = [{ id = "c", url = "http://h:3" }]
+"#,
+    );
+    let body = |thinking: bool| {
+        serde_json::to_vec(&serde_json::json!({
+            "model": "m",
+            "messages": [{"role": "user", "content": "why?"}],
+            "chat_template_kwargs": {"enable_thinking": thinking},
+        }))
+        .unwrap()
+    };
+    let plain = t
+        .place("/v1/chat/completions", None, &body(false), Mode::Explain)
+        .unwrap();
+    assert_eq!(plain.pool().config.name, "fast");
+    assert!(!plain.is_fallback());
+    let deep = t
+        .place("/v1/chat/completions", None, &body(true), Mode::Explain)
+        .unwrap();
+    assert_eq!(deep.pool().config.name, "deep");
+    assert!(deep.is_fallback());
+    assert_eq!(deep.own_pool(), 0);
+    let deeper = deep.fallback(&t).unwrap();
+    assert_eq!(deeper.pool().config.name, "deeper");
+    assert!(deeper.fallback(&t).is_none(), "the chain ends");
+}
+
+#[test]
+fn a_reasoning_request_no_pool_can_serve_is_an_error() {
+    let t = table(&ONE.replace(
+        "models = [\"m\"]",
+        "models = [\"m\"]\nsupports_thinking = false",
+    ));
+    let body = serde_json::to_vec(&serde_json::json!({
+        "model": "m", "messages": [{"role": "user", "content": "why?"}], "reasoning_effort": "high",
+    }))
+    .unwrap();
+    let err = t
+        .place("/v1/chat/completions", None, &body, Mode::Route)
+        .unwrap_err();
+    assert_eq!(
+        err,
+        PlaceError::Pool(PoolError::NoThinking { pool: "p".into() })
+    );
+}

@@ -1,0 +1,334 @@
+//! Where a conversation lives: the start of a key's walk. A conversation this balancer
+//! remembers goes to its home first; a new one goes to the less loaded of its first two
+//! nodes (a short opening: where fewer conversations made their home lately). A request
+//! whose home is full may wait for it when that costs less than a cold prefill
+//! elsewhere. A finished request teaches the pool its prefill rate, its node's slot
+//! time and, when it was routed with no remembered home and missed, where its
+//! conversation lives. Why each rule and threshold: docs/evidence.md. No I/O; the
+//! clock is passed in.
+
+use std::time::{Duration, Instant};
+
+use super::breaker::BreakerState;
+use super::cost::{self, Stakes};
+use super::decision::{Ticket, Usage};
+use super::facts::Turn;
+use super::group::Grouping;
+use super::latency::{self, Peers};
+use super::walk::{Balancer, Target};
+use super::Mode;
+
+#[cfg(test)]
+mod tests;
+
+/// How many of a new conversation's first nodes are compared by load (more spreads
+/// better and makes replicas disagree more often).
+const NEW_CONVERSATION_CHOICES: usize = 2;
+
+/// The least share of a prompt above its group's prefix that a miss is judged on.
+const MIN_HISTORY_SHARE: f64 = 0.1;
+
+/// With balancer replicas, a key's first node that became home to this many more
+/// conversations lately than the pool's mean loses its replica margin: new
+/// conversations go by load alone (docs/evidence.md, "replicas").
+const PILED_UP_HOMES: f64 = 2.0;
+
+/// A new conversation whose own text (above its group's prefix) is at most this many
+/// tokens is placed by the conversations each node became home to lately before load:
+/// moving it costs a balancer replica that did not see it placed at most this text to
+/// find it, and a short opening says nothing of how long the conversation grows (an
+/// agent opens with a few hundred tokens of its own and ends thousands long), so the
+/// count of homes, not the requests in flight at the moment, is what keeps long
+/// sessions from piling up on one engine. Larger openings (a document, a long first
+/// message) would cost that replica their whole text: they go by load alone
+/// (docs/evidence.md, "A small opening is placed by where conversations live").
+pub const SMALL_OPENING_TOKENS: u32 = 256;
+
+/// Ranks a node at its cap after every node under it, whatever their recent homes.
+const FULL: f64 = 1e6;
+
+impl Balancer {
+    /// The walk target of a key placed by `grouping`, with no node first; a counted
+    /// decision (`mode.counts()`) counts the request toward its group's share.
+    pub fn target(&self, hash: u64, grouping: Grouping<u64>, mode: Mode) -> Target {
+        let nodes = self.nodes.len();
+        let group = match grouping {
+            Grouping::Ring => None,
+            // The whole pool: the group hash is never walked.
+            Grouping::Pool => Some((0, nodes)),
+            Grouping::Group(g) => Some((g, self.load.groups.width(g, nodes, mode))),
+        };
+        Target {
+            hash,
+            group,
+            first: None,
+        }
+    }
+
+    /// A `hybrid` key's target (`Pool` or `Group` placement) with a node first: the
+    /// conversation's remembered `home`, or, for a new conversation (and a prompt
+    /// string seen nowhere yet), the less loaded of its first two nodes (within its
+    /// group's nodes; for an opening of at most [`SMALL_OPENING_TOKENS`] of its own,
+    /// `own_tokens`, the one fewer conversations made their home lately), so new work
+    /// spreads by load while every later turn finds its home. A later turn this
+    /// balancer has no home for starts at the key's own first node. Ring keys are
+    /// returned as they are.
+    pub fn place(
+        &self,
+        target: Target,
+        home: Option<usize>,
+        turn: Turn,
+        own_tokens: u32,
+    ) -> Target {
+        if target.group.is_none() {
+            return target;
+        }
+        Target {
+            first: self.first_of(target, home, turn, own_tokens),
+            ..target
+        }
+    }
+
+    pub(super) fn first_of(
+        &self,
+        target: Target,
+        home: Option<usize>,
+        turn: Turn,
+        own_tokens: u32,
+    ) -> Option<usize> {
+        if home.is_some() {
+            return home;
+        }
+        if turn == Turn::Later {
+            return None;
+        }
+        let choices = match target.group {
+            Some((_, width)) => width.clamp(1, NEW_CONVERSATION_CHOICES),
+            None => NEW_CONVERSATION_CHOICES,
+        };
+        // A small opening: by recent homes (one home weighs a full node of requests)
+        // and load, but never to a node at its cap (the walk would spill it).
+        let by_homes = self.places_by_homes(own_tokens);
+        let load = |i: usize| {
+            let n = &self.nodes[i];
+            let s = n.state();
+            let in_flight =
+                f64::from(s.in_flight() + s.others_in_flight()) / f64::from(self.own_cap(n).max(1));
+            if !by_homes {
+                in_flight
+            } else if in_flight >= 1.0 {
+                in_flight + FULL
+            } else {
+                in_flight + self.load.recent_homes.above_mean(self.tags[i], &self.tags)
+            }
+        };
+        // With other balancer replicas, any node but the key's own first must be clearly
+        // less loaded (by two requests at equal caps, not one): a new conversation placed
+        // away from its key's first node costs a replica that did not see it placed one
+        // miss to find it. Alone, the less loaded node takes it; so it does with
+        // replicas when the key's first node has piled up homes: the margin keeps new
+        // conversations on their keys' first nodes, and hashing alone piles them up
+        // until the engine's cache thrashes (docs/evidence.md, `agentic`).
+        let mut order = self.key_order(target).take(choices);
+        let key_first = order.next()?;
+        let margin = if self.load.replicas() > 1 && !self.piled_up(key_first) {
+            1.0 / f64::from(self.cap_of(&self.nodes[key_first]).max(1))
+        } else {
+            0.0
+        };
+        std::iter::once((load(key_first), 0, key_first))
+            .chain(order.enumerate().map(|(k, i)| (load(i) + margin, k + 1, i)))
+            .filter(|&(_, _, i)| self.nodes[i].state().accepts_new())
+            .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)))
+            .map(|(_, _, i)| i)
+    }
+
+    /// Whether a new conversation with `own_tokens` of its own text (above its group's
+    /// prefix) is placed by recent homes before load ([`SMALL_OPENING_TOKENS`]). Not
+    /// with `load_factor`, which asks for balance by requests in flight.
+    pub fn places_by_homes(&self, own_tokens: u32) -> bool {
+        own_tokens <= SMALL_OPENING_TOKENS && self.load_factor.is_none()
+    }
+
+    /// Whether node `index` became home to more conversations lately than the pool's
+    /// nodes on average, by more than [`PILED_UP_HOMES`].
+    fn piled_up(&self, index: usize) -> bool {
+        self.load
+            .recent_homes
+            .above_mean(self.tags[index], &self.tags)
+            > PILED_UP_HOMES
+    }
+
+    /// Whether node `index` is one of the target's group's nodes (where the group's
+    /// prefix is cached); every node is, for a key with no group or a group as wide
+    /// as the pool.
+    pub fn in_group(&self, target: Target, index: usize) -> bool {
+        match target.group {
+            Some((group, width)) if width < self.nodes.len() => self
+                .ring
+                .successors(group)
+                .take(width.max(1))
+                .any(|i| i == index),
+            _ => true,
+        }
+    }
+
+    /// The node remembered as `hash`'s home, if it is in this pool.
+    pub fn home_of(&self, hash: u64) -> Option<usize> {
+        let tag = self.load.homes.get(hash)?;
+        self.tags.iter().position(|&t| t == tag)
+    }
+
+    /// Records where a request settled: a conversation placed with no home yet, or
+    /// served at its home, is at home there from now on. A spill is a visit: the home
+    /// stays where the conversation was placed, where every replica looks for it.
+    pub fn settle(&self, target: Target, index: usize, distance: usize) {
+        if distance == 0 || target.first.is_none() {
+            self.remember(target.hash, index);
+        }
+    }
+
+    /// Whether a request whose walk offered `spill` instead of its full home should
+    /// wait for the home, and for how long at most (see [`cost::wait_budget`]): only
+    /// when the home is full (not down, draining or open) and frees slots soon enough.
+    pub fn home_wait(
+        &self,
+        target: Target,
+        stakes: &Stakes,
+        spill: usize,
+    ) -> Option<(usize, Duration)> {
+        let home = self.order(target).next()?;
+        let node = &self.nodes[home];
+        let state = node.state();
+        // Only a home at its absolute cap is worth a wait. One held back by the relative
+        // bound alone is busier than its share, which is what `load_factor` asks to
+        // spill; and requests waiting there would shrink the pool's in-flight total and
+        // with it the bound, until the rest of the pool idled while they queued.
+        let cap = self.absolute_cap_of(node);
+        if home == spill || !state.accepts_new() || state.in_flight() < cap {
+            return None;
+        }
+        let budget = cost::wait_budget(
+            stakes.saved(self.in_group(target, spill)),
+            self.load.prefill.per_token(),
+            state.slot_time.get(),
+            cap,
+            state.waiting(),
+        )?;
+        Some((home, budget))
+    }
+
+    /// What a finished request teaches: the pool's prefill rate (from a stream's time
+    /// to first token and the tokens its node prefilled before it), the node's slot
+    /// time, and, for a request routed with no remembered home, where its conversation
+    /// lives ([`Balancer::rehome`]).
+    pub(super) fn learn(&self, t: &Ticket, usage: Usage, ttft: Option<Duration>, now: Instant) {
+        if let (Some(ttft), true) = (ttft, usage.prompt_tokens > 0) {
+            self.load
+                .prefill
+                .observe(ttft, t.ahead.saturating_add(t.uncached(usage)));
+        }
+        let node = &self.nodes[t.index];
+        node.state()
+            .slot_time
+            .observe(now.saturating_duration_since(t.since));
+        if t.stakes.guessed && usage.prompt_tokens > 0 {
+            let found = f64::from(usage.cached_tokens) / f64::from(usage.prompt_tokens);
+            let s = &t.stakes;
+            self.rehome(t.target, t.index, s.expect, s.group_share, found);
+        }
+    }
+
+    /// What a finished request that was routed with no remembered home says of its
+    /// conversation's home. It was served by `served` and was expected to find
+    /// `expected` of its prompt cached there, `floor` of it (its group's prefix) on any
+    /// node of its group; when it found less than half of what lies above the floor, its
+    /// conversation's cache was elsewhere: on the other of its first two nodes, where a
+    /// new conversation is placed (another replica placed it there, or its home was
+    /// forgotten). That node becomes its home, so replicas that never share a word
+    /// agree again after one miss. (A miss at a remembered home is an eviction: no
+    /// other node holds more, and the caller does not ask.)
+    pub(super) fn rehome(
+        &self,
+        target: Target,
+        served: usize,
+        expected: f64,
+        floor: f64,
+        found: f64,
+    ) {
+        // Ring keys (key headers, `conversation`/`prefix` modes) have no homes.
+        let ringed = target.group.is_none() && target.first.is_none();
+        // A group's prefix is found on all its nodes: only the history above it tells
+        // the home (when there is enough of it to tell, past estimation error).
+        // Alone, a guessed home was forgotten, not placed by another replica: no floor.
+        let floor = if self.load.replicas() > 1 {
+            floor.clamp(0.0, expected)
+        } else {
+            0.0
+        };
+        let above = expected - floor;
+        let too_little = floor > 0.0 && above < MIN_HISTORY_SHARE;
+        if ringed || too_little || found >= floor + above / 2.0 {
+            return;
+        }
+        let keyed = Target {
+            first: None,
+            ..target
+        };
+        let pair: Vec<usize> = self
+            .key_order(keyed)
+            .take(NEW_CONVERSATION_CHOICES)
+            .collect();
+        if let [a, b] = pair[..] {
+            if served == a {
+                self.remember(target.hash, b);
+            } else if served == b {
+                self.remember(target.hash, a);
+            }
+        }
+    }
+
+    /// Judges a finished stream's latency against its work and the node's peers (see
+    /// [`latency`]): may shunt, open, or mark node `index` degraded. Called before the
+    /// request is learned from, so the sample is judged by what the pool knew before it.
+    pub(super) fn judge_latency(
+        &self,
+        index: usize,
+        ttft: Duration,
+        ahead: u32,
+        uncached: u32,
+        now: Instant,
+    ) {
+        let s = &self.settings;
+        let expectation = self.load.prefill.expectation();
+        let Some(norm) = expectation.normalize(ttft, ahead, uncached, s.slow_ttft) else {
+            return;
+        };
+        let mut out = 0;
+        let mut peers = Vec::with_capacity(self.nodes.len());
+        for (i, n) in self.nodes.iter().enumerate() {
+            let b = &n.state().breaker;
+            if matches!(b.state(), BreakerState::Open | BreakerState::HalfOpen) {
+                out += 1;
+            }
+            if i != index {
+                peers.extend(b.summary(s.min_samples).map(|(_, p90)| p90));
+            }
+        }
+        let may_eject = latency::may_eject(out, self.nodes.len(), s.max_ejected_share);
+        let peers = Peers::of(&mut peers, may_eject);
+        let state = self.nodes[index].state();
+        state.log_flip(state.breaker.observe_latency(ttft, norm, &peers, s, now));
+    }
+
+    /// Remembers the node that served `hash`: its conversation's home from now on.
+    pub fn remember(&self, hash: u64, index: usize) {
+        let tag = self.tags[index];
+        let before = self.load.homes.get(hash);
+        if before == Some(tag) {
+            return;
+        }
+        self.load.homes.set(hash, tag);
+        self.load.recent_homes.moved(before, tag);
+    }
+}

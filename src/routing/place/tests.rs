@@ -1,0 +1,99 @@
+//! Placement's tests: a new conversation's first node, and a guessed home corrected
+//! after a miss.
+
+use super::*;
+use crate::routing::walk::tests::{balancer, chosen};
+use std::time::Instant;
+
+/// A key of a group as wide as the pool, with no home yet, and its first two nodes
+/// (where a new conversation of it is placed).
+fn grouped_key(b: &Balancer) -> (Target, Vec<usize>) {
+    let target = Target {
+        hash: 0xabcd_u64 << 32,
+        group: Some((0xfeed_u64 << 40, b.nodes.len())),
+        first: None,
+    };
+    (target, b.key_order(target).take(2).collect())
+}
+
+/// `n` other conversations made their home on `node` lately.
+fn homes_on(b: &Balancer, node: usize, n: u64) {
+    for i in 1..=n {
+        b.remember(i.wrapping_mul(0x9E37_79B9_7F4A_7C15), node);
+    }
+}
+
+#[test]
+fn a_guessed_home_that_finds_only_its_groups_prefix_flips_to_the_other_choice() {
+    let b = balancer(8, 4, None);
+    let (target, pair) = grouped_key(&b);
+    // 90 % expected, 75 % of it the group's prefix (cached on every node of the
+    // group): finding 76 % is finding none of the history. Without the floor (half
+    // of 90 %) that is a hit; alone, a balancer judges so (its guesses are
+    // forgotten homes, not another replica's placements).
+    b.rehome(target, pair[0], 0.9, 0.0, 0.76);
+    assert_eq!(b.home_of(target.hash), None, "no floor: 76 % ≥ 45 %");
+    b.rehome(target, pair[0], 0.9, 0.75, 0.76);
+    assert_eq!(b.home_of(target.hash), None, "one replica: no floor");
+    b.load().set_replicas(2);
+    b.rehome(target, pair[0], 0.9, 0.75, 0.76);
+    assert_eq!(b.home_of(target.hash), Some(pair[1]));
+    // Found most of the history above the floor: the guess was right.
+    let other = Target {
+        hash: 0x1234_u64 << 32,
+        ..target
+    };
+    let first = b.key_order(other).next().unwrap();
+    b.rehome(other, first, 0.9, 0.75, 0.86);
+    assert_eq!(b.home_of(other.hash), None);
+    // Too little above the floor to judge (estimates are rough): no flip.
+    b.rehome(other, first, 0.8, 0.75, 0.5);
+    assert_eq!(b.home_of(other.hash), None);
+}
+
+#[test]
+fn with_replicas_a_first_node_piled_with_homes_loses_its_margin() {
+    let b = balancer(8, 4, None);
+    b.load().set_replicas(2);
+    let (target, pair) = grouped_key(&b);
+    // One request in flight on the key's first node, none on the other choice:
+    // within the replica margin, so a new conversation stays on its key's first.
+    let at_first = Target {
+        first: Some(pair[0]),
+        ..target
+    };
+    let held = chosen(b.choose(at_first, &[], Instant::now()));
+    assert_eq!(held.index, pair[0]);
+    let large = SMALL_OPENING_TOKENS + 1;
+    assert_eq!(b.first_of(target, None, Turn::First, large), Some(pair[0]));
+    // Five conversations made their home there lately (none elsewhere): piled up,
+    // so the less loaded node takes the new one.
+    homes_on(&b, pair[0], 5);
+    assert_eq!(b.first_of(target, None, Turn::First, large), Some(pair[1]));
+    drop(held);
+}
+
+#[test]
+fn a_small_opening_goes_where_fewer_conversations_live_lately() {
+    let b = balancer(8, 4, None);
+    let (target, pair) = grouped_key(&b);
+    let (small, large) = (SMALL_OPENING_TOKENS, SMALL_OPENING_TOKENS + 1);
+    // A request in flight on the other choice, none on the key's first: by load,
+    // the key's first, whatever the opening.
+    let at_other = Target {
+        first: Some(pair[1]),
+        ..target
+    };
+    let held = chosen(b.choose(at_other, &[], Instant::now()));
+    assert_eq!(held.index, pair[1]);
+    assert_eq!(b.first_of(target, None, Turn::First, small), Some(pair[0]));
+    assert_eq!(b.first_of(target, None, Turn::First, large), Some(pair[0]));
+    // Two conversations made their home on the key's first node lately: a small
+    // opening goes where fewer live, a large one still by load.
+    homes_on(&b, pair[0], 2);
+    assert_eq!(b.first_of(target, None, Turn::First, small), Some(pair[1]));
+    assert_eq!(b.first_of(target, None, Turn::First, large), Some(pair[0]));
+    // A later turn this balancer has no home for is not placed at all.
+    assert_eq!(b.first_of(target, None, Turn::Later, small), None);
+    drop(held);
+}

@@ -1,0 +1,192 @@
+//! The control plane's state: the config as loaded, the engines heartbeating in Redis,
+//! and the registry of node and pool runtime state. Whenever either source changes
+//! (a reload, a membership change) it builds a new routing snapshot, carrying state
+//! over by id, and hands it to the data plane whole. The admin API, the reload
+//! triggers, the health checks and the membership watcher all act through it.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::config::{Config, ConfigError, RedisConfig};
+use crate::fleet::record::{self, Membership, NodeRecord};
+use crate::fleet::watcher::Members;
+use crate::proxy::Proxy;
+use crate::routing::table::{Registry, Table};
+use crate::telemetry::metrics::Metrics;
+
+/// What a table is built from.
+struct Sources {
+    config: Config,
+    /// Heartbeating engines (their identity: load figures and start times zeroed).
+    members: Vec<NodeRecord>,
+}
+
+/// The balancer's control plane, around its data plane.
+pub struct Control {
+    proxy: Arc<Proxy>,
+    registry: Registry,
+    metrics: Arc<Metrics>,
+    /// The config file, for reloads (none for in-process configs).
+    source: Option<PathBuf>,
+    /// Reloads run one at a time, whatever triggered them.
+    reloading: Mutex<()>,
+    /// The config as loaded and the engines heartbeating in Redis: the table is built
+    /// from both, whichever changed (one rebuild at a time).
+    sources: Mutex<Sources>,
+}
+
+impl Control {
+    /// A control plane and the data plane it feeds, serving `config`.
+    pub fn new(config: Config, source: Option<PathBuf>) -> Arc<Control> {
+        let registry = Registry::default();
+        let metrics = Arc::new(Metrics::new());
+        let table = Table::build(config.clone(), &registry);
+        Arc::new(Control {
+            proxy: Proxy::new(table, metrics.requests.clone()),
+            registry,
+            metrics,
+            source,
+            reloading: Mutex::new(()),
+            sources: Mutex::new(Sources {
+                config,
+                members: Vec::new(),
+            }),
+        })
+    }
+
+    /// The data plane.
+    pub fn proxy(&self) -> &Arc<Proxy> {
+        &self.proxy
+    }
+
+    /// The current routing snapshot.
+    pub fn table(&self) -> Arc<Table> {
+        self.proxy.table()
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// The config file this balancer reloads from, if any.
+    pub fn source(&self) -> Option<&Path> {
+        self.source.as_deref()
+    }
+
+    /// Re-reads the config file: parse, validate, build a new snapshot (node state
+    /// carried over by id), swap it in. An invalid file keeps the running config.
+    /// Concurrent reloads (SIGHUP, the file watch, `/admin/reload`) run one at a time.
+    pub fn reload(&self) -> Result<(), ConfigError> {
+        let _one_at_a_time = self.reloading.lock();
+        let result = self.try_reload();
+        let label = if result.is_ok() { "ok" } else { "error" };
+        self.metrics
+            .config_reloads
+            .with_label_values(&[label])
+            .inc();
+        match &result {
+            Ok(()) => tracing::info!("config reloaded"),
+            Err(e) => tracing::error!(error = %e, "config reload failed; the running config stays"),
+        }
+        result
+    }
+
+    fn try_reload(&self) -> Result<(), ConfigError> {
+        let Some(path) = &self.source else {
+            return Err(ConfigError {
+                file: "(none)".into(),
+                line: 1,
+                col: 1,
+                message: "this balancer was not started from a config file".into(),
+            });
+        };
+        let config = Config::load(path)?;
+        let old = self.table();
+        let (was, now) = (&old.config.server, &config.server);
+        let restart_only = [
+            ("listen", was.listen != now.listen),
+            ("admin_listen", was.admin_listen != now.admin_listen),
+            (
+                "header_read_timeout",
+                was.header_read_timeout != now.header_read_timeout,
+            ),
+            ("max_headers", was.max_headers != now.max_headers),
+            (
+                "max_header_bytes",
+                was.max_header_bytes != now.max_header_bytes,
+            ),
+            (
+                "http2_keep_alive_interval",
+                was.http2_keep_alive_interval != now.http2_keep_alive_interval,
+            ),
+            (
+                "max_connections",
+                was.max_connections != now.max_connections,
+            ),
+        ];
+        for (key, changed) in restart_only {
+            if changed {
+                tracing::warn!("server.{key} changed: that takes a restart; the rest is applied");
+            }
+        }
+        self.install(config);
+        Ok(())
+    }
+
+    /// Builds a snapshot from `config` and the heartbeating engines (carrying node
+    /// state over by id) and swaps it in.
+    pub fn install(&self, config: Config) {
+        let mut sources = self.sources.lock();
+        sources.config = config;
+        self.rebuild(&sources);
+    }
+
+    fn rebuild(&self, sources: &Sources) {
+        let (config, from_redis, skipped) = record::merge(&sources.config, &sources.members);
+        for s in skipped {
+            tracing::warn!("{s}");
+        }
+        self.proxy
+            .install(Table::build_with(config, &self.registry, &from_redis));
+    }
+}
+
+impl Members for Control {
+    fn redis(&self) -> Option<RedisConfig> {
+        self.table().config.redis.clone()
+    }
+
+    fn listen(&self) -> SocketAddr {
+        self.table().config.server.listen
+    }
+
+    /// Applies what the Redis watcher read: each engine's load figures, the number of
+    /// balancer replicas, and, when the set of engines changed, a new snapshot.
+    fn apply(&self, m: &Membership) {
+        for r in &m.nodes {
+            self.registry.node(&r.id).set_engine_load(r.load);
+        }
+        let mut sources = self.sources.lock();
+        for p in &sources.config.pools {
+            self.registry.pool(&p.name).set_replicas(m.replicas.max(1));
+        }
+        let members: Vec<NodeRecord> = m
+            .nodes
+            .iter()
+            .map(|r| NodeRecord {
+                load: None,
+                started_at: 0,
+                ..r.clone()
+            })
+            .collect();
+        if members != sources.members {
+            let (was, now) = (sources.members.len(), members.len());
+            sources.members = members;
+            tracing::info!(nodes_before = was, nodes_now = now, "membership changed");
+            self.rebuild(&sources);
+        }
+    }
+}
