@@ -5,8 +5,10 @@
 # per workload, on 8 engines with 30,000 cached tokens each (first argument to change),
 # each number the mean over workload seeds 1, 2 and 3.
 # Usage: cargo build --release && ./scripts/defaults.sh [CACHE_TOKENS] [WORKLOAD...]
-# The default workloads are the five of issue 5; `production` stands for the shapes of
-# issue 10 (long preambles inside the first user message, completions-API chats).
+# The default workloads are the five original ones; `production` stands for the long
+# preambles inside the first user message and the completions-API chats; `continuations`
+# for the production-shaped prompt strings and their variants (run it with a cache of
+# 2048000: its prompts average 12,000 tokens).
 set -euo pipefail
 B=${B:-./target/release/prefixlb}
 CACHE=${1:-30000}
@@ -19,6 +21,9 @@ elif [[ ${WORKLOADS[0]} == production ]]; then
   WORKLOADS=(long-preamble-512 long-preamble-2048 long-preamble-8192
     long-preamble-512-completions long-preamble-2048-completions
     long-preamble-8192-completions multi-turn-completions)
+elif [[ ${WORKLOADS[0]} == continuations ]]; then
+  WORKLOADS=(continuations continuations-no-preamble continuations-preamble-4096
+    continuations-20 continuations-60 continuations-busy)
 fi
 variants=(
   '(defaults: key = "hybrid", max_in_flight = 4)'

@@ -368,7 +368,10 @@ mod tools {
         /// A Mooncake JSON-lines trace.
         #[arg(long, conflicts_with = "workload")]
         trace: Option<PathBuf>,
-        /// A synthetic workload: multi-turn, shared-prefix, rag, agentic, multi-tenant.
+        /// A synthetic workload: multi-turn, doc-qa, shared-prefix, rag, agentic,
+        /// multi-tenant, long-preamble-N (any of them with -completions: as templated
+        /// prompts), or continuations[-VARIANT] (production-shaped prompt strings; see
+        /// docs/evidence.md).
         #[arg(long)]
         workload: Option<String>,
         /// Policies to compare (comma-separated); default all.
@@ -421,11 +424,13 @@ mod tools {
         /// Base URL, e.g. http://127.0.0.1:8080 (repeat to round-robin over several).
         #[arg(long, required = true)]
         target: Vec<String>,
-        /// multi-turn, shared-prefix, rag, agentic, multi-tenant, doc-qa, long-preamble-N.
+        /// multi-turn, shared-prefix, rag, agentic, multi-tenant, doc-qa, long-preamble-N,
+        /// continuations[-VARIANT] (each request a /v1/completions prompt).
         #[arg(long, required_unless_present = "trace")]
         workload: Option<String>,
-        /// A Mooncake JSON-lines trace instead: each request is sent as one user
-        /// message of its blocks as text, in trace order (pace with --rate).
+        /// A Mooncake JSON-lines trace instead: each request is sent as an untemplated
+        /// /v1/completions prompt of its blocks as text, in trace order (pace with
+        /// --rate).
         #[arg(long, conflicts_with = "workload")]
         trace: Option<PathBuf>,
         /// Tokens per trace block.
@@ -505,8 +510,9 @@ mod tools {
             }
             (None, Some(name)) => workload::synthetic(name, seed, scale).with_context(|| {
                 format!(
-                    "unknown workload {name:?} (one of {})",
-                    workload::NAMES.join(", ")
+                    "unknown workload {name:?} (one of {}, {}; `-completions` after any of the first)",
+                    workload::NAMES.join(", "),
+                    workload::continuations::NAMES.join(", ")
                 )
             }),
             (None, None) => anyhow::bail!("give --trace FILE or --workload NAME"),

@@ -146,18 +146,23 @@ pub const SPILL_COST_FACTOR: u32 = 2;
 
 /// How long a request whose home is full should wait for it: `Some(budget)` when the
 /// home is expected to free a slot (`slot_time / cap` per request waiting for it,
-/// this one included) sooner than a spill would cost (the prefill of the `saved` tokens
-/// the home holds cached, times [`SPILL_COST_FACTOR`]); `None`: spill now.
+/// this one included) sooner than a spill would cost: the prefill of the `saved` tokens
+/// the home holds cached, times [`SPILL_COST_FACTOR`], plus `lane_gap` tokens (how many
+/// more prompt tokens are queued for prefill at the spill's node than at the home: an
+/// engine prefills one prompt at a time, so a spill waits for those queued before it);
+/// `None`: spill now.
 pub fn wait_budget(
     saved_tokens: u32,
+    lane_gap: u32,
     per_token: Duration,
     slot_time: Option<Duration>,
     cap: u32,
     waiting: u32,
 ) -> Option<Duration> {
-    let saving = per_token
-        .saturating_mul(saved_tokens)
-        .saturating_mul(SPILL_COST_FACTOR);
+    let tokens = saved_tokens
+        .saturating_mul(SPILL_COST_FACTOR)
+        .saturating_add(lane_gap);
+    let saving = per_token.saturating_mul(tokens);
     let slot_time = slot_time?;
     let expected = slot_time / cap.max(1) * (waiting + 1);
     (expected <= saving && !saving.is_zero()).then_some(saving)
@@ -166,8 +171,9 @@ pub fn wait_budget(
 /// What a request stands to lose by leaving its home, and what it should find there.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Stakes {
-    /// Tokens its home holds for it: a later turn's history, or (a known home) at least
-    /// its key's own text.
+    /// Tokens its home holds for it: a later turn's history; for a known home, at
+    /// least its key's own text and as much of the prompt it last sent there as this
+    /// one repeats (for a prompt string, the only sign of its history).
     pub history: u32,
     /// Tokens of its group's prefix (cached on the group's nodes only).
     pub group_tokens: u32,
@@ -184,14 +190,15 @@ pub struct Stakes {
 }
 
 impl Stakes {
-    /// The stakes of a request planned as `facts` (placed by `grouping`), whose home
-    /// this balancer remembers (`home_known`) or not.
-    pub fn of(facts: &RequestFacts, grouping: Grouping<u64>, home_known: bool) -> Stakes {
+    /// The stakes of a request with these `facts` (placed by `grouping`) whose home
+    /// this balancer remembers, having last sent it `home_tokens` prompt tokens, or not.
+    pub fn of(facts: &RequestFacts, grouping: Grouping<u64>, home_tokens: Option<u32>) -> Stakes {
         let own = facts.own_tokens();
-        let history = match (home_known, facts.turn_seen()) {
-            (true, _) => facts.tokens.history.max(own),
-            (false, Turn::Later) => facts.tokens.history,
-            (false, _) => 0,
+        let t = facts.tokens;
+        let history = match (home_tokens, facts.turn) {
+            (Some(last), _) => t.history.max(own).max(last.min(t.prompt)),
+            (None, Turn::Later) => t.history,
+            (None, _) => 0,
         };
         let group_tokens = match grouping {
             Grouping::Group(_) => facts.prefix.map_or(0, |p| {
@@ -199,12 +206,12 @@ impl Stakes {
             }),
             _ => 0,
         };
-        let t = facts.tokens;
-        let expect = match facts.turn_seen() {
+        let expect = match (home_tokens, facts.turn) {
             _ if t.prompt == 0 => 0.0,
-            Turn::Later if t.history > 0 => f64::from(t.history) / f64::from(t.prompt),
-            Turn::Later => 1.0 - f64::from(own) / f64::from(t.prompt),
-            _ => 0.0,
+            (Some(_), _) => f64::from(history) / f64::from(t.prompt),
+            (None, Turn::Later) if t.history > 0 => f64::from(t.history) / f64::from(t.prompt),
+            (None, Turn::Later) => 1.0 - f64::from(own) / f64::from(t.prompt),
+            (None, _) => 0.0,
         };
         let group_share = if t.prompt == 0 {
             0.0
@@ -217,7 +224,7 @@ impl Stakes {
             own_tokens: t.prompt.saturating_sub(group_tokens),
             expect: expect.clamp(0.0, 1.0),
             group_share: group_share.clamp(0.0, 1.0),
-            guessed: !home_known,
+            guessed: home_tokens.is_none(),
         }
     }
 
@@ -250,24 +257,39 @@ mod tests {
         let slot = Some(Duration::from_secs(2)); // cap 4: a slot every 0.5 s
                                                  // 10,000 tokens at 100 µs: 1 s of prefill, a spill costs 2 s.
         assert_eq!(
-            wait_budget(10_000, per, slot, 4, 0),
+            wait_budget(10_000, 0, per, slot, 4, 0),
             Some(Duration::from_secs(2))
         );
         assert_eq!(
-            wait_budget(10_000, per, slot, 4, 3),
+            wait_budget(10_000, 0, per, slot, 4, 3),
             Some(Duration::from_secs(2))
         );
-        assert_eq!(wait_budget(10_000, per, slot, 4, 4), None, "2.5 s > 2 s");
-        assert_eq!(wait_budget(1_000, per, slot, 4, 0), None, "0.5 s > 0.2 s");
+        assert_eq!(wait_budget(10_000, 0, per, slot, 4, 4), None, "2.5 s > 2 s");
         assert_eq!(
-            wait_budget(0, per, slot, 4, 0),
+            wait_budget(1_000, 0, per, slot, 4, 0),
+            None,
+            "0.5 s > 0.2 s"
+        );
+        assert_eq!(
+            wait_budget(0, 0, per, slot, 4, 0),
             None,
             "nothing cached at home"
         );
         assert_eq!(
-            wait_budget(10_000, per, None, 4, 0),
+            wait_budget(10_000, 0, per, None, 4, 0),
             None,
             "no slot time yet"
+        );
+        // The spill's node has 5,000 more tokens queued for prefill: it waits 0.5 s
+        // longer for its lane, so waiting at home pays sooner.
+        assert_eq!(
+            wait_budget(10_000, 5_000, per, slot, 4, 4),
+            Some(Duration::from_millis(2_500))
+        );
+        assert_eq!(
+            wait_budget(1_000, 5_000, per, slot, 4, 0),
+            Some(Duration::from_millis(700)),
+            "a small saving, but a deep lane at the spill"
         );
     }
 }

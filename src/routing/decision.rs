@@ -3,7 +3,7 @@
 //! hash and grouping there, the walk's target (its home, or a new conversation's
 //! placement) and what leaving its home would cost. Admission asks the placement for a
 //! node; the node chosen becomes a [`Ticket`] that carries the decision to its end:
-//! [`Ticket::settle`] when the answer commits (the breaker's outcome, the home),
+//! [`Ticket::settle`] when the answer commits (the breaker's outcome),
 //! [`Ticket::finish`] when it ends (the stream's latency judged and what the request
 //! teaches learned, in one call). A ticket dropped unsettled records a neutral
 //! outcome, so a half-open trial is never leaked. The proxy, `prefixlb route` and
@@ -18,6 +18,7 @@ use super::facts::{self, Api, RequestFacts};
 use super::group::Grouping;
 use super::key;
 use super::node::{Node, Prefilling, Reservation};
+use super::place::Home;
 use super::table::{PlaceError, Pool, PoolError, Table};
 use super::walk::{Choice, Peek, Target, Walk};
 use super::Mode;
@@ -35,8 +36,8 @@ pub struct Placement {
     pub target: Target,
     /// What leaving its home would cost it, and what it should find there.
     pub stakes: Stakes,
-    /// The node this balancer remembers as the conversation's home, if any.
-    pub home: Option<usize>,
+    /// The conversation's home as this balancer remembers it, if it does.
+    pub home: Option<Home>,
     pool: Arc<Pool>,
     /// The request's own pool, and this pool's place in its chain (0: the own pool,
     /// `k`: its `k`-th fallback).
@@ -117,9 +118,9 @@ impl Placement {
             key::key_hashes(&pool.config.name, &facts, table.config.routing.hash_seed);
         let b = &pool.balancer;
         let home = b.home_of(hash);
-        let stakes = Stakes::of(&facts, grouping, home.is_some());
+        let stakes = Stakes::of(&facts, grouping, home.map(|h| h.tokens));
         let keyed = b.target(hash, grouping, mode);
-        let target = b.place(keyed, home, facts.turn_seen(), stakes.own_tokens);
+        let target = b.place(keyed, home, facts.turn, stakes.own_tokens);
         Placement {
             api,
             facts,
@@ -213,9 +214,18 @@ impl Placement {
             .home_wait(self.target, &self.stakes, spill)
     }
 
-    /// The ticket of an admitted node: its estimated uncached prompt counts in the
-    /// node's prefill backlog from `now` until the answer commits.
+    /// The ticket of an admitted node: the conversation is at home there (see
+    /// [`Balancer::admitted`](super::walk::Balancer)), and its estimated uncached
+    /// prompt counts in the node's prefill backlog from `now` until the answer commits.
     pub fn ticket(&self, choice: Choice, now: Instant) -> Ticket {
+        if self.homes {
+            self.pool.balancer.admitted(
+                self.target,
+                choice.index,
+                choice.distance,
+                self.facts.tokens.prompt,
+            );
+        }
         let node = choice.reservation.node().clone();
         let uncached_estimate = uncached_estimate(&self.facts, &self.stakes, choice.distance);
         let prefilling = node.start_prefill(uncached_estimate);
@@ -234,7 +244,6 @@ impl Placement {
             ahead: 0,
             settled: false,
             mode: self.mode,
-            homes: self.homes,
         }
     }
 }
@@ -283,7 +292,6 @@ pub struct Ticket {
     /// The breaker's outcome was recorded.
     settled: bool,
     mode: Mode,
-    homes: bool,
 }
 
 impl Ticket {
@@ -317,18 +325,12 @@ impl Ticket {
         self.record(outcome, now);
     }
 
-    /// The answer commits: the node served (a trial's success starts its canary), the
-    /// request's place in the prefill backlog is read and left, and the conversation
-    /// is at home where it settled.
+    /// The answer commits: the node served (a trial's success starts its canary), and
+    /// the request's place in the prefill backlog is read and left.
     pub fn settle(&mut self, now: Instant) {
         self.record(Outcome::Success, now);
         if let Some(p) = self.prefilling.take() {
             self.ahead = p.ahead();
-        }
-        if self.homes {
-            self.pool
-                .balancer
-                .settle(self.target, self.index, self.distance);
         }
     }
 

@@ -160,7 +160,7 @@ pub fn explain(
     if key_chars > SHOWN_KEY_CHARS {
         key.push('…');
     }
-    let turn = facts.turn_seen();
+    let turn = facts.turn;
     Ok(Explanation {
         pool: pool.config.name.clone(),
         model: facts.model.clone(),
@@ -185,7 +185,7 @@ pub fn explain(
             Turn::Later => "later",
             Turn::Unknown => "unknown",
         },
-        home: p.home.map(|i| b.node(i).id().to_string()),
+        home: p.home.map(|h| b.node(h.index).id().to_string()),
         placement: (p.home.is_none() && turn == Turn::First && p.grouping != Grouping::Ring).then(
             || PlacementInfo {
                 own_tokens: p.stakes.own_tokens,

@@ -108,19 +108,6 @@ impl RequestFacts {
         let bytes = self.prefix.map_or(0, |p| p.bytes) + self.key.len();
         (bytes / TokenEstimate::BYTES_PER_TOKEN).min(u32::MAX as usize) as u32
     }
-
-    /// The turn, inferred where the body does not say: a prompt string over twice as
-    /// long as its prefix and key holds more than a first turn, so it continues one.
-    pub fn turn_seen(&self) -> Turn {
-        match self.turn {
-            Turn::Unknown
-                if self.prefix.is_some() && self.tokens.prompt > 2 * self.own_tokens().max(1) =>
-            {
-                Turn::Later
-            }
-            turn => turn,
-        }
-    }
 }
 
 /// Which turn of a conversation a request is.
@@ -130,7 +117,8 @@ pub enum Turn {
     First,
     /// A message list with an assistant or tool message: it continues a conversation.
     Later,
-    /// A prompt string, or a key header: the body does not say.
+    /// A prompt string, or a key header: the body does not say, and nothing is
+    /// guessed (a long prompt is as likely a new sequence as a continued one).
     #[default]
     Unknown,
 }

@@ -1,5 +1,6 @@
 //! Where each conversation lives: a bounded, lock-free table per pool from a key's
-//! hash to the node that served its last turn. A later turn goes home; a new
+//! hash to the node that served its last turn, and how long that turn's prompt was (what
+//! the node should hold of the conversation). A later turn goes home; a new
 //! conversation is placed by load and remembered. The table is a cache: a lost or
 //! overwritten entry (a restart, another replica, a collision) sends the turn to its
 //! key's deterministic first node, which costs cache hits, never correctness. Beside
@@ -12,7 +13,19 @@ use parking_lot::Mutex;
 /// Entries (a power of two): 8 bytes each.
 const SLOTS: usize = 1 << 17;
 
-/// Key hash → node tag, direct-mapped. An entry is `key tag (40 bits) | node tag (24)`.
+/// A conversation's home as remembered: its node's tag, and the prompt tokens it last
+/// sent there (in steps of 64, at most about 4 million).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Entry {
+    pub node: u32,
+    pub tokens: u32,
+}
+
+/// Tokens per step of [`Entry::tokens`].
+const TOKEN_STEP: u32 = 64;
+
+/// Key hash → entry, direct-mapped. An entry is `key tag (24 bits) | tokens / 64 (16) |
+/// node tag (24)`; with the slot's 17 bits, 41 bits of the key tell keys apart.
 pub struct HomeTable {
     slots: Box<[AtomicU64]>,
 }
@@ -37,19 +50,23 @@ pub fn node_tag(id_hash: u64) -> u32 {
 }
 
 fn key_tag(key: u64) -> u64 {
-    (key >> 24) | 1
+    (key >> 40) | 1
 }
 
 impl HomeTable {
-    /// The node tag remembered for `key`.
-    pub fn get(&self, key: u64) -> Option<u32> {
+    /// What is remembered for `key`.
+    pub fn get(&self, key: u64) -> Option<Entry> {
         let v = self.slots[key as usize & (SLOTS - 1)].load(Ordering::Relaxed);
-        (v != 0 && v >> 24 == key_tag(key)).then_some(v as u32 & 0xFF_FFFF)
+        (v != 0 && v >> 40 == key_tag(key)).then(|| Entry {
+            node: v as u32 & 0xFF_FFFF,
+            tokens: ((v >> 24) as u32 & 0xFFFF) * TOKEN_STEP,
+        })
     }
 
-    /// Remembers `node` as `key`'s home (replacing whatever held the slot).
-    pub fn set(&self, key: u64, node: u32) {
-        let v = (key_tag(key) << 24) | u64::from(node & 0xFF_FFFF);
+    /// Remembers `entry` as `key`'s home (replacing whatever held the slot).
+    pub fn set(&self, key: u64, entry: Entry) {
+        let steps = u64::from((entry.tokens / TOKEN_STEP).min(0xFFFF));
+        let v = (key_tag(key) << 40) | (steps << 24) | u64::from(entry.node & 0xFF_FFFF);
         self.slots[key as usize & (SLOTS - 1)].store(v, Ordering::Relaxed);
     }
 }
@@ -129,14 +146,20 @@ mod tests {
     fn homes_are_remembered_and_collisions_only_forget() {
         let t = HomeTable::default();
         let key = 0x9E37_79B9_7F4A_7C15_u64;
+        let at = |node, tokens| Entry {
+            node: node_tag(node),
+            tokens,
+        };
         assert_eq!(t.get(key), None);
-        t.set(key, node_tag(7));
-        assert_eq!(t.get(key), Some(node_tag(7)));
+        t.set(key, at(7, 12_345));
+        assert_eq!(t.get(key), Some(at(7, 12_288)), "tokens in steps of 64");
+        t.set(key, at(7, u32::MAX));
+        assert_eq!(t.get(key).map(|e| e.tokens), Some(0xFFFF * 64), "capped");
         // Same slot, other key: the old entry is gone, never misread.
-        let clash = key ^ (0xABCD << 40);
+        let clash = key ^ (0xABCD << 44);
         assert_eq!(t.get(clash), None);
-        t.set(clash, node_tag(9));
+        t.set(clash, at(9, 0));
         assert_eq!(t.get(key), None);
-        assert_eq!(t.get(clash), Some(node_tag(9)));
+        assert_eq!(t.get(clash), Some(at(9, 0)));
     }
 }

@@ -14,6 +14,7 @@ use super::cost::{self, Stakes};
 use super::decision::{Ticket, Usage};
 use super::facts::Turn;
 use super::group::Grouping;
+use super::home::Entry;
 use super::latency::{self, Peers};
 use super::walk::{Balancer, Target};
 use super::Mode;
@@ -21,8 +22,9 @@ use super::Mode;
 #[cfg(test)]
 mod tests;
 
-/// How many of a new conversation's first nodes are compared by load (more spreads
-/// better and makes replicas disagree more often).
+/// How many of a new conversation's first nodes are compared by load: a larger opening's,
+/// and any with balancer replicas (more spreads better and makes replicas disagree more
+/// often).
 const NEW_CONVERSATION_CHOICES: usize = 2;
 
 /// The least share of a prompt above its group's prefix that a miss is judged on.
@@ -46,6 +48,19 @@ pub const SMALL_OPENING_TOKENS: u32 = 256;
 
 /// Ranks a node at its cap after every node under it, whatever their recent homes.
 const FULL: f64 = 1e6;
+
+/// With balancer replicas, how much less loaded (in nodes: its cap in requests, or a
+/// slot time of queued prefill) the other choice must be to take a prompt string whose
+/// turn the syntax cannot tell (docs/evidence.md, `continuations`).
+const UNTOLD_MARGIN: f64 = 1.0;
+
+/// A conversation's remembered home: its node, and the prompt tokens it last sent
+/// there (what that node should hold of it, if nothing was evicted).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Home {
+    pub index: usize,
+    pub tokens: u32,
+}
 
 impl Balancer {
     /// The walk target of a key placed by `grouping`, with no node first; a counted
@@ -73,13 +88,7 @@ impl Balancer {
     /// spreads by load while every later turn finds its home. A later turn this
     /// balancer has no home for starts at the key's own first node. Ring keys are
     /// returned as they are.
-    pub fn place(
-        &self,
-        target: Target,
-        home: Option<usize>,
-        turn: Turn,
-        own_tokens: u32,
-    ) -> Target {
+    pub fn place(&self, target: Target, home: Option<Home>, turn: Turn, own_tokens: u32) -> Target {
         if target.group.is_none() {
             return target;
         }
@@ -92,28 +101,38 @@ impl Balancer {
     pub(super) fn first_of(
         &self,
         target: Target,
-        home: Option<usize>,
+        home: Option<Home>,
         turn: Turn,
         own_tokens: u32,
     ) -> Option<usize> {
-        if home.is_some() {
-            return home;
+        if let Some(home) = home {
+            return Some(home.index);
         }
         if turn == Turn::Later {
             return None;
         }
-        let choices = match target.group {
-            Some((_, width)) => width.clamp(1, NEW_CONVERSATION_CHOICES),
-            None => NEW_CONVERSATION_CHOICES,
-        };
         // A small opening: by recent homes (one home weighs a full node of requests)
         // and load, but never to a node at its cap (the walk would spill it).
         let by_homes = self.places_by_homes(own_tokens);
+        // With no other replica to disagree with, a small opening is compared across all
+        // of its group's nodes: sessions that start together (a burst of agents) then
+        // spread evenly, where two choices leave some node one session more than its
+        // cache holds (docs/evidence.md, `agentic` over HTTP).
+        let n = if by_homes && self.load.replicas() == 1 {
+            usize::MAX
+        } else {
+            NEW_CONVERSATION_CHOICES
+        };
+        let choices = match target.group {
+            Some((_, width)) => width.clamp(1, n),
+            None => n,
+        };
         let load = |i: usize| {
             let n = &self.nodes[i];
             let s = n.state();
-            let in_flight =
-                f64::from(s.in_flight() + s.others_in_flight()) / f64::from(self.own_cap(n).max(1));
+            let in_flight = f64::from(s.in_flight() + s.others_in_flight())
+                / f64::from(self.own_cap(n).max(1))
+                + self.prefill_queued(i);
             if !by_homes {
                 in_flight
             } else if in_flight >= 1.0 {
@@ -131,7 +150,22 @@ impl Balancer {
         // until the engine's cache thrashes (docs/evidence.md, `agentic`).
         let mut order = self.key_order(target).take(choices);
         let key_first = order.next()?;
-        let margin = if self.load.replicas() > 1 && !self.piled_up(key_first) {
+        //
+        // A prompt string's turn cannot be told: if it continues a conversation another
+        // replica placed, no miss will say where that conversation lives (a miss is only
+        // judged against a history the syntax shows), so disagreeing would cost its
+        // whole history for good. It leaves its key's first node only for one a full
+        // node less loaded, or when that node is at its cap (the walk would spill it,
+        // and a spill is remembered nowhere).
+        let margin = if self.load.replicas() > 1 && turn == Turn::Unknown {
+            let n = &self.nodes[key_first];
+            let s = n.state();
+            if s.in_flight() + s.others_in_flight() >= self.own_cap(n) {
+                0.0
+            } else {
+                UNTOLD_MARGIN
+            }
+        } else if self.load.replicas() > 1 && !self.piled_up(key_first) {
             1.0 / f64::from(self.cap_of(&self.nodes[key_first]).max(1))
         } else {
             0.0
@@ -141,6 +175,23 @@ impl Balancer {
             .filter(|&(_, _, i)| self.nodes[i].state().accepts_new())
             .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)))
             .map(|(_, _, i)| i)
+    }
+
+    /// Node `index`'s prefill backlog in slot times: the estimated prompt tokens sent
+    /// there and not yet past their first token, at the pool's prefill rate, over how
+    /// long a request holds a slot there. An engine prefills one prompt at a time, so a
+    /// new conversation placed behind a long cold prefill waits it out: a node with a
+    /// slot time of prefill queued weighs as a full node of requests.
+    fn prefill_queued(&self, index: usize) -> f64 {
+        let s = self.nodes[index].state();
+        match s.slot_time.get() {
+            Some(slot) if !slot.is_zero() => {
+                let queued =
+                    self.load.prefill.per_token().as_secs_f64() * f64::from(s.prefill_backlog());
+                queued / slot.as_secs_f64()
+            }
+            _ => 0.0,
+        }
     }
 
     /// Whether a new conversation with `own_tokens` of its own text (above its group's
@@ -173,18 +224,25 @@ impl Balancer {
         }
     }
 
-    /// The node remembered as `hash`'s home, if it is in this pool.
-    pub fn home_of(&self, hash: u64) -> Option<usize> {
-        let tag = self.load.homes.get(hash)?;
-        self.tags.iter().position(|&t| t == tag)
+    /// The home remembered for `hash`, if its node is in this pool.
+    pub fn home_of(&self, hash: u64) -> Option<Home> {
+        let entry = self.load.homes.get(hash)?;
+        let index = self.tags.iter().position(|&t| t == entry.node)?;
+        Some(Home {
+            index,
+            tokens: entry.tokens,
+        })
     }
 
-    /// Records where a request settled: a conversation placed with no home yet, or
-    /// served at its home, is at home there from now on. A spill is a visit: the home
-    /// stays where the conversation was placed, where every replica looks for it.
-    pub fn settle(&self, target: Target, index: usize, distance: usize) {
+    /// Records where a request of `tokens` prompt tokens was admitted: a conversation
+    /// placed with no home yet, or served at its home, is at home there from now on,
+    /// holding that prompt (an engine caches a prompt as it prefills it, so a request
+    /// of the same conversation that comes meanwhile goes there too). A spill is a
+    /// visit: the home stays where the conversation was placed, where every replica
+    /// looks for it.
+    pub fn admitted(&self, target: Target, index: usize, distance: usize, tokens: u32) {
         if distance == 0 || target.first.is_none() {
-            self.remember(target.hash, index);
+            self.remember(target.hash, index, tokens);
         }
     }
 
@@ -208,8 +266,12 @@ impl Balancer {
         if home == spill || !state.accepts_new() || state.in_flight() < cap {
             return None;
         }
+        // A spill waits for the prefills queued at its node first. (The home's own queue
+        // drains while this request waits there for a slot.)
+        let lane = |i: usize| self.nodes[i].state().prefill_backlog();
         let budget = cost::wait_budget(
             stakes.saved(self.in_group(target, spill)),
+            lane(spill).saturating_sub(lane(home)),
             self.load.prefill.per_token(),
             state.slot_time.get(),
             cap,
@@ -235,27 +297,22 @@ impl Balancer {
         if t.stakes.guessed && usage.prompt_tokens > 0 {
             let found = f64::from(usage.cached_tokens) / f64::from(usage.prompt_tokens);
             let s = &t.stakes;
-            self.rehome(t.target, t.index, s.expect, s.group_share, found);
+            self.rehome(t.target, t.index, s, found);
         }
     }
 
     /// What a finished request that was routed with no remembered home says of its
-    /// conversation's home. It was served by `served` and was expected to find
-    /// `expected` of its prompt cached there, `floor` of it (its group's prefix) on any
-    /// node of its group; when it found less than half of what lies above the floor, its
+    /// conversation's home. It was served by `served` and was expected to find a share
+    /// of its prompt cached there (`stakes.expect`), some of it (its group's prefix,
+    /// `stakes.group_share`) on any node of its group; when it found less than half of
+    /// what lies above that floor, its
     /// conversation's cache was elsewhere: on the other of its first two nodes, where a
     /// new conversation is placed (another replica placed it there, or its home was
     /// forgotten). That node becomes its home, so replicas that never share a word
     /// agree again after one miss. (A miss at a remembered home is an eviction: no
     /// other node holds more, and the caller does not ask.)
-    pub(super) fn rehome(
-        &self,
-        target: Target,
-        served: usize,
-        expected: f64,
-        floor: f64,
-        found: f64,
-    ) {
+    pub(super) fn rehome(&self, target: Target, served: usize, stakes: &Stakes, found: f64) {
+        let (expected, floor) = (stakes.expect, stakes.group_share);
         // Ring keys (key headers, `conversation`/`prefix` modes) have no homes.
         let ringed = target.group.is_none() && target.first.is_none();
         // A group's prefix is found on all its nodes: only the history above it tells
@@ -279,11 +336,12 @@ impl Balancer {
             .key_order(keyed)
             .take(NEW_CONVERSATION_CHOICES)
             .collect();
+        // The other node holds the history this request expected.
         if let [a, b] = pair[..] {
             if served == a {
-                self.remember(target.hash, b);
+                self.remember(target.hash, b, stakes.history);
             } else if served == b {
-                self.remember(target.hash, a);
+                self.remember(target.hash, a, stakes.history);
             }
         }
     }
@@ -321,14 +379,14 @@ impl Balancer {
         state.log_flip(state.breaker.observe_latency(ttft, norm, &peers, s, now));
     }
 
-    /// Remembers the node that served `hash`: its conversation's home from now on.
-    pub fn remember(&self, hash: u64, index: usize) {
-        let tag = self.tags[index];
-        let before = self.load.homes.get(hash);
-        if before == Some(tag) {
-            return;
+    /// Remembers the node that served `hash` a prompt of `tokens`: its conversation's
+    /// home from now on.
+    pub fn remember(&self, hash: u64, index: usize, tokens: u32) {
+        let node = self.tags[index];
+        let before = self.load.homes.get(hash).map(|e| e.node);
+        self.load.homes.set(hash, Entry { node, tokens });
+        if before != Some(node) {
+            self.load.recent_homes.moved(before, node);
         }
-        self.load.homes.set(hash, tag);
-        self.load.recent_homes.moved(before, tag);
     }
 }

@@ -32,14 +32,16 @@ pub struct Script {
 pub struct ScriptTurn {
     /// Messages added by this turn (the previous answer is added by the replay).
     pub messages: Vec<(&'static str, Arc<str>)>,
+    /// A prompt string sent to `/v1/completions` instead of messages (a trace request).
+    pub prompt: Option<Arc<str>>,
     pub max_tokens: usize,
 }
 
 impl Script {
     /// Scripts from a simulator workload (its generated answers are replaced by the
     /// engines' real ones during the replay). A trace request becomes a one-turn
-    /// conversation whose user message is its prompt as text
-    /// ([`crate::tools::workload::trace_text`]).
+    /// conversation sending its blocks as an untemplated `/v1/completions` prompt
+    /// ([`crate::tools::workload::trace_text`]), as production prompt strings come.
     pub fn from_workload(w: &Workload) -> Vec<Script> {
         w.conversations
             .iter()
@@ -48,7 +50,8 @@ impl Script {
                     let text = crate::tools::workload::trace_text(p);
                     return Script {
                         turns: vec![ScriptTurn {
-                            messages: vec![("user", text.into())],
+                            messages: Vec::new(),
+                            prompt: Some(text.into()),
                             max_tokens: c.turns[0].output_tokens,
                         }],
                     };
@@ -68,6 +71,7 @@ impl Script {
                                 .skip(skip)
                                 .map(|m| (m.role, m.content.clone()))
                                 .collect(),
+                            prompt: None,
                             max_tokens: t.output_tokens,
                         }
                     })
@@ -288,9 +292,18 @@ async fn step(
     let turn = &shared.scripts[live.script].turns[live.turn];
     for (role, content) in &turn.messages {
         live.history
-            .push(json!({"role": role, "content": &**content}));
+            .push(message_json(role, content, live.history.len()));
     }
-    let mut body = json!({"model": opts.model, "messages": live.history, "max_tokens": turn.max_tokens, "stream": opts.stream});
+    let (api, mut body) = match &turn.prompt {
+        Some(prompt) => (
+            Api::Completions,
+            json!({"model": opts.model, "prompt": &**prompt, "max_tokens": turn.max_tokens, "stream": opts.stream}),
+        ),
+        None => (
+            Api::Chat,
+            json!({"model": opts.model, "messages": live.history, "max_tokens": turn.max_tokens, "stream": opts.stream}),
+        ),
+    };
     if opts.stream {
         body["stream_options"] = json!({"include_usage": true});
     }
@@ -298,7 +311,7 @@ async fn step(
         .next_target
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         % opts.targets.len()];
-    let outcome = match exchange(client, target, &body, opts.stream).await {
+    let outcome = match exchange(client, target, api, &body, opts.stream).await {
         Ok(reply) => Some(reply),
         Err(why) => {
             tracing::warn!(target = %target, error = %why, "request failed");
@@ -337,6 +350,15 @@ async fn step(
     true
 }
 
+/// A chat message as the OpenAI API wants it: a tool result names the call it answers
+/// (strict validators, SGLang's router among them, refuse one without `tool_call_id`).
+pub fn message_json(role: &str, content: &str, position: usize) -> Value {
+    if role == "tool" {
+        return json!({"role": role, "content": content, "tool_call_id": format!("call_{position}")});
+    }
+    json!({"role": role, "content": content})
+}
+
 /// One answer.
 pub struct Reply {
     pub text: String,
@@ -358,21 +380,30 @@ impl Reply {
     }
 }
 
-/// Sends one chat request to `base` and reads the answer (an SSE stream or JSON), or
-/// says why there is none.
+/// Which OpenAI API a request goes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    Chat,
+    Completions,
+}
+
+/// Sends one chat or completions request to `base` and reads the answer (an SSE stream
+/// or JSON), or says why there is none.
 pub async fn exchange(
     client: &Client<HttpConnector, Full<Bytes>>,
     base: &str,
+    api: Api,
     body: &Value,
     stream: bool,
 ) -> Result<Reply, String> {
-    let req = http::Request::post(format!(
-        "{}/v1/chat/completions",
-        base.trim_end_matches('/')
-    ))
-    .header("content-type", "application/json")
-    .body(Full::new(Bytes::from(body.to_string())))
-    .map_err(|e| format!("bad request: {e}"))?;
+    let path = match api {
+        Api::Chat => "/v1/chat/completions",
+        Api::Completions => "/v1/completions",
+    };
+    let req = http::Request::post(format!("{}{path}", base.trim_end_matches('/')))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .map_err(|e| format!("bad request: {e}"))?;
     let sent = Instant::now();
     let resp = client
         .request(req)
@@ -406,8 +437,10 @@ pub async fn exchange(
         let v: Value = serde_json::from_slice(&bytes).map_err(|e| format!("not JSON: {e}"))?;
         reply.latency = sent.elapsed();
         reply.ttft = reply.latency;
-        reply.text = v["choices"][0]["message"]["content"]
+        let choice = &v["choices"][0];
+        reply.text = choice["message"]["content"]
             .as_str()
+            .or(choice["text"].as_str())
             .unwrap_or("")
             .to_string();
         reply.usage(&v["usage"]);
@@ -442,8 +475,10 @@ async fn read_stream(mut body: Incoming, sent: Instant, mut reply: Reply) -> Res
                     crate::clip::clip(&e.to_string())
                 ));
             }
-            if let Some(content) = v["choices"][0]["delta"]["content"]
+            let choice = &v["choices"][0];
+            if let Some(content) = choice["delta"]["content"]
                 .as_str()
+                .or(choice["text"].as_str())
                 .filter(|c| !c.is_empty())
             {
                 if reply.text.is_empty() {

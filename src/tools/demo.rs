@@ -170,6 +170,7 @@ async fn drive(targets: Vec<String>, opts: &DemoOptions) -> BenchReport {
                     messages.push(("user", question.into()));
                     ScriptTurn {
                         messages,
+                        prompt: None,
                         max_tokens: opts.answer_tokens,
                     }
                 })

@@ -77,7 +77,13 @@ fn a_settled_ticket_remembers_the_home_and_its_finish_teaches_the_pool() {
     let mut ticket = p.ticket(chosen(p.choose(&[], now)), now);
     let node = ticket.index();
     ticket.settle(now);
-    assert_eq!(b.home_of(p.hash), Some(node), "settled: at home there");
+    let home = b.home_of(p.hash).unwrap();
+    assert_eq!(home.index, node, "settled: at home there");
+    assert_eq!(
+        home.tokens,
+        p.facts.tokens.prompt / 64 * 64,
+        "what it sent there"
+    );
     assert_eq!(
         b.node(node).state().in_flight(),
         1,
@@ -102,7 +108,7 @@ fn a_settled_ticket_remembers_the_home_and_its_finish_teaches_the_pool() {
     let x = t
         .place("/v1/chat/completions", None, &opening, Mode::Explain)
         .unwrap();
-    assert_eq!(x.home, Some(node));
+    assert_eq!(x.home.map(|h| h.index), Some(node));
     assert_eq!(x.target.first, Some(node));
 }
 
@@ -167,4 +173,77 @@ fn a_reasoning_request_no_pool_can_serve_is_an_error() {
         err,
         PlaceError::Pool(PoolError::NoThinking { pool: "p".into() })
     );
+}
+
+/// An untemplated completions prompt: a 2,048-byte block every prompt shares, then a
+/// sequence's own text (`own` bytes of it), as production prompt strings come.
+fn prompt(sequence: usize, own: usize) -> Vec<u8> {
+    let shared = "Platform preamble. ".repeat(108)[..2048].to_string();
+    let text: String = format!("sequence {sequence}: ")
+        .chars()
+        .chain("words of its own ".chars().cycle())
+        .take(own)
+        .collect();
+    serde_json::to_vec(&serde_json::json!({"model": "m", "prompt": format!("{shared}{text}")}))
+        .unwrap()
+}
+
+#[test]
+fn a_prompt_string_nobody_sent_before_is_new_and_keeps_the_home_it_got() {
+    // The lead of the held-out trace's loss: a long prompt string was taken for a
+    // returning conversation ("later", expecting most of it cached), so finding only
+    // the shared block moved its home away from the node that had just cached it.
+    let t = table(ONE);
+    let now = Instant::now();
+    for s in 0..40 {
+        let p = t
+            .place("/v1/completions", None, &prompt(s, 3000), Mode::Route)
+            .unwrap();
+        drop(p.ticket(chosen(p.choose(&[], now)), now));
+    }
+    let body = prompt(99, 40_000);
+    let x = t
+        .place("/v1/completions", None, &body, Mode::Explain)
+        .unwrap();
+    assert!(
+        x.facts.prefix.is_some_and(|p| p.learned),
+        "the shared block is learned"
+    );
+    assert_eq!(x.facts.turn, crate::routing::facts::Turn::Unknown);
+    assert_eq!(
+        (x.home, x.stakes.expect),
+        (None, 0.0),
+        "nothing is expected cached"
+    );
+    let p = t
+        .place("/v1/completions", None, &body, Mode::Route)
+        .unwrap();
+    let mut ticket = p.ticket(chosen(p.choose(&[], now)), now);
+    let node = ticket.index();
+    ticket.settle(now);
+    let pool = p.pool().clone();
+    let b = &pool.balancer;
+    assert_eq!(
+        b.home_of(p.hash).map(|h| h.index),
+        Some(node),
+        "at home where admitted"
+    );
+    // It found only the shared block (512 of 10,512 tokens): it was new, not misplaced.
+    let usage = Usage {
+        prompt_tokens: 10_512,
+        cached_tokens: 512,
+    };
+    ticket.finish(usage, Some(Duration::from_millis(900)), now);
+    assert_eq!(
+        b.home_of(p.hash).map(|h| h.index),
+        Some(node),
+        "the home stays"
+    );
+    // Its continuation goes there, expecting what it sent there cached.
+    let next = t
+        .place("/v1/completions", None, &prompt(99, 42_000), Mode::Explain)
+        .unwrap();
+    assert_eq!(next.target.first, Some(node));
+    assert!(next.stakes.history >= 10_000, "{:?}", next.stakes);
+    assert!(next.stakes.expect > 0.9, "{:?}", next.stakes);
 }

@@ -115,6 +115,10 @@ enum Event {
     },
     /// A request's wait for its home ran out: route again.
     Retry,
+    /// A request's first token: its answer commits (the balancer settles it).
+    FirstToken {
+        slot: usize,
+    },
     Finish {
         engine: usize,
         conv: usize,
@@ -157,6 +161,13 @@ pub fn simulate(
         match event {
             Event::Arrive { conv, turn } => run.arrive(conv, turn, now),
             Event::Retry => {}
+            Event::FirstToken { slot } => {
+                if let Some(job) = run.st.slots[slot].as_mut() {
+                    if let Some(ticket) = job.ticket.as_mut() {
+                        run.policy.first_token(ticket, now);
+                    }
+                }
+            }
             Event::Finish {
                 engine,
                 conv,
@@ -438,7 +449,7 @@ impl State {
         // the real pace changes as others come and go).
         let step = self.costs.decode_step(e.running);
         let finish = first_token + (step * job.output as u32).as_micros() as u64;
-        let (conv, turn) = (job.conv, job.turn);
+        let (conv, turn, ticketed) = (job.conv, job.turn, job.ticket.is_some());
         let slot = match self.free_slots.pop() {
             Some(s) => {
                 self.slots[s] = Some(job);
@@ -449,6 +460,9 @@ impl State {
                 self.slots.len() - 1
             }
         };
+        if ticketed {
+            self.push(first_token, Event::FirstToken { slot });
+        }
         self.push(
             finish,
             Event::Finish {

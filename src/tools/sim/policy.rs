@@ -97,6 +97,9 @@ impl Pick {
 pub trait Policy {
     fn place(&mut self, req: Pending<'_>, view: &View<'_>) -> Result<Pick, String>;
 
+    /// A request it placed got its first token (`now`, µs): its answer commits.
+    fn first_token(&mut self, _ticket: &mut Ticket, _now: u64) {}
+
     /// A request it placed finished.
     fn finished(&mut self, _done: Done) {}
 
@@ -423,13 +426,16 @@ impl Policy for Bounded {
         }
         r.home_wait = None;
         let (engine, spilled) = (c.index, c.distance > 0);
-        let mut ticket = r.placement.ticket(c, at);
-        ticket.settle(at);
+        let ticket = r.placement.ticket(c, at);
         Ok(Pick::To {
             engine,
             spilled,
             ticket: Some(ticket),
         })
+    }
+
+    fn first_token(&mut self, ticket: &mut Ticket, now: u64) {
+        ticket.settle(self.at(now));
     }
 
     fn finished(&mut self, done: Done) {

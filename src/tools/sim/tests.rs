@@ -198,3 +198,30 @@ fn unknown_policies_are_errors() {
     let w = workload::synthetic("rag", 5, 0.01).unwrap();
     assert!(simulate(&w, &config(), &fleet(2), "random").is_err());
 }
+
+#[test]
+fn prompt_strings_that_continue_others_find_their_cache() {
+    // Production-shaped prompt strings (`continuations`: untemplated completions
+    // prompts behind one preamble, 39 % continuing an earlier request) on engines big
+    // enough to hold them: at the card's cap, prefixlb keeps up with the oracle that
+    // sees every cache under the same cap, triples round robin, and keeps the TTFT
+    // tail within a tenth of the uncapped cache-aware router's.
+    let w = workload::synthetic("continuations", 1, 0.2).unwrap();
+    let run = |p| simulate(&w, &config(), &Fleet::of(8, 2_048_000), p).unwrap();
+    let (ours, oracle, aware, rr) = (
+        run("prefixlb"),
+        run("oracle"),
+        run("cache_aware"),
+        run("round_robin"),
+    );
+    assert!(
+        ours.hit_rate >= 0.95 * oracle.hit_rate,
+        "{ours:?} {oracle:?}"
+    );
+    assert!(ours.hit_rate >= 3.0 * rr.hit_rate, "{ours:?} {rr:?}");
+    assert!(
+        ours.ttft_p99_ms <= 1.1 * aware.ttft_p99_ms,
+        "{ours:?} {aware:?}"
+    );
+    assert!(ours.peak_in_flight <= 4);
+}

@@ -1,14 +1,16 @@
-//! Workloads for the simulator: seeded synthetic generators (`multi-turn`,
-//! `shared-prefix`, `rag`, `agentic`) that produce real chat messages, and Mooncake
-//! JSON-lines traces (`{"timestamp", "input_length", "output_length", "hash_ids"}`).
-//! Pure: text in, text out.
+//! Workloads for the simulator and the load generator: seeded synthetic generators
+//! (`multi-turn`, `shared-prefix`, `rag`, `agentic`, …) that produce real chat
+//! messages, [`continuations`] (production-shaped prompt strings that continue earlier
+//! requests, as block chains), and Mooncake traces ([`trace`]). Pure: text in, text out.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
-use serde::Deserialize;
-
 use crate::tools::engine_model::Prompt;
+
+pub mod continuations;
+pub mod trace;
+
+pub use trace::{to_trace, trace, trace_text};
 
 /// A small seeded generator (xorshift64*): the same seed gives the same workload.
 #[derive(Debug, Clone)]
@@ -97,8 +99,13 @@ pub enum TurnApi {
     /// `/v1/chat/completions` with the messages.
     Chat,
     /// `/v1/completions` with the messages rendered by a ChatML chat template into one
-    /// `prompt` (what a client that applies its own template sends).
+    /// `prompt` (what a client that applies its own template sends); a trace request's
+    /// blocks as text.
     Completions,
+    /// A trace request's blocks as token ids: `/v1/completions` with a token array.
+    TokenIds,
+    /// A trace request's blocks as token ids: SGLang's `/generate` with `input_ids`.
+    Generate,
 }
 
 /// One request of a workload.
@@ -157,11 +164,18 @@ impl Turn {
     /// The request body a client would send.
     pub fn body(&self, model: &str) -> Vec<u8> {
         if let Some(p) = &self.trace {
-            // Traces carry block ids, not text: route them as a completions prompt.
-            return serde_json::to_vec(
-                &serde_json::json!({"model": model, "prompt": trace_text(p)}),
-            )
-            .unwrap_or_default();
+            // Traces carry block ids, not text: a completions prompt of their text, or
+            // their token ids.
+            let body = match self.api {
+                TurnApi::TokenIds => {
+                    serde_json::json!({"model": model, "prompt": trace::token_ids(p)})
+                }
+                TurnApi::Generate => {
+                    serde_json::json!({"model": model, "input_ids": trace::token_ids(p)})
+                }
+                _ => serde_json::json!({"model": model, "prompt": trace_text(p)}),
+            };
+            return serde_json::to_vec(&body).unwrap_or_default();
         }
         if self.api == TurnApi::Completions {
             return serde_json::to_vec(&serde_json::json!({
@@ -172,7 +186,8 @@ impl Turn {
         let messages: Vec<serde_json::Value> = self
             .messages
             .iter()
-            .map(|m| serde_json::json!({"role": m.role, "content": &*m.content}))
+            .enumerate()
+            .map(|(i, m)| crate::tools::bench::message_json(m.role, &m.content, i))
             .collect();
         serde_json::to_vec(&serde_json::json!({
             "model": model, "messages": messages, "max_tokens": self.output_tokens, "stream": true,
@@ -182,10 +197,11 @@ impl Turn {
 
     /// The path of `body`.
     pub fn path(&self) -> &'static str {
-        if self.trace.is_some() || self.api == TurnApi::Completions {
-            "/v1/completions"
-        } else {
-            "/v1/chat/completions"
+        match self.api {
+            TurnApi::Generate => "/generate",
+            _ if self.trace.is_some() => "/v1/completions",
+            TurnApi::Chat => "/v1/chat/completions",
+            TurnApi::Completions | TurnApi::TokenIds => "/v1/completions",
         }
     }
 }
@@ -201,22 +217,6 @@ pub fn chatml(messages: &[Message]) -> String {
         text.push_str("<|im_end|>\n");
     }
     text.push_str("<|im_start|>assistant\n");
-    text
-}
-
-/// A trace prompt as text: each block is its id padded to the block's length in
-/// characters (≈ 4 per token), so requests sharing leading blocks share leading text,
-/// a routing key of `prefix_chars` characters covers as many tokens as it would of
-/// real text, and an engine model counts about the trace's tokens.
-pub fn trace_text(p: &Prompt) -> String {
-    let per_block = p.block_tokens * crate::tools::engine_model::CHARS_PER_TOKEN;
-    let mut text = String::with_capacity(p.blocks.len() * per_block);
-    for b in &p.blocks {
-        let id = format!("{b:016x} ");
-        text.push_str(&id);
-        let pad = per_block.saturating_sub(id.len());
-        text.extend(std::iter::repeat_n('.', pad));
-    }
     text
 }
 
@@ -238,6 +238,16 @@ pub const NAMES: [&str; 9] = [
 pub fn synthetic(name: &str, seed: u64, scale: f64) -> Option<Workload> {
     let mut rng = Rng::new(seed);
     let n = |base: usize| ((base as f64 * scale).round() as usize).max(1);
+    // `continuations[-VARIANT]`, as text prompts, or with `-tokens` / `-generate` as
+    // token ids to `/v1/completions` / `/generate`.
+    let (shape_name, api) = match (name.strip_suffix("-tokens"), name.strip_suffix("-generate")) {
+        (Some(base), _) => (base, TurnApi::TokenIds),
+        (_, Some(base)) => (base, TurnApi::Generate),
+        _ => (name, TurnApi::Completions),
+    };
+    if let Some(shape) = continuations::shape_of(shape_name) {
+        return Some(continuations::generate(name, shape, seed, scale, api));
+    }
     let (base, api) = match name.strip_suffix("-completions") {
         Some(base) => (base, TurnApi::Completions),
         None => (name, TurnApi::Chat),
@@ -525,83 +535,6 @@ fn agentic(rng: &mut Rng, agents: usize, steps: usize) -> Vec<Conversation> {
         .collect()
 }
 
-/// One line of a Mooncake trace.
-#[derive(Debug, Deserialize)]
-struct TraceLine {
-    timestamp: f64,
-    input_length: usize,
-    output_length: usize,
-    hash_ids: Vec<u64>,
-}
-
-/// Reads a Mooncake JSON-lines trace; each request is its own conversation, arriving
-/// at its timestamp (ms).
-pub fn trace(text: &str, block_tokens: usize) -> Result<Workload, String> {
-    let mut conversations = Vec::new();
-    for (i, line) in text
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-    {
-        let t: TraceLine =
-            serde_json::from_str(line).map_err(|e| format!("trace line {}: {e}", i + 1))?;
-        conversations.push(Conversation {
-            turns: vec![Turn {
-                messages: Vec::new(),
-                api: TurnApi::Completions,
-                output_tokens: t.output_length,
-                delay: t.timestamp / 1000.0,
-                trace: Some(Prompt::from_blocks(
-                    t.input_length,
-                    t.hash_ids,
-                    block_tokens,
-                )),
-            }],
-        });
-    }
-    Ok(Workload {
-        name: "trace".into(),
-        conversations,
-    })
-}
-
-/// Writes a workload as a Mooncake trace (512-token blocks, ids numbered in order of
-/// first appearance; timestamps assume answers take no time).
-pub fn to_trace(w: &Workload) -> String {
-    let mut ids: HashMap<u64, u64> = HashMap::new();
-    let mut lines = Vec::new();
-    for c in &w.conversations {
-        let mut at = 0.0;
-        for (k, t) in c.turns.iter().enumerate() {
-            at = if k == 0 { t.delay } else { at + t.delay };
-            let p = t.prompt();
-            // Every 32nd 16-token block hash names the prefix up to a 512-token boundary.
-            let hash_ids: Vec<u64> = p
-                .blocks
-                .iter()
-                .skip(31)
-                .step_by(32)
-                .map(|h| {
-                    let next = ids.len() as u64;
-                    *ids.entry(*h).or_insert(next)
-                })
-                .collect();
-            lines.push((
-                at,
-                serde_json::json!({
-                    "timestamp": (at * 1000.0).round() as u64, "input_length": p.tokens,
-                    "output_length": t.output_tokens, "hash_ids": hash_ids,
-                }),
-            ));
-        }
-    }
-    lines.sort_by(|a, b| a.0.total_cmp(&b.0));
-    lines
-        .into_iter()
-        .map(|(_, l)| l.to_string() + "\n")
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -627,22 +560,5 @@ mod tests {
             p0.blocks[..p0.blocks.len() - 1],
             "turn 2 extends turn 1"
         );
-    }
-
-    #[test]
-    fn traces_round_trip() {
-        let w = synthetic("shared-prefix", 3, 0.05).unwrap();
-        let text = to_trace(&w);
-        let t = trace(&text, 512).unwrap();
-        assert_eq!(t.requests(), w.requests());
-        let first = t.conversations[0].turns[0].trace.as_ref().unwrap();
-        assert_eq!(first.block_tokens, 512);
-        assert!(
-            first.tokens > 2048 && first.blocks.len() == 4,
-            "{} tokens, {} blocks",
-            first.tokens,
-            first.blocks.len()
-        );
-        assert!(trace("{\"timestamp\": 1}", 512).is_err());
     }
 }

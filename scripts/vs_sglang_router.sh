@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# prefixlb against SGLang's own router (the `sglang-router` wheel from PyPI, Rust,
+# policy cache_aware), both in front of the same kind of fleet: 8 fresh `prefixlb
+# mock-engine`s per run (30,000-token caches, PREFILL_US µs per uncached prompt token),
+# driven by `prefixlb bench` (streaming, concurrency CONC, answers capped at MAX_TOKENS).
+# Prints, per workload and router, the hit rate the engines report (cached_tokens over
+# prompt_tokens) and TTFT p50/p90/p99. prefixlb runs with its shipped defaults (a config
+# naming only the pool and its nodes).
+#
+# `round-robin` (bench spreading requests over the engines itself) is a third row.
+#
+# Usage: scripts/vs_sglang_router.sh            (builds prefixlb, installs sglang-router in a venv)
+#   WORKLOADS="multi-turn doc-qa agentic" ROUTERS="prefixlb sglang round-robin" SEEDS="1 2 3"
+#   CONC=16 MAX_TOKENS=16 PREFILL_US=50 CACHE=30000 SCALE=1 REQUESTS=all
+# A continuations workload replays as completions prompts: e.g.
+#   WORKLOADS=continuations CACHE=2048000 SCALE=0.05 CONC=12 MAX_TOKENS=64
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WORKLOADS=${WORKLOADS:-"multi-turn doc-qa agentic"}
+ROUTERS=${ROUTERS:-"prefixlb sglang round-robin"}
+SCALE=${SCALE:-1}
+REQUESTS=${REQUESTS:-all}
+SEEDS=${SEEDS:-"1"}
+CONC=${CONC:-16}
+MAX_TOKENS=${MAX_TOKENS:-16}
+PREFILL_US=${PREFILL_US:-50}
+CACHE=${CACHE:-30000}
+NODES=${NODES:-8}
+BASE_PORT=${BASE_PORT:-19500}
+VENV=${VENV:-target/sglang-venv}
+B=target/release/prefixlb
+
+cargo build --release --bin prefixlb >/dev/null
+if ! [ -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+"$VENV/bin/python" -c 'import sglang_router' 2>/dev/null ||
+  "$VENV/bin/pip" install -q --disable-pip-version-check sglang-router
+echo "sglang-router $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("sglang-router"))')"
+
+WORK=$(mktemp -d)
+pids=()
+stop() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  pids=()
+  # Nothing may still hold a port when the next run starts.
+  for _ in $(seq 1 50); do
+    ss -ltn 2>/dev/null | grep -q ":$((BASE_PORT + 90)) " || break
+    sleep 0.1
+  done
+}
+trap 'stop; rm -rf "$WORK"' EXIT
+
+wait_http() { # URL: until it answers
+  for _ in $(seq 1 200); do
+    curl -fsS -o /dev/null "$1" 2>/dev/null && return 0
+    sleep 0.1
+  done
+  echo "no answer from $1" >&2
+  return 1
+}
+
+engines() { # start NODES fresh mock engines
+  for i in $(seq 0 $((NODES - 1))); do
+    $B mock-engine --listen "127.0.0.1:$((BASE_PORT + i))" --id "e$i" --cache-tokens "$CACHE" \
+      --prefill-us-per-token "$PREFILL_US" >/dev/null 2>&1 &
+    pids+=($!)
+  done
+  for i in $(seq 0 $((NODES - 1))); do wait_http "http://127.0.0.1:$((BASE_PORT + i))/health"; done
+}
+
+router() { # NAME: start a router in front of the engines; sets TARGETS (bench's flags)
+  local port=$((BASE_PORT + 90))
+  TARGETS="--target http://127.0.0.1:$port"
+  case $1 in
+    round-robin)
+      TARGETS=""
+      for i in $(seq 0 $((NODES - 1))); do TARGETS+="--target http://127.0.0.1:$((BASE_PORT + i)) "; done
+      ;;
+    prefixlb)
+      {
+        printf '[server]\nlisten = "127.0.0.1:%s"\nadmin_listen = "127.0.0.1:%s"\n' "$port" $((port + 1))
+        printf '[[pools]]\nname = "mock"\nmodels = ["mock"]\n'
+        for i in $(seq 0 $((NODES - 1))); do
+          printf '[[pools.nodes]]\nid = "e%s"\nurl = "http://127.0.0.1:%s"\n' "$i" $((BASE_PORT + i))
+        done
+      } > "$WORK/prefixlb.toml"
+      $B serve --config "$WORK/prefixlb.toml" > "$WORK/prefixlb.log" 2>&1 &
+      pids+=($!)
+      wait_http "http://127.0.0.1:$((port + 1))/readyz"
+      ;;
+    sglang)
+      local urls=()
+      for i in $(seq 0 $((NODES - 1))); do urls+=("http://127.0.0.1:$((BASE_PORT + i))"); done
+      "$VENV/bin/python" -m sglang_router.launch_router --host 127.0.0.1 --port "$port" \
+        --worker-urls "${urls[@]}" --policy cache_aware --log-level warn > "$WORK/sglang.log" 2>&1 &
+      pids+=($!)
+      wait_http "http://127.0.0.1:$port/health"
+      ;;
+  esac
+}
+
+printf '%-14s %-11s %5s %9s %8s %8s %8s %8s\n' workload router seed requests errors hit "p50 ms" "p99 ms"
+for w in $WORKLOADS; do
+  for seed in $SEEDS; do
+    for r in $ROUTERS; do
+      engines
+      router "$r"
+      limit=()
+      [ "$REQUESTS" = all ] || limit=(--requests "$REQUESTS")
+      # shellcheck disable=SC2086
+      out=$($B bench $TARGETS --workload "$w" --concurrency "$CONC" --stream --scale "$SCALE" \
+        --max-tokens "$MAX_TOKENS" --seed "$seed" "${limit[@]}" --json 2>/dev/null)
+      stop
+      python3 -c '
+import json, sys
+r = json.loads(sys.argv[1])
+print("%-14s %-11s %5s %9d %8d %7.1f%% %8.0f %8.0f" % (sys.argv[2], sys.argv[3], sys.argv[4],
+      r["requests"], r["errors"], 100 * r["hit_rate"], r["ttft_p50_ms"], r["ttft_p99_ms"]))' \
+        "$out" "$w" "$r" "$seed"
+    done
+  done
+done
