@@ -54,6 +54,15 @@ fn semantic_errors_point_at_the_value() {
     let url = err("[[pools]]\nname=\"p\"\n[[pools.nodes]]\nid=\"a\"\nurl=\"h:1:2\"\n");
     assert_eq!((url.line, url.col), (5, 5), "{url}");
 
+    let creds =
+        err("[[pools]]\nname=\"p\"\n[[pools.nodes]]\nid=\"a\"\nurl=\"http://user:s3cret@h:1\"\n");
+    assert_eq!((creds.line, creds.col), (5, 5), "{creds}");
+    assert!(creds.message.contains("credentials"), "{creds}");
+    assert!(
+        !creds.to_string().contains("s3cret"),
+        "the secret is not echoed: {creds}"
+    );
+
     let w = err("[[pools]]\nname=\"p\"\n[[pools.nodes]]\nid=\"a\"\nurl=\"http://h:1\"\nweight=0\n");
     assert_eq!(w.line, 6);
     assert!(w.message.contains("weight 0"), "{w}");

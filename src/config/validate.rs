@@ -485,7 +485,7 @@ fn validate_routing(r: RoutingSection) -> Result<RoutingConfig, Invalid> {
     })
 }
 
-/// A node's base URL: plain `http`, a host, no query.
+/// A node's base URL: plain `http`, a host, no credentials, no query.
 pub fn parse_node_url(s: &str) -> Result<http::Uri, String> {
     let uri: http::Uri = s
         .parse()
@@ -499,8 +499,15 @@ pub fn parse_node_url(s: &str) -> Result<http::Uri, String> {
         }
         _ => return Err(format!("url {s:?} needs a scheme and host, e.g. \"http://10.0.0.5:8000\"")),
     }
-    if uri.authority().is_none() {
+    let Some(authority) = uri.authority() else {
         return Err(format!("url {s:?} has no host"));
+    };
+    if authority.as_str().contains('@') {
+        // Never echo the secret itself.
+        return Err(format!(
+            "url of host {:?} carries credentials (user:password@): engines are not reached with URL credentials, and they would be sent as the Host header; remove them",
+            authority.host()
+        ));
     }
     if uri.query().is_some() {
         return Err(format!("url {s:?} must not have a query"));

@@ -6,9 +6,10 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::uri::PathAndQuery;
 use http::{header, HeaderMap, HeaderValue, Method, Response, StatusCode};
+use http_body_util::BodyExt;
 use tokio::time::Instant;
 
 use super::admission;
@@ -28,6 +29,11 @@ use crate::routing::route::Route;
 use crate::routing::table::{Pool, Table};
 use crate::telemetry::metrics::RequestMetrics;
 use crate::telemetry::outcome::{FailoverReason, RequestOutcome};
+
+/// How much of a plain (not streamed) answer is read before it goes to the client: an
+/// answer that breaks within it is failed over instead of cut. Answers are usually a
+/// few kilobytes; a longer one is relayed as it comes past this.
+const PLAIN_HOLD: usize = 1 << 20;
 
 /// Why one attempt did not produce a response for the client.
 struct Failure {
@@ -65,8 +71,13 @@ enum Answer {
         head: http::response::Parts,
         committed: probe::Committed,
     },
-    /// Anything else that is not a failure: a 2xx, or a 4xx that is the client's.
-    Plain(Response<EngineBody>),
+    /// Anything else that is not a failure: a 2xx, or a 4xx that is the client's; its
+    /// first bytes read already (`held`).
+    Plain {
+        head: http::response::Parts,
+        held: Bytes,
+        body: EngineBody,
+    },
 }
 
 impl Exchange<'_> {
@@ -201,7 +212,38 @@ impl Exchange<'_> {
             ));
         }
         if !(stream && status.is_success() && is_event_stream(resp.headers())) {
-            return Ok(Answer::Plain(resp));
+            // Nothing has gone to the client yet: a plain body is read whole (up to
+            // `PLAIN_HOLD`) before it commits, so one that breaks is a failure like any
+            // other (failed over, or a 502), never a cut answer.
+            let (head, mut body) = resp.into_parts();
+            let mut held = BytesMut::new();
+            while held.len() < PLAIN_HOLD && !http_body::Body::is_end_stream(&body) {
+                let frame = match tokio::time::timeout_at(sent + budget, body.frame()).await {
+                    Err(_) => {
+                        return Err(Failure::new(
+                            FailoverReason::Timeout,
+                            format!(
+                                "{}: no whole body within {} ms",
+                                node.id(),
+                                budget.as_millis()
+                            ),
+                        ))
+                    }
+                    Ok(Some(Err(e))) => {
+                        return Err(Failure::new(
+                            FailoverReason::Error,
+                            format!("{}: {e}", node.id()),
+                        ))
+                    }
+                    Ok(Some(Ok(frame))) => frame,
+                    Ok(None) => break,
+                };
+                if let Ok(data) = frame.into_data() {
+                    held.extend_from_slice(&data);
+                }
+            }
+            let held = held.freeze();
+            return Ok(Answer::Plain { head, held, body });
         }
         let (head, body) = resp.into_parts();
         let deadline = sent + pool.config.first_token_timeout;
@@ -282,11 +324,14 @@ impl Exchange<'_> {
                 );
                 (head, body)
             }
-            Answer::Plain(resp) => {
-                let (mut head, body) = resp.into_parts();
+            Answer::Plain {
+                mut head,
+                held,
+                body,
+            } => {
                 label(&mut head, ticket.node(), &route, attempts);
                 let log = log(head.status, None, ticket);
-                (head, RelayBody::plain(body, log, idle))
+                (head, RelayBody::plain(held, body, log, idle))
             }
         };
         Response::from_parts(head, BoxBody::new(body))

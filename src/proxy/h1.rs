@@ -35,10 +35,17 @@ pub enum WireError {
     /// The head is not HTTP/1.x (`httparse`'s reason).
     Head(String),
     HeadTooLarge,
-    /// `Content-Length` unparsable, or given twice with different values.
+    /// `Content-Length` not digits, or given twice with different values.
     BadLength,
+    /// `Transfer-Encoding` that cannot frame a body (not text, empty, or in an
+    /// HTTP/1.0 response).
+    BadTransferEncoding(&'static str),
+    /// A `101 Switching Protocols` nobody asked for (the balancer never asks).
+    Upgrade,
     /// A chunk-size line that is not hex, overflows, or runs too long.
     BadChunk(&'static str),
+    /// A trailer line that is not a header field.
+    BadTrailer(&'static str),
     TrailersTooLarge,
 }
 
@@ -50,7 +57,10 @@ impl fmt::Display for WireError {
                 write!(f, "response head longer than {MAX_HEAD_BYTES} bytes")
             }
             WireError::BadLength => write!(f, "invalid or conflicting content-length"),
+            WireError::BadTransferEncoding(why) => write!(f, "invalid transfer-encoding: {why}"),
+            WireError::Upgrade => write!(f, "an unrequested 101 switching protocols"),
             WireError::BadChunk(why) => write!(f, "malformed chunked body: {why}"),
+            WireError::BadTrailer(why) => write!(f, "malformed chunked trailer: {why}"),
             WireError::TrailersTooLarge => {
                 write!(f, "chunked trailers longer than {MAX_TRAILER_BYTES} bytes")
             }
@@ -116,7 +126,10 @@ pub struct ResponseHead {
 
 /// Parses one response head from the front of `buf`, which it consumes. `Ok(None)`:
 /// more bytes are needed. Interim 1xx responses (`100 Continue`, `103 Early Hints`)
-/// are consumed and skipped.
+/// are consumed and skipped; a `101` is an error (nothing asked to switch). The head
+/// handed on carries the framing it was read with: with `Transfer-Encoding`, no
+/// `Content-Length` (RFC 9112 §6.3: the proxy removes it); a valid list of equal
+/// lengths, one value.
 pub fn parse_response(
     buf: &mut BytesMut,
     method: &Method,
@@ -132,6 +145,9 @@ pub fn parse_response(
             parsed = resp.parse(buf);
         }
         let len = match parsed {
+            Ok(httparse::Status::Complete(len)) if len > MAX_HEAD_BYTES => {
+                return Err(WireError::HeadTooLarge)
+            }
             Ok(httparse::Status::Complete(len)) => len,
             Ok(httparse::Status::Partial) if buf.len() > MAX_HEAD_BYTES => {
                 return Err(WireError::HeadTooLarge)
@@ -140,7 +156,10 @@ pub fn parse_response(
             Err(e) => return Err(WireError::Head(e.to_string())),
         };
         let code = resp.code.unwrap_or(0);
-        if (100..200).contains(&code) && code != 101 {
+        if code == 101 {
+            return Err(WireError::Upgrade);
+        }
+        if (100..200).contains(&code) {
             buf.advance(len);
             continue;
         }
@@ -168,8 +187,9 @@ pub fn parse_response(
                 .map_err(|_| WireError::Head(format!("value of {name}")))?;
             headers.append(name, value);
         }
-        let framing = framing(method, status, &headers)?;
-        let reusable = version == Version::HTTP_11
+        let (framing, clean) = framing(method, status, version, &mut headers)?;
+        let reusable = clean
+            && version == Version::HTTP_11
             && framing != Framing::UntilClose
             && !list_items(&headers, &header::CONNECTION).any(|t| t.eq_ignore_ascii_case("close"));
         let mut parts = http::Response::new(()).into_parts().0;
@@ -184,33 +204,78 @@ pub fn parse_response(
     }
 }
 
-/// The body's framing (RFC 9112 §6.3).
-fn framing(method: &Method, status: StatusCode, headers: &HeaderMap) -> Result<Framing, WireError> {
-    if *method == Method::HEAD
-        || status == StatusCode::NO_CONTENT
-        || status == StatusCode::NOT_MODIFIED
-    {
-        return Ok(Framing::Empty);
+/// The body's framing (RFC 9112 §6.3), and whether the head framed it cleanly (one
+/// that had to be mended, `Content-Length` beside `Transfer-Encoding`, may be a
+/// smuggling attempt: its connection is not reused). `headers` are mended to say what
+/// the framing is.
+fn framing(
+    method: &Method,
+    status: StatusCode,
+    version: Version,
+    headers: &mut HeaderMap,
+) -> Result<(Framing, bool), WireError> {
+    if *method == Method::HEAD {
+        return Ok((Framing::Empty, true));
+    }
+    if status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
+        // No body follows, so none may be announced to the client: a length here
+        // would have it wait for bytes that never come (a 204 may not carry one at
+        // all; a 304's is the size of a body not sent). Bytes sent anyway are left
+        // over, and the connection is not reused.
+        let announced = headers.remove(header::CONTENT_LENGTH).is_some()
+            | headers.remove(header::TRANSFER_ENCODING).is_some();
+        return Ok((Framing::Empty, !announced));
     }
     if headers.contains_key(header::TRANSFER_ENCODING) {
+        if version == Version::HTTP_10 {
+            return Err(WireError::BadTransferEncoding("in an HTTP/1.0 response"));
+        }
+        // Every line must be text: a coding that cannot be read cannot be skipped.
+        let mut last = None;
+        for value in headers.get_all(header::TRANSFER_ENCODING) {
+            let text = value
+                .to_str()
+                .map_err(|_| WireError::BadTransferEncoding("not visible ASCII"))?;
+            if text.trim().is_empty() {
+                return Err(WireError::BadTransferEncoding("empty"));
+            }
+            let coding = text.split(',').map(str::trim).rfind(|t| !t.is_empty());
+            last = coding.map(|c| c.eq_ignore_ascii_case("chunked")).or(last);
+        }
+        let clean = headers.remove(header::CONTENT_LENGTH).is_none();
         // Chunked must be the last coding; anything else is read until close.
-        let last = list_items(headers, &header::TRANSFER_ENCODING).next_back();
-        return Ok(match last {
-            Some(t) if t.eq_ignore_ascii_case("chunked") => Framing::Chunked,
+        let framing = match last {
+            Some(true) => Framing::Chunked,
             _ => Framing::UntilClose,
-        });
+        };
+        return Ok((framing, clean));
     }
     let mut length = None;
+    let mut values = 0;
     for value in headers.get_all(header::CONTENT_LENGTH) {
-        for part in value.to_str().map_err(|_| WireError::BadLength)?.split(',') {
-            let n: u64 = part.trim().parse().map_err(|_| WireError::BadLength)?;
+        for part in value.as_bytes().split(|&b| b == b',') {
+            let digits = part.trim_ascii();
+            if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
+                return Err(WireError::BadLength);
+            }
+            let n = std::str::from_utf8(digits)
+                .ok()
+                .and_then(|d| d.parse::<u64>().ok())
+                .ok_or(WireError::BadLength)?;
             if length.is_some_and(|l| l != n) {
                 return Err(WireError::BadLength);
             }
             length = Some(n);
+            values += 1;
         }
     }
-    Ok(length.map_or(Framing::UntilClose, Framing::Length))
+    let Some(n) = length else {
+        return Ok((Framing::UntilClose, true));
+    };
+    if values > 1 {
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(n));
+    }
+    Ok((Framing::Length(n), true))
 }
 
 /// What [`Chunked::decode`] made of the bytes it had.
@@ -284,13 +349,15 @@ impl Chunked {
                     let line = match take_line(buf, room, "") {
                         Ok(Some(line)) => line,
                         Ok(None) => return Ok(Decoded::NeedMore),
-                        Err(_) => return Err(WireError::TrailersTooLarge),
+                        Err(WireError::BadChunk("")) => return Err(WireError::TrailersTooLarge),
+                        Err(_) => return Err(WireError::BadTrailer("line not ended by CRLF")),
                     };
-                    *self = if line.is_empty() {
-                        Chunked::Done
+                    if line.is_empty() {
+                        *self = Chunked::Done;
                     } else {
-                        Chunked::Trailers(read + line.len() + 2)
-                    };
+                        trailer_field(&line)?;
+                        *self = Chunked::Trailers(read + line.len() + 2);
+                    }
                 }
                 Chunked::Done => return Ok(Decoded::End),
             }
@@ -320,24 +387,103 @@ fn take_line(
     }
 }
 
-/// The hex size at the start of a chunk-size line (extensions after `;` ignored).
+/// The hex size at the start of a chunk-size line: `1*HEXDIG *( ";" chunk-ext )`, as
+/// strict parsers read it (llhttp's strict mode): no whitespace around the size, and
+/// each extension a token name with an optional token or quoted value. Extensions are
+/// checked and ignored.
 fn chunk_size(line: &[u8]) -> Result<u64, WireError> {
-    let digits = line
-        .split(|&b| b == b';')
-        .next()
-        .unwrap_or_default()
-        .trim_ascii();
-    if digits.is_empty() {
-        return Err(WireError::BadChunk("empty chunk size"));
+    let digits = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
+    if digits == 0 {
+        return Err(WireError::BadChunk(if line.is_empty() {
+            "empty chunk size"
+        } else {
+            "chunk size is not hex"
+        }));
     }
-    digits.iter().try_fold(0u64, |size, &b| {
-        let digit = (b as char)
-            .to_digit(16)
-            .ok_or(WireError::BadChunk("chunk size is not hex"))?;
+    let size = line[..digits].iter().try_fold(0u64, |size, &b| {
+        let digit = (b as char).to_digit(16).unwrap_or(0);
         size.checked_mul(16)
             .and_then(|s| s.checked_add(u64::from(digit)))
             .ok_or(WireError::BadChunk("chunk size overflows"))
-    })
+    })?;
+    match line.get(digits) {
+        None => Ok(size),
+        Some(b';') => chunk_extensions(&line[digits..]).map(|()| size),
+        Some(_) => Err(WireError::BadChunk("chunk size is not hex")),
+    }
+}
+
+/// `*( ";" token [ "=" ( token / quoted-string ) ] )`.
+fn chunk_extensions(mut rest: &[u8]) -> Result<(), WireError> {
+    const BAD: WireError = WireError::BadChunk("invalid chunk extension");
+    while let Some(after) = rest.strip_prefix(b";") {
+        let name = after.iter().take_while(|&&b| is_tchar(b)).count();
+        if name == 0 {
+            return Err(BAD);
+        }
+        rest = &after[name..];
+        if let Some(value) = rest.strip_prefix(b"=") {
+            let len = if value.first() == Some(&b'"') {
+                quoted_len(value).ok_or(BAD)?
+            } else {
+                value.iter().take_while(|&&b| is_tchar(b)).count()
+            };
+            if len == 0 {
+                return Err(BAD);
+            }
+            rest = &value[len..];
+        }
+    }
+    if rest.is_empty() {
+        Ok(())
+    } else {
+        Err(BAD)
+    }
+}
+
+/// The length of the quoted string at the start of `s` (quotes included), if it is one:
+/// `DQUOTE *( qdtext / "\" VCHAR ) DQUOTE`, no control characters.
+fn quoted_len(s: &[u8]) -> Option<usize> {
+    let mut i = 1;
+    while i < s.len() {
+        match s[i] {
+            b'"' => return Some(i + 1),
+            b'\\' => {
+                let next = *s.get(i + 1)?;
+                if next != b'\t' && !(0x20..0x7f).contains(&next) && next < 0x80 {
+                    return None;
+                }
+                i += 2;
+            }
+            b'\t' | b' '..=b'~' | 0x80.. => i += 1,
+            _ => return None,
+        }
+    }
+    None
+}
+
+/// A token character (RFC 9110 §5.6.2).
+fn is_tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+/// A trailer line must be a header field: `token ":" value`, no obsolete line folding
+/// (RFC 9112 §5.2: a leading space or tab), no control characters but tab.
+fn trailer_field(line: &[u8]) -> Result<(), WireError> {
+    if matches!(line.first(), Some(b' ' | b'\t')) {
+        return Err(WireError::BadTrailer("obsolete line folding"));
+    }
+    let name = line.iter().take_while(|&&b| is_tchar(b)).count();
+    if name == 0 || line.get(name) != Some(&b':') {
+        return Err(WireError::BadTrailer("not a header field"));
+    }
+    if line[name + 1..]
+        .iter()
+        .any(|&b| b != b'\t' && (b < 0x20 || b == 0x7f))
+    {
+        return Err(WireError::BadTrailer("control character in a value"));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

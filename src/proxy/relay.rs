@@ -175,15 +175,18 @@ pub struct RelayBody {
 }
 
 impl RelayBody {
-    /// A body passed through as it is, cut after `idle` of silence.
-    pub fn plain(body: EngineBody, log: RequestLog, idle: Duration) -> Self {
+    /// A body passed through as it is (`held`: its first bytes, read already), cut after
+    /// `idle` of silence.
+    pub fn plain(held: Bytes, body: EngineBody, log: RequestLog, idle: Duration) -> Self {
+        let mut usage = UsageScan::default();
+        usage.feed(&held);
         RelayBody {
-            held: None,
+            held: Some(held),
             inner: body,
             idle: Idle::new(idle),
             sse: None,
             log: Some(log),
-            usage: UsageScan::default(),
+            usage,
             ended: false,
         }
     }
@@ -262,6 +265,12 @@ impl Body for RelayBody {
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         loop {
             if let Some(held) = self.held.take().filter(|h| !h.is_empty()) {
+                // A plain body that arrived whole with its head may be dropped right after
+                // these bytes: finish now.
+                if self.sse.is_none() && !self.ended && self.inner.is_end_stream() {
+                    let outcome = self.outcome();
+                    self.end(outcome);
+                }
                 return Poll::Ready(Some(Ok(Frame::data(held))));
             }
             if self.ended {
@@ -315,10 +324,17 @@ impl Body for RelayBody {
 
     fn size_hint(&self) -> SizeHint {
         if self.sse.is_some() {
-            SizeHint::default()
-        } else {
-            self.inner.size_hint()
+            return SizeHint::default();
         }
+        // The engine's body, and what was read of it already.
+        let held = self.held.as_ref().map_or(0, |h| h.len() as u64);
+        let inner = self.inner.size_hint();
+        let mut hint = SizeHint::new();
+        hint.set_lower(inner.lower() + held);
+        if let Some(upper) = inner.upper() {
+            hint.set_upper(upper + held);
+        }
+        hint
     }
 }
 

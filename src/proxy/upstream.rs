@@ -34,6 +34,8 @@ use super::h1::{self, Chunked, Decoded, Framing, WireError};
 const READ_CHUNK: usize = 16 * 1024;
 /// Below this much free room a read buffer grows first.
 const MIN_READ_ROOM: usize = 2 * 1024;
+/// How long an engine that broke off reading a request has to have its answer read.
+const EARLY_ANSWER: Duration = Duration::from_secs(2);
 
 /// Why an exchange with an engine failed: connecting, sending, or reading the
 /// response head or body.
@@ -212,11 +214,35 @@ impl Upstream {
             };
             match conn.write_request(&head, req.body).await {
                 Ok(()) => break conn,
-                Err(_) if conn.reused => continue,
-                Err(e) => return Err(UpstreamError::Io(e)),
+                Err(e) => {
+                    // An engine may answer before it has read the whole body (a 413 for
+                    // one too large) and close: that answer, not the broken write, is
+                    // what the request gets. The connection is spent either way.
+                    let early = tokio::time::timeout(EARLY_ANSWER, conn.read_head(req.method));
+                    match early.await {
+                        Ok(Ok(mut head)) => {
+                            head.reusable = false;
+                            return Ok(self.response(authority, head, conn));
+                        }
+                        // A reused connection the engine had closed meanwhile: it saw
+                        // nothing of this request, which goes again on the next one.
+                        _ if conn.reused => continue,
+                        _ => return Err(UpstreamError::Io(e)),
+                    }
+                }
             }
         };
         let head = conn.read_head(req.method).await?;
+        Ok(self.response(authority, head, conn))
+    }
+
+    /// The response of a head read from `conn`, with the body that reads the rest.
+    fn response(
+        self: &Arc<Self>,
+        authority: &Authority,
+        head: h1::ResponseHead,
+        conn: Conn,
+    ) -> Response<EngineBody> {
         let body = EngineBody {
             decoding: match head.framing {
                 Framing::Empty | Framing::Length(0) => Decoding::Done,
@@ -228,7 +254,7 @@ impl Upstream {
             conn: Some(conn),
             home: Some((self.clone(), authority.clone())),
         };
-        Ok(Response::from_parts(head.parts, body))
+        Response::from_parts(head.parts, body)
     }
 
     fn put_back(&self, authority: Authority, mut conn: Conn) {

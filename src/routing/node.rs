@@ -64,10 +64,11 @@ pub struct Node {
 impl Node {
     /// A node with absolute cap `cap` (`max_in_flight × weight`).
     pub fn new(config: NodeConfig, source: NodeSource, cap: u32, state: Arc<NodeState>) -> Node {
-        let host = config
-            .url
-            .authority()
-            .and_then(|a| http::HeaderValue::from_str(a.as_str()).ok());
+        // `host[:port]`, never userinfo (validation refuses it in a node URL already).
+        let host = config.url.authority().and_then(|a| {
+            let host = a.as_str().rsplit('@').next().unwrap_or_default();
+            http::HeaderValue::from_str(host).ok()
+        });
         let id_header = http::HeaderValue::from_str(&config.id).ok();
         Node {
             config,
@@ -528,5 +529,8 @@ mod tests {
             );
         }
         assert_eq!(node("http://h:8000").id_header().unwrap(), "a");
+        // Credentials in a URL (refused by validation) never reach the Host header.
+        let with_credentials = node("http://user:secret@h:8000");
+        assert_eq!(with_credentials.authority().unwrap().1, "h:8000");
     }
 }

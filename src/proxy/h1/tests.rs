@@ -233,3 +233,109 @@ fn bad_chunks_are_errors() {
         (b"ab".to_vec(), false)
     );
 }
+
+#[test]
+fn lengths_and_codings_are_mended_or_refused() {
+    // Both: the coding frames the body (RFC 9112 §6.3), the length is dropped, and the
+    // connection is not trusted with another request.
+    let h = head("HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n")
+        .unwrap()
+        .unwrap();
+    assert_eq!(h.framing, Framing::Chunked);
+    assert!(!h.parts.headers.contains_key(header::CONTENT_LENGTH));
+    assert!(!h.reusable);
+    // Digits only; equal values are one value.
+    for bad in ["+5", "-5", "0x5", "5.0", "5 5", "", "99999999999999999999"] {
+        let text = format!("HTTP/1.1 200 OK\r\nContent-Length: {bad}\r\n\r\n");
+        assert_eq!(head(&text).err(), Some(WireError::BadLength), "{bad:?}");
+    }
+    let h = head("HTTP/1.1 200 OK\r\nContent-Length: 5, 5\r\nContent-Length: 5\r\n\r\n")
+        .unwrap()
+        .unwrap();
+    assert_eq!(h.framing, Framing::Length(5));
+    let lengths: Vec<_> = h
+        .parts
+        .headers
+        .get_all(header::CONTENT_LENGTH)
+        .iter()
+        .collect();
+    assert_eq!(lengths, ["5"]);
+    // A coding that cannot be read, an empty one, or one in HTTP/1.0: faulty framing.
+    let mut garbled =
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: ".to_vec();
+    garbled.extend_from_slice(b"\xffgzip\r\n\r\n");
+    assert_eq!(
+        parse_response(&mut BytesMut::from(&garbled[..]), &Method::POST).err(),
+        Some(WireError::BadTransferEncoding("not visible ASCII"))
+    );
+    assert_eq!(
+        head("HTTP/1.1 200 OK\r\nTransfer-Encoding:\r\nContent-Length: 5\r\n\r\n").err(),
+        Some(WireError::BadTransferEncoding("empty"))
+    );
+    assert_eq!(
+        head("HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n").err(),
+        Some(WireError::BadTransferEncoding("in an HTTP/1.0 response"))
+    );
+    // Nothing asked to switch protocols.
+    for extra in [
+        "",
+        "Upgrade: websocket\r\nConnection: upgrade\r\n",
+        "Content-Length: 0\r\n",
+    ] {
+        let text = format!("HTTP/1.1 101 Switching Protocols\r\n{extra}\r\n");
+        assert_eq!(head(&text).err(), Some(WireError::Upgrade), "{extra:?}");
+    }
+    // The head limit holds for a head that arrived whole, too.
+    let big = format!(
+        "HTTP/1.1 200 OK\r\nx: {}\r\ncontent-length: 0\r\n\r\n",
+        "a".repeat(70 * 1024)
+    );
+    assert_eq!(head(&big).err(), Some(WireError::HeadTooLarge));
+}
+
+#[test]
+fn chunk_lines_and_trailers_are_read_strictly() {
+    let err = |w: &str| decode_in_pieces(w.as_bytes(), &[]).err();
+    let not_hex = Some(WireError::BadChunk("chunk size is not hex"));
+    let bad_ext = Some(WireError::BadChunk("invalid chunk extension"));
+    assert_eq!(err(" 5\r\nhello\r\n0\r\n\r\n"), not_hex, "leading space");
+    assert_eq!(err("5 \r\nhello\r\n0\r\n\r\n"), not_hex, "trailing space");
+    assert_eq!(err("2 erfrferferf\r\naa\r\n0\r\n\r\n"), not_hex);
+    assert_eq!(
+        err("5;\r\nhello\r\n0\r\n\r\n"),
+        bad_ext,
+        "no extension after ;"
+    );
+    assert_eq!(err("5;a=\rb\r\nhello\r\n0\r\n\r\n"), bad_ext, "bare CR");
+    assert_eq!(
+        err("5;a=\"def; ghi\r\nhello\r\n0\r\n\r\n"),
+        bad_ext,
+        "unbalanced quote"
+    );
+    let ok = decode_in_pieces(
+        b"5;ilovew3=\"I love; \\\"extensions\\\"\";somuchlove=more;blah\r\nhello\r\n6;x\r\n world\r\n0\r\n\r\n",
+        &[],
+    )
+    .unwrap();
+    assert_eq!(ok, (b"hello world".to_vec(), true));
+    assert_eq!(
+        err("0\r\n folded: value\r\n\r\n"),
+        Some(WireError::BadTrailer("obsolete line folding"))
+    );
+    assert_eq!(
+        err("0\r\nno colon here\r\n\r\n"),
+        Some(WireError::BadTrailer("not a header field"))
+    );
+    assert_eq!(
+        err("0\r\nx-checksum: 1\n\r\n"),
+        Some(WireError::BadTrailer("line not ended by CRLF"))
+    );
+    assert_eq!(
+        err("0\r\nx-checksum: a\u{1}b\r\n\r\n"),
+        Some(WireError::BadTrailer("control character in a value"))
+    );
+    assert_eq!(
+        decode_in_pieces(b"0\r\nx-checksum: 1\r\n\r\n", &[]).unwrap(),
+        (Vec::new(), true)
+    );
+}
