@@ -293,3 +293,77 @@ async fn latency_never_ejects_more_than_the_cap() {
     );
     assert_eq!(transitions_to(&lb, "open").await, 1.0);
 }
+
+/// The breaker judges what a node does now, not what its window remembers: after the
+/// whole fleet was slow together (nothing ejected: that is overload) and recovered, a
+/// node 20× slower than its peers again is opened within 10 of its streams, though its
+/// window and its peers' still hold the slow minute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_slow_after_a_fleet_wide_slowdown_is_opened_within_ten_streams() {
+    let e = engines(4);
+    let lb = lb_for(&e, "");
+    let keys = keys_by_node(&lb, 4, 6).await;
+    warm_up(&lb, &keys).await;
+    // Every node 20× slower at once, each serving slow streams side by side.
+    for engine in &e {
+        slow_prefill(engine, 20).await;
+    }
+    let round = |tokens: usize| {
+        let keys = keys.clone();
+        let url = lb.url("/v1/chat/completions");
+        async move {
+            let sends: Vec<_> = keys
+                .iter()
+                .map(|node_keys| {
+                    let (url, session) = (url.clone(), node_keys[0].clone());
+                    tokio::spawn(async move {
+                        let text = cold_text(&session, tokens);
+                        post_json(
+                            &url,
+                            &chat(&[("user", &text)], true, 2),
+                            &[("x-session-id", &session)],
+                        )
+                        .await
+                    })
+                })
+                .collect();
+            for s in sends {
+                assert_eq!(s.await.unwrap().status, 200);
+            }
+        }
+    };
+    for _ in 0..5 {
+        round(500).await;
+    }
+    for n in nodes(&lb).await {
+        assert_eq!(
+            n["state"], "closed",
+            "a fleet-wide slowdown ejects nothing: {n}"
+        );
+    }
+    // All fast again; then one node alone 20× slower.
+    for engine in &e {
+        slow_prefill(engine, 1).await;
+    }
+    for _ in 0..3 {
+        round(500).await;
+    }
+    slow_prefill(&e[0], 20).await;
+    let mut opened_after = None;
+    for i in 0..10 {
+        // The other nodes keep serving as before.
+        let r = cold(&lb, &keys[1 + i % 3][0], 500).await;
+        assert_eq!(r.status, 200);
+        let r = cold(&lb, &keys[0][i % keys[0].len()], 500).await;
+        assert_eq!(r.status, 200);
+        if node_info(&lb, "n0").await["state"] == "open" {
+            opened_after = Some(i + 1);
+            break;
+        }
+    }
+    let after = opened_after.expect("a node 20x slower than its peers is opened within 10 streams");
+    eprintln!("opened after {after} of its slow streams");
+    for other in ["n1", "n2", "n3"] {
+        assert_eq!(node_info(&lb, other).await["state"], "closed");
+    }
+}

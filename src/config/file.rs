@@ -175,6 +175,9 @@ pub struct BreakerSection {
     pub slow_factor: Spanned<f64>,
     /// Share of slow streams in the window that opens the breaker. Default 0.5.
     pub slow_ratio: Spanned<f64>,
+    /// Streams in a row, each over `slow_factor` times what the peers' latest streams
+    /// took (normalized), that open the breaker whatever the window holds. Default 5.
+    pub slow_streams: Spanned<u32>,
     /// Streams the window needs before it may open the breaker or shunt. Default 10.
     pub min_samples: Spanned<usize>,
     /// How far back TTFT samples count. Default `"60s"`.
@@ -214,6 +217,7 @@ impl Default for BreakerSection {
             slow_ttft: Dur(d.slow_ttft),
             slow_factor: unspanned(d.slow_factor),
             slow_ratio: unspanned(d.slow_ratio),
+            slow_streams: unspanned(d.slow_streams),
             min_samples: unspanned(d.min_samples),
             window: Dur(d.window),
             canary_steps: unspanned(d.canary_steps),

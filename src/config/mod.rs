@@ -205,6 +205,9 @@ pub struct BreakerSettings {
     pub slow_factor: f64,
     /// Share of slow streams in the window that opens the breaker. Default 0.5.
     pub slow_ratio: f64,
+    /// Streams in a row, each over `slow_factor` times the peers' latest normalized
+    /// TTFT, that open the breaker whatever the window holds. Default 5.
+    pub slow_streams: u32,
     /// Streams the window must hold before it may open the breaker or shunt. Default 10.
     pub min_samples: usize,
     /// How far back TTFT samples count. Default 60 s.
@@ -229,6 +232,7 @@ impl Default for BreakerSettings {
             slow_ttft: Duration::from_secs(1),
             slow_factor: 3.0,
             slow_ratio: 0.5,
+            slow_streams: 5,
             min_samples: 10,
             window: Duration::from_secs(60),
             canary_steps: vec![0.1, 0.3, 0.7, 1.0],

@@ -268,6 +268,7 @@ fn validate_auth(a: AuthSection, dir: &Path) -> Result<AuthConfig, Invalid> {
 fn validate_breaker(b: BreakerSection) -> Result<BreakerSettings, Invalid> {
     let failure_threshold = within(&b.failure_threshold, 1..=1000, "failure_threshold")?;
     let min_samples = within(&b.min_samples, 1..=512, "min_samples")?;
+    let slow_streams = within(&b.slow_streams, 1..=512, "slow_streams")?;
     if b.canary_steps.get_ref().len() > 64 || b.shunt_steps.get_ref().len() > 16 {
         return invalid(
             b.canary_steps.span(),
@@ -320,6 +321,7 @@ fn validate_breaker(b: BreakerSection) -> Result<BreakerSettings, Invalid> {
         slow_ttft: b.slow_ttft.0,
         slow_factor: factor,
         slow_ratio: ratio,
+        slow_streams,
         min_samples,
         window: b.window.0,
         canary_steps: steps.clone(),

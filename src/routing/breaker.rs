@@ -6,8 +6,10 @@
 //! - closed: traffic flows. `failure_threshold` consecutive failures open it. So does
 //!   latency: a window in which at least `slow_ratio` of at least `min_samples`
 //!   streams had a normalized TTFT ([`super::latency`]) over `slow_factor` times the
-//!   peers' reference ([`Peers`]), but only while the pool's nodes out of rotation stay
-//!   under `max_ejected_share`; past it the node stays in, marked degraded.
+//!   peers' reference ([`Peers`]), or `slow_streams` streams in a row over
+//!   `slow_factor` times what the peers do now (their latest streams), whatever the
+//!   window remembers; but only while the pool's nodes out of rotation stay under
+//!   `max_ejected_share`; past it the node stays in, marked degraded.
 //! - open: no traffic for `open_for`; then half_open.
 //! - half_open: exactly one trial request in flight; success → recovering, failure → open.
 //! - recovering (canary): admits a growing share of the node's keys, `canary_steps`
@@ -91,6 +93,8 @@ pub struct Breaker {
     norm_p50: AtomicU32,
     norm_p90: AtomicU32,
     samples: AtomicU32,
+    /// The latest normalized TTFT (0: none in the window).
+    norm_latest: AtomicU32,
     inner: Mutex<Inner>,
 }
 
@@ -101,6 +105,8 @@ struct Inner {
     since: Option<Instant>,
     consecutive_failures: u32,
     trial_in_flight: bool,
+    /// Streams in a row slow against the peers' latest (see [`Peers::recent`]).
+    slow_run: u32,
     window: TtftWindow,
 }
 
@@ -130,11 +136,13 @@ impl Default for Breaker {
             norm_p50: AtomicU32::new(0),
             norm_p90: AtomicU32::new(0),
             samples: AtomicU32::new(0),
+            norm_latest: AtomicU32::new(0),
             inner: Mutex::new(Inner {
                 state: BreakerState::Closed,
                 since: None,
                 consecutive_failures: 0,
                 trial_in_flight: false,
+                slow_run: 0,
                 window: TtftWindow::default(),
             }),
         }
@@ -185,6 +193,13 @@ impl Breaker {
                 Norm(self.norm_p90.load(Ordering::Relaxed)),
             )
         })
+    }
+
+    /// The latest normalized TTFT judged here, while the window holds samples.
+    pub fn latest(&self) -> Option<Norm> {
+        let n = self.samples.load(Ordering::Relaxed);
+        let latest = self.norm_latest.load(Ordering::Relaxed);
+        (n > 0 && latest > 0).then_some(Norm(latest))
     }
 
     /// What [`Breaker::admit`] would answer now, changing nothing (for explanations).
@@ -305,10 +320,18 @@ impl Breaker {
         inner.window.push(now, ttft, norm);
         inner.window.prune(s.window, now);
         self.publish(&inner);
+        self.norm_latest.store(norm.0.max(1), Ordering::Relaxed);
         if inner.state != BreakerState::Closed {
             return None;
         }
-        let too_slow = inner.too_slow(peers, s);
+        // What the node does now, against what its peers do now: a window still full of
+        // a pool-wide slowdown (every node slow, then all fast again) must not hide one
+        // node that is slow alone.
+        let slow_now = peers
+            .recent
+            .is_some_and(|recent| norm >= recent.scaled(s.slow_factor));
+        inner.slow_run = if slow_now { inner.slow_run + 1 } else { 0 };
+        let too_slow = inner.too_slow(peers, s) || inner.slow_run >= s.slow_streams;
         self.degraded
             .store(too_slow && !peers.may_eject, Ordering::Relaxed);
         if too_slow && peers.may_eject {
@@ -340,6 +363,7 @@ impl Breaker {
         inner.since = Some(now);
         inner.trial_in_flight = false;
         inner.consecutive_failures = 0;
+        inner.slow_run = 0;
         if to == BreakerState::Open {
             // The evidence that opened it must not re-open it after recovery.
             inner.window.clear();

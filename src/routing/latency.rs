@@ -111,26 +111,35 @@ pub struct Peers {
     /// median (which opens or shunts it) can, so a pool-wide slowdown never looks like
     /// one slow node, whichever node sees it first.
     pub reference: Option<Norm>,
+    /// The median of the peers' latest normalized TTFT, at least [`Norm::EXPECTED`]:
+    /// how they are doing now, whatever their windows remember. `None`: no peer has a
+    /// sample.
+    pub recent: Option<Norm>,
     /// Latency may open this node: the pool's nodes out of rotation are below the cap.
     pub may_eject: bool,
 }
 
 impl Peers {
-    /// From the P90 of each peer with enough samples.
-    pub fn of(p90s: &mut [Norm], may_eject: bool) -> Peers {
-        p90s.sort_unstable();
-        let mid = p90s.len() / 2;
-        let median = match p90s.len() {
-            0 => None,
-            n if n % 2 == 1 => Some(p90s[mid]),
-            _ => Some(Norm(
-                ((u64::from(p90s[mid - 1].0) + u64::from(p90s[mid].0)) / 2) as u32,
-            )),
-        };
+    /// From the P90 of each peer with enough samples, and the latest sample of each
+    /// peer with one.
+    pub fn of(p90s: &mut [Norm], latest: &mut [Norm], may_eject: bool) -> Peers {
         Peers {
-            reference: median.map(|m| m.max(Norm::EXPECTED)),
+            reference: median(p90s).map(|m| m.max(Norm::EXPECTED)),
+            recent: median(latest).map(|m| m.max(Norm::EXPECTED)),
             may_eject,
         }
+    }
+}
+
+fn median(values: &mut [Norm]) -> Option<Norm> {
+    values.sort_unstable();
+    let mid = values.len() / 2;
+    match values.len() {
+        0 => None,
+        n if n % 2 == 1 => Some(values[mid]),
+        _ => Some(Norm(
+            ((u64::from(values[mid - 1].0) + u64::from(values[mid].0)) / 2) as u32,
+        )),
     }
 }
 
@@ -183,15 +192,24 @@ mod tests {
 
     #[test]
     fn peers_give_the_median_p90_never_below_expected() {
-        let p = Peers::of(&mut [Norm(1500), Norm(6000), Norm(2000)], true);
-        assert_eq!(p.reference, Some(Norm(2000)));
+        let p = Peers::of(
+            &mut [Norm(1500), Norm(6000), Norm(2000)],
+            &mut [Norm(900)],
+            true,
+        );
         assert_eq!(
-            Peers::of(&mut [Norm(1500), Norm(2500)], true).reference,
+            (p.reference, p.recent),
+            (Some(Norm(2000)), Some(Norm::EXPECTED))
+        );
+        assert_eq!(
+            Peers::of(&mut [Norm(1500), Norm(2500)], &mut [], true).reference,
             Some(Norm(2000))
         );
-        let p = Peers::of(&mut [Norm(800)], false);
+        let p = Peers::of(&mut [Norm(800)], &mut [Norm(3000), Norm(1200)], false);
         assert_eq!((p.reference, p.may_eject), (Some(Norm::EXPECTED), false));
-        assert_eq!(Peers::of(&mut [], true).reference, None);
+        assert_eq!(p.recent, Some(Norm(2100)));
+        let none = Peers::of(&mut [], &mut [], true);
+        assert_eq!((none.reference, none.recent), (None, None));
     }
 
     #[test]

@@ -363,18 +363,20 @@ impl Balancer {
             return;
         };
         let mut out = 0;
-        let mut peers = Vec::with_capacity(self.nodes.len());
+        let mut p90s = Vec::with_capacity(self.nodes.len());
+        let mut latest = Vec::with_capacity(self.nodes.len());
         for (i, n) in self.nodes.iter().enumerate() {
             let b = &n.state().breaker;
             if matches!(b.state(), BreakerState::Open | BreakerState::HalfOpen) {
                 out += 1;
             }
             if i != index {
-                peers.extend(b.summary(s.min_samples).map(|(_, p90)| p90));
+                p90s.extend(b.summary(s.min_samples).map(|(_, p90)| p90));
+                latest.extend(b.latest());
             }
         }
         let may_eject = latency::may_eject(out, self.nodes.len(), s.max_ejected_share);
-        let peers = Peers::of(&mut peers, may_eject);
+        let peers = Peers::of(&mut p90s, &mut latest, may_eject);
         let state = self.nodes[index].state();
         state.log_flip(state.breaker.observe_latency(ttft, norm, &peers, s, now));
     }

@@ -146,6 +146,7 @@ fn ms(n: u64) -> Duration {
 fn healthy_peers(may_eject: bool) -> Peers {
     Peers {
         reference: Some(Norm::EXPECTED),
+        recent: None,
         may_eject,
     }
 }
@@ -201,6 +202,7 @@ fn as_slow_as_its_peers_is_not_slow() {
     let b = Breaker::default();
     let peers = Peers {
         reference: Some(Norm(5500)),
+        recent: None,
         may_eject: true,
     };
     for i in 0..40 {
@@ -290,4 +292,56 @@ proptest! {
             prop_assert!(trials_in_flight <= 1);
         }
     }
+}
+
+#[test]
+fn slow_streams_in_a_row_open_it_whatever_the_window_holds() {
+    // The window remembers a pool-wide slowdown (every node 35x for a minute): against
+    // its peers' P90 of the same minute, a node slow alone again looks fine. Against
+    // what its peers do now, it is 35x: five such streams in a row open it.
+    let (s, t0) = (settings(), Instant::now());
+    let b = Breaker::default();
+    let remembered = Peers {
+        reference: Some(Norm(35_000)),
+        recent: Some(Norm(35_000)),
+        may_eject: true,
+    };
+    for i in 0..30 {
+        let flip = b.observe_latency(secs(4), Norm(35_000), &remembered, &s, t0 + ms(i));
+        assert_eq!(flip, None, "the pool-wide slowdown opens nothing");
+    }
+    let recovered = Peers {
+        recent: Some(Norm::EXPECTED),
+        ..remembered
+    };
+    for i in 0..4 {
+        let flip = b.observe_latency(secs(4), Norm(35_000), &recovered, &s, t0 + ms(100 + i));
+        assert_eq!(flip, None, "stream {i}");
+    }
+    // One stream as fast as the peers breaks the run.
+    b.observe_latency(ms(50), Norm::EXPECTED, &recovered, &s, t0 + ms(110));
+    for i in 0..4 {
+        assert_eq!(
+            b.observe_latency(secs(4), Norm(35_000), &recovered, &s, t0 + ms(120 + i)),
+            None
+        );
+    }
+    assert_eq!(
+        b.observe_latency(secs(4), Norm(35_000), &recovered, &s, t0 + ms(130)),
+        Some(BreakerState::Open),
+        "the fifth in a row"
+    );
+    // Past the ejection cap it stays in, degraded.
+    let c = Breaker::default();
+    let capped = Peers {
+        may_eject: false,
+        ..recovered
+    };
+    for i in 0..5 {
+        assert_eq!(
+            c.observe_latency(secs(4), Norm(35_000), &capped, &s, t0 + ms(i)),
+            None
+        );
+    }
+    assert!(c.is_degraded());
 }

@@ -127,6 +127,7 @@ fn peek_names_the_node_choose_takes_in_every_state() {
     let n1 = &b.nodes[1].state().breaker;
     let peers = Peers {
         reference: Some(Norm::EXPECTED),
+        recent: None,
         may_eject: true,
     };
     for i in 0..12 {
