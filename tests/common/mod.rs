@@ -3,6 +3,9 @@
 
 #![allow(dead_code)]
 
+pub mod load;
+pub mod toxic;
+
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -67,7 +70,10 @@ fn spawn(args: &[&str]) -> Proc {
 }
 
 fn spawn_with(args: &[&str], log: &str, stderr: Stdio, env: &[(&str, &str)]) -> Proc {
-    let mut child = Command::new(BIN)
+    // `PREFIXLB_BIN` runs a suite against another build (an older one, to see what a
+    // fix fixed); the one just built by default.
+    let bin = std::env::var("PREFIXLB_BIN").unwrap_or_else(|_| BIN.to_string());
+    let mut child = Command::new(bin)
         .args(args)
         .env("RUST_LOG", log)
         .envs(env.iter().copied())
