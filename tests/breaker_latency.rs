@@ -40,11 +40,16 @@ fn cold_text(tag: &str, tokens: usize) -> String {
 }
 
 async fn cold(lb: &Proc, session: &str, tokens: usize) -> Reply {
-    let text = cold_text(session, tokens);
+    cold_at(lb.url("/v1/chat/completions"), session.to_string(), tokens).await
+}
+
+/// [`cold`], owning its arguments (for a spawned task).
+async fn cold_at(url: String, session: String, tokens: usize) -> Reply {
+    let text = cold_text(&session, tokens);
     post_json(
-        &lb.url("/v1/chat/completions"),
+        &url,
         &chat(&[("user", &text)], true, 2),
-        &[("x-session-id", session)],
+        &[("x-session-id", &session)],
     )
     .await
 }
@@ -179,16 +184,7 @@ async fn all_nodes_slower_at_once_is_overload_not_an_outage() {
         let sends: Vec<_> = (0..24)
             .map(|i| {
                 let url = lb.url("/v1/chat/completions");
-                let session = format!("wave-{wave}-{i}");
-                tokio::spawn(async move {
-                    let text = cold_text(&session, 2000);
-                    post_json(
-                        &url,
-                        &chat(&[("user", &text)], true, 2),
-                        &[("x-session-id", &session)],
-                    )
-                    .await
-                })
+                tokio::spawn(cold_at(url, format!("wave-{wave}-{i}"), 2000))
             })
             .collect();
         for s in sends {
@@ -314,18 +310,7 @@ async fn a_node_slow_after_a_fleet_wide_slowdown_is_opened_within_ten_streams() 
         async move {
             let sends: Vec<_> = keys
                 .iter()
-                .map(|node_keys| {
-                    let (url, session) = (url.clone(), node_keys[0].clone());
-                    tokio::spawn(async move {
-                        let text = cold_text(&session, tokens);
-                        post_json(
-                            &url,
-                            &chat(&[("user", &text)], true, 2),
-                            &[("x-session-id", &session)],
-                        )
-                        .await
-                    })
-                })
+                .map(|node_keys| tokio::spawn(cold_at(url.clone(), node_keys[0].clone(), tokens)))
                 .collect();
             for s in sends {
                 assert_eq!(s.await.unwrap().status, 200);

@@ -40,6 +40,23 @@ impl Tally {
         )
     }
 
+    /// The contract held: nothing broken or hung, and at least `percent` % of the
+    /// requests whole (the rest explicit errors or clients that left).
+    pub fn assert_kept(&self, percent: u64) {
+        let (ok, total) = (self.ok.load(Ordering::Relaxed), self.total());
+        let broken = self.broken.lock();
+        assert!(
+            broken.is_empty(),
+            "{} broken: {:?}",
+            broken.len(),
+            &broken[..broken.len().min(5)]
+        );
+        assert!(
+            ok * 100 >= total * percent,
+            "only {ok} of {total} succeeded with three healthy engines"
+        );
+    }
+
     pub fn total(&self) -> u64 {
         [
             &self.ok,
