@@ -28,9 +28,11 @@ CACHE=${CACHE:-30000}
 NODES=${NODES:-8}
 BASE_PORT=${BASE_PORT:-19500}
 VENV=${VENV:-target/sglang-venv}
-B=target/release/prefixlb
-
-cargo build --release --bin prefixlb >/dev/null
+# B=path/to/prefixlb runs another build (an older one, to see what a change changed).
+if [ -z "${B:-}" ]; then
+  B=target/release/prefixlb
+  cargo build --release --bin prefixlb >/dev/null
+fi
 if ! [ -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
