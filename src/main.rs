@@ -289,11 +289,18 @@ fn check_report(path: &Path, config: Config) -> String {
         } else {
             ""
         };
+        let aliases: Vec<_> = pool
+            .config
+            .aliases
+            .iter()
+            .map(|(alias, model)| format!("; {alias} = {model}"))
+            .collect();
         let _ = writeln!(
             out,
-            "pool {} (models: {}){default}: {} nodes, {} ring points",
+            "pool {} (models: {}{}){default}: {} nodes, {} ring points",
             pool.config.name,
             pool.config.models.join(", "),
+            aliases.concat(),
             b.ring().len(),
             b.ring().points()
         );

@@ -507,6 +507,51 @@ async fn models_are_answered_from_config_and_h2c_works() {
     assert_eq!(resp.headers()["x-prefixlb-node"], "n0");
 }
 
+/// `aliases`: other names for a pool's model are listed by `/v1/models`, rewritten to
+/// the model on the way to the engine (which answers with the model's own name), and
+/// routed as that model: the same prompt under either name lands on one node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aliases_are_listed_rewritten_and_placed_as_their_model() {
+    let engines: Vec<Proc> = (0..4)
+        .map(|i| engine(&format!("e{i}"), &["--decode-ms-per-token", "0"]))
+        .collect();
+    let addrs: Vec<_> = engines.iter().map(|e| e.addr).collect();
+    let lb = balancer(&config_at(&addrs, "").replace(
+        "models = [\"mock\"]\n",
+        "models = [\"mock\"]\naliases = { \"gpt-4o\" = \"mock\", fast = \"mock\" }\n",
+    ));
+    let models = get_json(&lb.url("/v1/models")).await;
+    let ids: Vec<_> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(ids, ["mock", "fast", "gpt-4o"]);
+    let url = lb.url("/v1/chat/completions");
+    let mut nodes = Vec::new();
+    for (name, stream) in [("gpt-4o", false), ("fast", true), ("mock", false)] {
+        let mut body = chat(&[("user", "one prompt under three names")], stream, 2);
+        body["model"] = name.into();
+        let r = post_json(&url, &body, &[]).await;
+        assert_eq!(r.status, 200, "{name}: {}", r.text());
+        // The engine saw (and echoed) the model, not the alias.
+        assert!(
+            r.text().contains("\"model\":\"mock\""),
+            "{name}: {}",
+            r.text()
+        );
+        assert!(!r.text().contains(name) || name == "mock", "{}", r.text());
+        nodes.push(r.header("x-prefixlb-node").to_string());
+    }
+    assert!(nodes.iter().all(|n| *n == nodes[0]), "{nodes:?}");
+    let mut unknown = chat(&[("user", "x")], false, 2);
+    unknown["model"] = "gpt-5".into();
+    let r = post_json(&url, &unknown, &[]).await;
+    assert_eq!(r.status, 404);
+    assert!(r.text().contains("mock, fast, gpt-4o"), "{}", r.text());
+}
+
 #[test]
 fn check_reports_unknown_keys_with_their_position() {
     let path = write_config("[routing]\nvnodes = 160\nmax_inflight = 4\n\n[[pools]]\nname = \"p\"\nnodes = [{ id = \"a\", url = \"http://127.0.0.1:1\" }]\n");

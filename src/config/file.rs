@@ -373,6 +373,11 @@ pub struct PoolSection {
     /// `model` values this pool serves. Default: the pool name.
     #[serde(default)]
     pub models: Vec<Spanned<String>>,
+    /// Other names clients may use, each for one of `models`: `{ "gpt-4o" =
+    /// "meta-llama/Llama-3.1-8B-Instruct" }`. The body's `model` is rewritten to the
+    /// model on the way in. Default none.
+    #[serde(default = "no_aliases")]
+    pub aliases: Spanned<std::collections::BTreeMap<String, String>>,
     /// Budget for the first generated token. Default `"60s"`.
     #[serde(default = "default_first_token_timeout")]
     pub first_token_timeout: Dur,
@@ -411,6 +416,9 @@ fn yes() -> bool {
 }
 fn no() -> Spanned<bool> {
     unspanned(false)
+}
+fn no_aliases() -> Spanned<std::collections::BTreeMap<String, String>> {
+    unspanned(std::collections::BTreeMap::new())
 }
 fn one() -> Spanned<u32> {
     unspanned(1)

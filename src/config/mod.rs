@@ -148,11 +148,23 @@ pub struct RoutingConfig {
 pub struct PoolConfig {
     pub name: String,
     pub models: Vec<String>,
+    /// Other names for `models`: (alias, the model it stands for), in name order.
+    pub aliases: Vec<(String, String)>,
     pub first_token_timeout: Duration,
     pub fallbacks: Vec<String>,
     pub supports_thinking: bool,
     pub default: bool,
     pub nodes: Vec<NodeConfig>,
+}
+
+impl PoolConfig {
+    /// The model an alias stands for; `None` for a name that is no alias here.
+    pub fn aliased(&self, name: &str) -> Option<&str> {
+        self.aliases
+            .iter()
+            .find(|(alias, _)| alias == name)
+            .map(|(_, model)| model.as_str())
+    }
 }
 
 #[derive(Debug, Clone)]

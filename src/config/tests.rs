@@ -63,6 +63,30 @@ fn semantic_errors_point_at_the_value() {
         "the secret is not echoed: {creds}"
     );
 
+    let pool = |extra: &str| {
+        format!("[[pools]]\nname=\"p\"\nmodels=[\"m\"]\n{extra}\n[[pools.nodes]]\nid=\"a\"\nurl=\"http://h:1\"\n")
+    };
+    let ok = Config::parse(
+        &pool("aliases = { gpt-4o = \"m\", fast = \"m\" }"),
+        "t.toml",
+    )
+    .unwrap();
+    assert_eq!(
+        ok.pools[0].aliases,
+        [("fast".into(), "m".into()), ("gpt-4o".into(), "m".into())]
+    );
+    assert_eq!(ok.pools[0].aliased("gpt-4o"), Some("m"));
+    assert_eq!(ok.pools[0].aliased("m"), None);
+    let unserved = err(&pool("aliases = { gpt-4o = \"other\" }"));
+    assert_eq!(unserved.line, 4, "{unserved}");
+    assert!(unserved.message.contains("does not serve"), "{unserved}");
+    let taken = err(&format!(
+        "{}[[pools]]\nname=\"q\"\nmodels=[\"n\"]\naliases = {{ m = \"n\" }}\n[[pools.nodes]]\nid=\"b\"\nurl=\"http://h:2\"\n",
+        pool("")
+    ));
+    assert_eq!(taken.line, 11, "{taken}");
+    assert!(taken.message.contains("already a model"), "{taken}");
+
     let w = err("[[pools]]\nname=\"p\"\n[[pools.nodes]]\nid=\"a\"\nurl=\"http://h:1\"\nweight=0\n");
     assert_eq!(w.line, 6);
     assert!(w.message.contains("weight 0"), "{w}");

@@ -164,6 +164,26 @@ fn validate_pool(p: PoolSection, seen: &mut Seen) -> Result<PoolConfig, Invalid>
             );
         }
     }
+    let mut aliases = Vec::new();
+    for (alias, model) in p.aliases.get_ref() {
+        let span = p.aliases.span();
+        if alias.trim().is_empty() {
+            return invalid(span, format!("pool {name:?} has an empty alias"));
+        }
+        if !models.contains(model) {
+            return invalid(
+                span,
+                format!("alias {alias:?} of pool {name:?} stands for {model:?}, which the pool does not serve (its models: {})", models.join(", ")),
+            );
+        }
+        if let Some(owner) = seen.model_owner.insert(alias.clone(), name.clone()) {
+            return invalid(
+                span,
+                format!("alias {alias:?} of pool {name:?} is already a model or alias of pool {owner:?}; a name belongs to one pool"),
+            );
+        }
+        aliases.push((alias.clone(), model.clone()));
+    }
     let mut fallbacks = Vec::new();
     for f in &p.fallbacks {
         let target = f.get_ref();
@@ -192,6 +212,7 @@ fn validate_pool(p: PoolSection, seen: &mut Seen) -> Result<PoolConfig, Invalid>
     Ok(PoolConfig {
         name,
         models,
+        aliases,
         first_token_timeout: p.first_token_timeout.0,
         fallbacks,
         supports_thinking: p.supports_thinking,

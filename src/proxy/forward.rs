@@ -97,13 +97,21 @@ impl Exchange<'_> {
     }
 
     /// The body for the pool placed in, with every edit applied in one step on the
-    /// client's bytes (for a fallback pool, `model` rewritten to the pool's first model).
+    /// client's bytes (for a fallback pool, `model` rewritten to the pool's first model;
+    /// an alias, to the model it stands for).
     fn body_for(&self, placement: &Placement) -> Bytes {
         let pool = &placement.pool().config;
+        let model = if placement.is_fallback() {
+            Some(pool.models.first().unwrap_or(&pool.name).as_str())
+        } else {
+            placement
+                .facts
+                .model
+                .as_deref()
+                .and_then(|m| pool.aliased(m))
+        };
         let edits = Edits {
-            model: placement
-                .is_fallback()
-                .then(|| pool.models.first().unwrap_or(&pool.name).as_str()),
+            model,
             include_usage: self.strip_usage(),
         };
         edit::apply(&self.body, &placement.facts.spans, edits)

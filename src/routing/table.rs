@@ -100,7 +100,11 @@ impl Table {
             .iter()
             .enumerate()
             .map(|(i, p)| {
-                for m in &p.models {
+                for m in p
+                    .models
+                    .iter()
+                    .chain(p.aliases.iter().map(|(alias, _)| alias))
+                {
                     by_model.insert(m.clone(), i);
                 }
                 if p.default {
@@ -140,11 +144,16 @@ impl Table {
         }
     }
 
-    /// All model names served, in config order.
+    /// All model names served, in config order, each pool's aliases after its models.
     pub fn models(&self) -> impl Iterator<Item = (&str, &Pool)> {
-        self.pools
-            .iter()
-            .flat_map(|p| p.config.models.iter().map(move |m| (m.as_str(), &**p)))
+        self.pools.iter().flat_map(|p| {
+            let c = &p.config;
+            let aliases = c.aliases.iter().map(|(alias, _)| alias);
+            c.models
+                .iter()
+                .chain(aliases)
+                .map(move |m| (m.as_str(), &**p))
+        })
     }
 
     fn model_list(&self) -> String {
