@@ -552,6 +552,74 @@ async fn aliases_are_listed_rewritten_and_placed_as_their_model() {
     assert!(r.text().contains("mock, fast, gpt-4o"), "{}", r.text());
 }
 
+/// LoRA `adapters`: an adapter's requests are keyed apart from its model's and from
+/// the other adapters' (an engine caches prefixes per adapter), while an alias of an
+/// adapter is keyed as the adapter; `/v1/models` lists adapters with their `parent`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adapters_are_keyed_apart_and_their_aliases_with_them() {
+    let engines: Vec<Proc> = (0..4)
+        .map(|i| engine(&format!("e{i}"), &["--decode-ms-per-token", "0"]))
+        .collect();
+    let addrs: Vec<_> = engines.iter().map(|e| e.addr).collect();
+    let lb = balancer(&config_at(&addrs, "").replace(
+        "models = [\"mock\"]\n",
+        "models = [\"mock\"]\nadapters = [\"sql-lora\", \"chat-lora\"]\naliases = { sql = \"sql-lora\" }\n",
+    ));
+    let models = get_json(&lb.url("/v1/models")).await;
+    let listed: Vec<_> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| (m["id"].as_str().unwrap(), m["parent"].as_str()))
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            ("mock", None),
+            ("sql-lora", Some("mock")),
+            ("chat-lora", Some("mock")),
+            ("sql", None)
+        ]
+    );
+    let url = lb.url("/v1/chat/completions");
+    let node_of = |model: &'static str, prompt: String| {
+        let url = url.clone();
+        async move {
+            let mut body = chat(&[("user", &prompt)], false, 2);
+            body["model"] = model.into();
+            let r = post_json(&url, &body, &[]).await;
+            assert_eq!(r.status, 200, "{model}: {}", r.text());
+            // Adapters are forwarded by their own name; an alias as its adapter.
+            let sent = if model == "sql" { "sql-lora" } else { model };
+            assert!(
+                r.text().contains(&format!("\"model\":\"{sent}\"")),
+                "{}",
+                r.text()
+            );
+            r.header("x-prefixlb-node").to_string()
+        }
+    };
+    let (mut differ, mut prompts) = (0, 0);
+    for k in 0..12 {
+        let prompt = format!("the same question number {k} asked of every adapter");
+        let sql = node_of("sql-lora", prompt.clone()).await;
+        let chat_lora = node_of("chat-lora", prompt.clone()).await;
+        let base = node_of("mock", prompt.clone()).await;
+        // Each name's home holds: its next request, and the alias's, go there.
+        assert_eq!(node_of("sql", prompt.clone()).await, sql, "alias {k}");
+        assert_eq!(node_of("sql-lora", prompt.clone()).await, sql, "again {k}");
+        assert_eq!(node_of("chat-lora", prompt.clone()).await, chat_lora);
+        assert_eq!(node_of("mock", prompt).await, base);
+        prompts += 1;
+        differ += usize::from(sql != chat_lora || sql != base);
+    }
+    // Keyed as one, every prompt would find the first name's home under the others.
+    assert!(
+        differ * 2 >= prompts,
+        "{differ} of {prompts} prompts placed apart"
+    );
+}
+
 #[test]
 fn check_reports_unknown_keys_with_their_position() {
     let path = write_config("[routing]\nvnodes = 160\nmax_inflight = 4\n\n[[pools]]\nname = \"p\"\nnodes = [{ id = \"a\", url = \"http://127.0.0.1:1\" }]\n");

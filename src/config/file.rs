@@ -378,6 +378,11 @@ pub struct PoolSection {
     /// model on the way in. Default none.
     #[serde(default = "no_aliases")]
     pub aliases: Spanned<std::collections::BTreeMap<String, String>>,
+    /// LoRA adapters of the pool's model its engines serve (`model` names forwarded as
+    /// they are): each is keyed apart from the model and from the other adapters, since
+    /// an engine caches prefixes per adapter. Default none.
+    #[serde(default)]
+    pub adapters: Vec<Spanned<String>>,
     /// Budget for the first generated token. Default `"60s"`.
     #[serde(default = "default_first_token_timeout")]
     pub first_token_timeout: Dur,

@@ -148,8 +148,11 @@ pub struct RoutingConfig {
 pub struct PoolConfig {
     pub name: String,
     pub models: Vec<String>,
-    /// Other names for `models`: (alias, the model it stands for), in name order.
+    /// Other names for `models` or `adapters`: (alias, the name it stands for), in name
+    /// order.
     pub aliases: Vec<(String, String)>,
+    /// LoRA adapters served by the pool's engines, keyed apart (see [`PoolConfig::adapter`]).
+    pub adapters: Vec<String>,
     pub first_token_timeout: Duration,
     pub fallbacks: Vec<String>,
     pub supports_thinking: bool,
@@ -158,12 +161,20 @@ pub struct PoolConfig {
 }
 
 impl PoolConfig {
-    /// The model an alias stands for; `None` for a name that is no alias here.
+    /// The model (or adapter) an alias stands for; `None` for a name that is no alias
+    /// here.
     pub fn aliased(&self, name: &str) -> Option<&str> {
         self.aliases
             .iter()
             .find(|(alias, _)| alias == name)
             .map(|(_, model)| model.as_str())
+    }
+
+    /// The adapter a requested `model` names (directly or by an alias), if it names one
+    /// of the pool's adapters: its requests are keyed apart from the model's.
+    pub fn adapter<'a>(&'a self, requested: &'a str) -> Option<&'a str> {
+        let name = self.aliased(requested).unwrap_or(requested);
+        self.adapters.iter().any(|a| a == name).then_some(name)
     }
 }
 

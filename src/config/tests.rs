@@ -77,6 +77,18 @@ fn semantic_errors_point_at_the_value() {
     );
     assert_eq!(ok.pools[0].aliased("gpt-4o"), Some("m"));
     assert_eq!(ok.pools[0].aliased("m"), None);
+    let lora = Config::parse(
+        &pool("adapters = [\"sql-lora\"]\naliases = { sql = \"sql-lora\" }"),
+        "t.toml",
+    )
+    .unwrap();
+    assert_eq!(lora.pools[0].adapters, ["sql-lora"]);
+    assert_eq!(lora.pools[0].adapter("sql"), Some("sql-lora"));
+    assert_eq!(lora.pools[0].adapter("sql-lora"), Some("sql-lora"));
+    assert_eq!(lora.pools[0].adapter("m"), None);
+    let twice = err(&pool("adapters = [\"m\"]"));
+    assert_eq!((twice.line, twice.col), (4, 13), "{twice}");
+    assert!(twice.message.contains("already a model"), "{twice}");
     let unserved = err(&pool("aliases = { gpt-4o = \"other\" }"));
     assert_eq!(unserved.line, 4, "{unserved}");
     assert!(unserved.message.contains("does not serve"), "{unserved}");

@@ -164,16 +164,30 @@ fn validate_pool(p: PoolSection, seen: &mut Seen) -> Result<PoolConfig, Invalid>
             );
         }
     }
+    let mut adapters = Vec::new();
+    for a in &p.adapters {
+        let adapter = a.get_ref().trim();
+        if adapter.is_empty() {
+            return invalid(a.span(), format!("pool {name:?} has an empty adapter name"));
+        }
+        if let Some(owner) = seen.model_owner.insert(adapter.to_string(), name.clone()) {
+            return invalid(
+                a.span(),
+                format!("adapter {adapter:?} of pool {name:?} is already a model or adapter of pool {owner:?}; a name belongs to one pool"),
+            );
+        }
+        adapters.push(adapter.to_string());
+    }
     let mut aliases = Vec::new();
     for (alias, model) in p.aliases.get_ref() {
         let span = p.aliases.span();
         if alias.trim().is_empty() {
             return invalid(span, format!("pool {name:?} has an empty alias"));
         }
-        if !models.contains(model) {
+        if !models.contains(model) && !adapters.contains(model) {
             return invalid(
                 span,
-                format!("alias {alias:?} of pool {name:?} stands for {model:?}, which the pool does not serve (its models: {})", models.join(", ")),
+                format!("alias {alias:?} of pool {name:?} stands for {model:?}, which the pool does not serve (its models and adapters: {})", models.iter().chain(&adapters).cloned().collect::<Vec<_>>().join(", ")),
             );
         }
         if let Some(owner) = seen.model_owner.insert(alias.clone(), name.clone()) {
@@ -213,6 +227,7 @@ fn validate_pool(p: PoolSection, seen: &mut Seen) -> Result<PoolConfig, Invalid>
         name,
         models,
         aliases,
+        adapters,
         first_token_timeout: p.first_token_timeout.0,
         fallbacks,
         supports_thinking: p.supports_thinking,

@@ -225,7 +225,15 @@ fn now() -> std::time::Instant {
 fn models(table: &Table) -> Response<BoxBody> {
     let data: Vec<_> = table
         .models()
-        .map(|(m, pool)| json!({"id": m, "object": "model", "created": 0, "owned_by": format!("prefixlb/{}", pool.config.name)}))
+        .map(|(m, pool)| {
+            let c = &pool.config;
+            let mut model = json!({"id": m, "object": "model", "created": 0, "owned_by": format!("prefixlb/{}", c.name)});
+            // An adapter names its base model, as vLLM lists LoRA adapters.
+            if c.adapters.iter().any(|a| a == m) {
+                model["parent"] = c.models.first().map_or(json!(null), |base| json!(base));
+            }
+            model
+        })
         .collect();
     let mut resp = Response::new(full(json!({"object": "list", "data": data}).to_string()));
     *resp.status_mut() = StatusCode::OK;

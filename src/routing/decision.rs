@@ -9,6 +9,7 @@
 //! outcome, so a half-open trial is never leaked. The proxy, `prefixlb route` and
 //! `/admin/explain`, the simulator and the benches all go through here.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -114,8 +115,13 @@ impl Placement {
         mode: Mode,
     ) -> Placement {
         let pool = table.pools[index].clone();
-        let (hash, grouping) =
-            key::key_hashes(&pool.config.name, &facts, table.config.routing.hash_seed);
+        // An adapter's requests are keyed apart: an engine caches prefixes per adapter.
+        let adapter = facts.model.as_deref().and_then(|m| pool.config.adapter(m));
+        let space = match adapter {
+            Some(adapter) => Cow::Owned(format!("{}\0{adapter}", pool.config.name)),
+            None => Cow::Borrowed(pool.config.name.as_str()),
+        };
+        let (hash, grouping) = key::key_hashes(&space, &facts, table.config.routing.hash_seed);
         let b = &pool.balancer;
         let home = b.home_of(hash);
         let stakes = Stakes::of(&facts, grouping, home.map(|h| h.tokens));

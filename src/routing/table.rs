@@ -100,11 +100,8 @@ impl Table {
             .iter()
             .enumerate()
             .map(|(i, p)| {
-                for m in p
-                    .models
-                    .iter()
-                    .chain(p.aliases.iter().map(|(alias, _)| alias))
-                {
+                let aliases = p.aliases.iter().map(|(alias, _)| alias);
+                for m in p.models.iter().chain(&p.adapters).chain(aliases) {
                     by_model.insert(m.clone(), i);
                 }
                 if p.default {
@@ -144,13 +141,14 @@ impl Table {
         }
     }
 
-    /// All model names served, in config order, each pool's aliases after its models.
+    /// All model names served, in config order: each pool's models, adapters, aliases.
     pub fn models(&self) -> impl Iterator<Item = (&str, &Pool)> {
         self.pools.iter().flat_map(|p| {
             let c = &p.config;
             let aliases = c.aliases.iter().map(|(alias, _)| alias);
             c.models
                 .iter()
+                .chain(&c.adapters)
                 .chain(aliases)
                 .map(move |m| (m.as_str(), &**p))
         })
