@@ -594,33 +594,49 @@ async fn a_client_that_stops_reading_releases_the_slot() {
     drop(s);
 }
 
+/// A plain answer is held before it commits, up to its first MiB: one that stalls there
+/// for `idle_stream_timeout` is a failure (a 504 here, with no other node), not a cut
+/// answer; one that stalls past its first MiB, committed already, is cut. Both blame
+/// the node and free its slot.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_plain_body_that_stalls_is_cut_and_blamed() {
-    let stalling = scripted_engine(vec![(
-        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"id\":"
-            .to_vec(),
-        Duration::from_secs(60),
-    )])
-    .await;
-    let lb = balancer(&config_at(
-        &[stalling],
-        "idle_stream_timeout = \"1s\"\n[breaker]\nfailure_threshold = 1",
-    ));
-    let started = Instant::now();
-    let resp = post_stream(
-        &lb.url("/v1/chat/completions"),
-        &chat(&[("user", "x")], false, 2),
-    )
-    .await;
-    assert_eq!(resp.status(), 200);
-    let body = http_body_util::BodyExt::collect(resp.into_body()).await;
-    assert!(
-        body.is_err(),
-        "the cut body must fail, not end short and clean"
-    );
-    assert!(started.elapsed() < Duration::from_secs(10));
-    assert!(in_flight(&lb).await.iter().all(|(_, n)| *n == 0));
-    assert_eq!(breaker_states(&lb).await, vec!["open"]);
+async fn a_plain_body_that_stalls_fails_before_commit_and_is_cut_after() {
+    let head = |len: usize| {
+        format!("HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len}\r\n\r\n{{\"id\":")
+            .into_bytes()
+    };
+    let early = scripted_engine(vec![(head(100), Duration::from_secs(60))]).await;
+    let mut late = head(3 << 20);
+    late.extend(std::iter::repeat_n(b' ', 3 << 19));
+    let late = scripted_engine(vec![(late, Duration::from_secs(60))]).await;
+    for (engine, committed) in [(early, false), (late, true)] {
+        let lb = balancer(&config_at(
+            &[engine],
+            "idle_stream_timeout = \"1s\"\n[breaker]\nfailure_threshold = 1",
+        ));
+        let started = Instant::now();
+        let resp = post_stream(
+            &lb.url("/v1/chat/completions"),
+            &chat(&[("user", "x")], false, 2),
+        )
+        .await;
+        let status = resp.status();
+        let body = http_body_util::BodyExt::collect(resp.into_body()).await;
+        if committed {
+            assert_eq!(status, 200);
+            assert!(
+                body.is_err(),
+                "the cut body must fail, not end short and clean"
+            );
+        } else {
+            // The last (only) attempt timed out.
+            assert_eq!(status, 504);
+            let text = String::from_utf8_lossy(&body.unwrap().to_bytes()).into_owned();
+            assert!(text.contains("stalled"), "{text}");
+        }
+        assert!(started.elapsed() < Duration::from_secs(10));
+        assert!(in_flight(&lb).await.iter().all(|(_, n)| *n == 0));
+        assert_eq!(breaker_states(&lb).await, vec!["open"]);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -221,19 +221,23 @@ impl Exchange<'_> {
         }
         if !(stream && status.is_success() && is_event_stream(resp.headers())) {
             // Nothing has gone to the client yet: a plain body is read whole (up to
-            // `PLAIN_HOLD`) before it commits, so one that breaks is a failure like any
-            // other (failed over, or a 502), never a cut answer.
+            // `PLAIN_HOLD`) before it commits, so one that breaks, or stalls for
+            // `idle_stream_timeout`, is a failure like any other (failed over, or a
+            // 502), never a cut answer.
             let (head, mut body) = resp.into_parts();
+            let idle = self.table.config.server.idle_stream_timeout;
             let mut held = BytesMut::new();
             while held.len() < PLAIN_HOLD && !http_body::Body::is_end_stream(&body) {
-                let frame = match tokio::time::timeout_at(sent + budget, body.frame()).await {
+                let until = (sent + budget).min(Instant::now() + idle);
+                let frame = match tokio::time::timeout_at(until, body.frame()).await {
                     Err(_) => {
                         return Err(Failure::new(
                             FailoverReason::Timeout,
                             format!(
-                                "{}: no whole body within {} ms",
+                                "{}: the body stalled (no whole body within {} ms, or {} ms of silence)",
                                 node.id(),
-                                budget.as_millis()
+                                budget.as_millis(),
+                                idle.as_millis()
                             ),
                         ))
                     }
