@@ -289,12 +289,13 @@ fn check_report(path: &Path, config: Config) -> String {
         } else {
             ""
         };
-        let aliases: Vec<_> = pool
-            .config
+        let c = &pool.config;
+        let adapters = c.adapters.iter().map(|a| format!("; adapter {a}"));
+        let aliases = c
             .aliases
             .iter()
-            .map(|(alias, model)| format!("; {alias} = {model}"))
-            .collect();
+            .map(|(alias, model)| format!("; {alias} = {model}"));
+        let aliases: Vec<_> = adapters.chain(aliases).collect();
         let _ = writeln!(
             out,
             "pool {} (models: {}{}){default}: {} nodes, {} ring points",

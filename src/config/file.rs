@@ -373,9 +373,9 @@ pub struct PoolSection {
     /// `model` values this pool serves. Default: the pool name.
     #[serde(default)]
     pub models: Vec<Spanned<String>>,
-    /// Other names clients may use, each for one of `models`: `{ "gpt-4o" =
-    /// "meta-llama/Llama-3.1-8B-Instruct" }`. The body's `model` is rewritten to the
-    /// model on the way in. Default none.
+    /// Other names clients may use, each for one of `models` or `adapters`: `{ "gpt-4o"
+    /// = "meta-llama/Llama-3.1-8B-Instruct" }`. The body's `model` is rewritten to the
+    /// name it stands for on the way in. Default none.
     #[serde(default = "no_aliases")]
     pub aliases: Spanned<std::collections::BTreeMap<String, String>>,
     /// LoRA adapters of the pool's model its engines serve (`model` names forwarded as
