@@ -507,25 +507,43 @@ async fn models_are_answered_from_config_and_h2c_works() {
     assert_eq!(resp.headers()["x-prefixlb-node"], "n0");
 }
 
-/// `aliases`: other names for a pool's model are listed by `/v1/models`, rewritten to
-/// the model on the way to the engine (which answers with the model's own name), and
-/// routed as that model: the same prompt under either name lands on one node.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn aliases_are_listed_rewritten_and_placed_as_their_model() {
+/// Four fast mock engines behind a balancer whose pool `mock` has `pool_lines` too.
+fn four_engines_with(pool_lines: &str) -> (Vec<Proc>, Proc) {
     let engines: Vec<Proc> = (0..4)
         .map(|i| engine(&format!("e{i}"), &["--decode-ms-per-token", "0"]))
         .collect();
     let addrs: Vec<_> = engines.iter().map(|e| e.addr).collect();
     let lb = balancer(&config_at(&addrs, "").replace(
         "models = [\"mock\"]\n",
-        "models = [\"mock\"]\naliases = { \"gpt-4o\" = \"mock\", fast = \"mock\" }\n",
+        &format!("models = [\"mock\"]\n{pool_lines}\n"),
     ));
+    (engines, lb)
+}
+
+/// `/v1/models` as (id, parent) pairs, in order.
+async fn listed_models(lb: &Proc) -> Vec<(String, Option<String>)> {
     let models = get_json(&lb.url("/v1/models")).await;
-    let ids: Vec<_> = models["data"]
+    models["data"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|m| m["id"].as_str().unwrap().to_string())
+        .map(|m| {
+            let text = |v: &serde_json::Value| v.as_str().map(str::to_string);
+            (text(&m["id"]).unwrap(), text(&m["parent"]))
+        })
+        .collect()
+}
+
+/// `aliases`: other names for a pool's model are listed by `/v1/models`, rewritten to
+/// the model on the way to the engine (which answers with the model's own name), and
+/// routed as that model: the same prompt under either name lands on one node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aliases_are_listed_rewritten_and_placed_as_their_model() {
+    let (_engines, lb) = four_engines_with("aliases = { \"gpt-4o\" = \"mock\", fast = \"mock\" }");
+    let ids: Vec<_> = listed_models(&lb)
+        .await
+        .into_iter()
+        .map(|(id, _)| id)
         .collect();
     assert_eq!(ids, ["mock", "fast", "gpt-4o"]);
     let url = lb.url("/v1/chat/completions");
@@ -557,28 +575,17 @@ async fn aliases_are_listed_rewritten_and_placed_as_their_model() {
 /// adapter is keyed as the adapter; `/v1/models` lists adapters with their `parent`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn adapters_are_keyed_apart_and_their_aliases_with_them() {
-    let engines: Vec<Proc> = (0..4)
-        .map(|i| engine(&format!("e{i}"), &["--decode-ms-per-token", "0"]))
-        .collect();
-    let addrs: Vec<_> = engines.iter().map(|e| e.addr).collect();
-    let lb = balancer(&config_at(&addrs, "").replace(
-        "models = [\"mock\"]\n",
-        "models = [\"mock\"]\nadapters = [\"sql-lora\", \"chat-lora\"]\naliases = { sql = \"sql-lora\" }\n",
-    ));
-    let models = get_json(&lb.url("/v1/models")).await;
-    let listed: Vec<_> = models["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| (m["id"].as_str().unwrap(), m["parent"].as_str()))
-        .collect();
+    let (_engines, lb) = four_engines_with(
+        "adapters = [\"sql-lora\", \"chat-lora\"]\naliases = { sql = \"sql-lora\" }",
+    );
+    let listed = listed_models(&lb).await;
     assert_eq!(
         listed,
         [
-            ("mock", None),
-            ("sql-lora", Some("mock")),
-            ("chat-lora", Some("mock")),
-            ("sql", None)
+            ("mock".to_string(), None),
+            ("sql-lora".to_string(), Some("mock".to_string())),
+            ("chat-lora".to_string(), Some("mock".to_string())),
+            ("sql".to_string(), None)
         ]
     );
     let url = lb.url("/v1/chat/completions");
