@@ -8,7 +8,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 
 /// Entries (a power of two): 8 bytes each.
 const SLOTS: usize = 1 << 17;
@@ -105,16 +105,37 @@ impl RecentHomes {
 
     /// The recent homes of `node`, less the mean of `nodes`' (the pool's).
     pub fn above_mean(&self, node: u32, nodes: &[u32]) -> f64 {
-        let counts = self.counts.lock();
-        let of = |tag: u32| {
-            counts
-                .iter()
-                .find(|(n, _)| *n == tag)
-                .map_or(0.0, |&(_, weight)| weight)
-        };
-        let mean = nodes.iter().map(|&t| of(t)).sum::<f64>() / nodes.len().max(1) as f64;
-        of(node) - mean
+        self.above_mean_of(nodes).of(node)
     }
+
+    /// [`RecentHomes::above_mean`] for any number of `nodes`' members: the counts
+    /// locked and their mean taken once (held until the view is dropped).
+    pub fn above_mean_of(&self, nodes: &[u32]) -> AboveMean<'_> {
+        let counts = self.counts.lock();
+        let mean =
+            nodes.iter().map(|&t| weight_of(&counts, t)).sum::<f64>() / nodes.len().max(1) as f64;
+        AboveMean { counts, mean }
+    }
+}
+
+/// The recent homes of a pool's nodes, read once: see [`RecentHomes::above_mean_of`].
+pub struct AboveMean<'a> {
+    counts: MutexGuard<'a, Vec<(u32, f64)>>,
+    mean: f64,
+}
+
+impl AboveMean<'_> {
+    /// The recent homes of `node`, less the pool's mean.
+    pub fn of(&self, node: u32) -> f64 {
+        weight_of(&self.counts, node) - self.mean
+    }
+}
+
+fn weight_of(counts: &[(u32, f64)], tag: u32) -> f64 {
+    counts
+        .iter()
+        .find(|(n, _)| *n == tag)
+        .map_or(0.0, |&(_, weight)| weight)
 }
 
 #[cfg(test)]

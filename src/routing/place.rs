@@ -127,20 +127,6 @@ impl Balancer {
             Some((_, width)) => width.clamp(1, n),
             None => n,
         };
-        let load = |i: usize| {
-            let n = &self.nodes[i];
-            let s = n.state();
-            let in_flight = f64::from(s.in_flight() + s.others_in_flight())
-                / f64::from(self.own_cap(n).max(1))
-                + self.prefill_queued(i);
-            if !by_homes {
-                in_flight
-            } else if in_flight >= 1.0 {
-                in_flight + FULL
-            } else {
-                in_flight + self.load.recent_homes.above_mean(self.tags[i], &self.tags)
-            }
-        };
         // With other balancer replicas, any node but the key's own first must be clearly
         // less loaded (by two requests at equal caps, not one): a new conversation placed
         // away from its key's first node costs a replica that did not see it placed one
@@ -169,6 +155,21 @@ impl Balancer {
             1.0 / f64::from(self.cap_of(&self.nodes[key_first]).max(1))
         } else {
             0.0
+        };
+        // The recent homes read once (one lock, one mean) for all the candidates; taken
+        // after `piled_up`, which reads them too.
+        let homes = by_homes.then(|| self.load.recent_homes.above_mean_of(&self.tags));
+        let load = |i: usize| {
+            let n = &self.nodes[i];
+            let s = n.state();
+            let in_flight = f64::from(s.in_flight() + s.others_in_flight())
+                / f64::from(self.own_cap(n).max(1))
+                + self.prefill_queued(i);
+            match &homes {
+                None => in_flight,
+                Some(_) if in_flight >= 1.0 => in_flight + FULL,
+                Some(homes) => in_flight + homes.of(self.tags[i]),
+            }
         };
         std::iter::once((load(key_first), 0, key_first))
             .chain(order.enumerate().map(|(k, i)| (load(i) + margin, k + 1, i)))
