@@ -65,20 +65,23 @@ impl Table {
         let envelope = facts::read(api, body)?;
         let own = self.pool_for(envelope.as_ref().and_then(|e| e.model()))?;
         let prefixes = &self.pools[own].balancer.load().prefixes;
+        // A request that is not load is keyed as its API keys, but counts nothing.
+        let learn = if api.is_load() { mode } else { Mode::Explain };
         let facts = key::facts_of(
             api,
             body,
             envelope.as_ref(),
             header_key,
             self.key_spec(),
-            Some((prefixes, mode)),
+            Some((prefixes, learn)),
         );
         let Some((at, pool)) = self.serving_pool(own, 0, &facts) else {
             return Err(PlaceError::Pool(PoolError::NoThinking {
                 pool: self.pools[own].config.name.clone(),
             }));
         };
-        Ok(Placement::new(self, api, facts, own, at, pool, mode))
+        let placement = Placement::new(self, api, facts, own, at, pool, mode);
+        Ok(placement.with_homes(api.is_load()))
     }
 
     /// The first pool of `own`'s chain, from position `from` on, that serves a request
@@ -233,7 +236,10 @@ impl Placement {
             );
         }
         let node = choice.reservation.node().clone();
-        let uncached_estimate = uncached_estimate(&self.facts, &self.stakes, choice.distance);
+        let uncached_estimate = match self.api.is_load() {
+            true => uncached_estimate(&self.facts, &self.stakes, choice.distance),
+            false => 0,
+        };
         let prefilling = node.start_prefill(uncached_estimate);
         Ticket {
             pool: self.pool.clone(),

@@ -7,13 +7,19 @@
 use std::borrow::Cow;
 use std::ops::Range;
 
+use super::canonical::without_cache_control;
 use super::group::Grouping;
 use super::json_scan::{ScanError, Scanner};
 
-/// The OpenAI-style API a request path belongs to; it decides where the prompt is.
+/// The API a request path belongs to; it decides where the prompt is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Api {
     Chat,
+    /// Anthropic's Messages API (`/v1/messages`).
+    Messages,
+    /// `/v1/messages/count_tokens`: keyed like Messages, but it generates nothing, so
+    /// it takes no queue place and teaches the pool nothing.
+    CountTokens,
     Completions,
     /// SGLang's native `/generate`.
     Generate,
@@ -26,6 +32,8 @@ impl Api {
     pub fn from_path(path: &str) -> Api {
         match path {
             "/v1/chat/completions" => Api::Chat,
+            "/v1/messages" => Api::Messages,
+            "/v1/messages/count_tokens" => Api::CountTokens,
             "/v1/completions" => Api::Completions,
             "/generate" => Api::Generate,
             "/v1/responses" => Api::Responses,
@@ -37,6 +45,8 @@ impl Api {
     pub fn as_str(self) -> &'static str {
         match self {
             Api::Chat => "chat",
+            Api::Messages => "messages",
+            Api::CountTokens => "count_tokens",
             Api::Completions => "completions",
             Api::Generate => "generate",
             Api::Responses => "responses",
@@ -48,6 +58,28 @@ impl Api {
     /// Whether the body must be a JSON object (else 400).
     pub fn requires_json(self) -> bool {
         self != Api::Other
+    }
+
+    /// Anthropic's API: its errors, stream events and usage have Anthropic's shapes.
+    pub fn is_anthropic(self) -> bool {
+        matches!(self, Api::Messages | Api::CountTokens)
+    }
+
+    /// Whether a request is load that matters: everything but `count_tokens`, which
+    /// only tokenizes. Such a request takes the least loaded node at once (never a
+    /// queue place or a home wait), adds nothing to a prefill backlog, and teaches the
+    /// pool nothing (no prefix counted, no home, no latency sample).
+    pub fn is_load(self) -> bool {
+        self != Api::CountTokens
+    }
+
+    /// Whether the prompt is a message list (`messages`), read the same for every API
+    /// that has one.
+    pub(super) fn has_messages(self) -> bool {
+        matches!(
+            self,
+            Api::Chat | Api::Messages | Api::CountTokens | Api::Other
+        )
     }
 }
 
@@ -211,7 +243,10 @@ pub struct Envelope<'a> {
     pub(super) include_usage: bool,
     pub(super) stream: Option<bool>,
     pub(super) messages: Option<Vec<Message<'a>>>,
-    pub(super) tools: Option<&'a str>,
+    /// Anthropic's top-level `system` (a string or text blocks), without cache markers.
+    pub(super) system: Option<Cow<'a, str>>,
+    /// Without cache markers.
+    pub(super) tools: Option<Cow<'a, str>>,
     pub(super) prompt: Option<&'a str>,
     pub(super) text: Option<&'a str>,
     pub(super) input_ids: Option<&'a str>,
@@ -219,10 +254,11 @@ pub struct Envelope<'a> {
     pub(super) input: Option<&'a str>,
 }
 
-/// A chat message, or a `/v1/responses` input item.
+/// A chat message, or a `/v1/responses` input item. Its content is the raw JSON
+/// text, without cache markers (see [`without_cache_control`]).
 pub(super) struct Message<'a> {
     pub(super) role: Option<Cow<'a, str>>,
-    pub(super) content: Option<&'a str>,
+    pub(super) content: Option<Cow<'a, str>>,
 }
 
 fn read_envelope(text: &str) -> Result<Envelope<'_>, ScanError> {
@@ -270,7 +306,15 @@ fn read_envelope(text: &str) -> Result<Envelope<'_>, ScanError> {
                 env.messages = read_messages(sc, "'messages' must be an array of message objects")?;
                 return Ok(());
             }
-            "tools" => &mut env.tools,
+            "tools" | "system" => {
+                let v = Some(sc.value()?).filter(|v| *v != "null");
+                let v = v.map(without_cache_control);
+                match &*key {
+                    "tools" => env.tools = v,
+                    _ => env.system = v,
+                }
+                return Ok(());
+            }
             "prompt" => &mut env.prompt,
             "text" => &mut env.text,
             "input_ids" => &mut env.input_ids,
@@ -350,7 +394,11 @@ pub(super) fn read_messages<'a>(
         sc.object(|sc, key| {
             match &*key {
                 "role" => m.role = sc.opt_string("'role' must be a string")?,
-                "content" => m.content = Some(sc.value()?).filter(|v| *v != "null"),
+                "content" => {
+                    m.content = Some(sc.value()?)
+                        .filter(|v| *v != "null")
+                        .map(without_cache_control)
+                }
                 _ => {
                     sc.value()?;
                 }
@@ -398,7 +446,9 @@ pub fn read(api: Api, body: &[u8]) -> Result<Option<Envelope<'_>>, KeyError> {
         text.map_err(|e| KeyError::Json(format!("invalid UTF-8 at byte {}", e.valid_up_to())))?;
     let env = read_envelope(text).map_err(|e| KeyError::Json(e.to_string()))?;
     match api {
-        Api::Chat if env.messages.is_none() => Err(KeyError::Missing("messages")),
+        Api::Chat | Api::Messages | Api::CountTokens if env.messages.is_none() => {
+            Err(KeyError::Missing("messages"))
+        }
         Api::Completions if env.prompt.is_none() => Err(KeyError::Missing("prompt")),
         _ => Ok(Some(env)),
     }

@@ -151,14 +151,18 @@ pub fn facts_of(
 /// message.
 fn shape(api: Api, env: &Envelope<'_>, body_len: usize) -> (Turn, TokenEstimate) {
     let messages = match api {
-        Api::Chat | Api::Other => env.messages.as_deref(),
+        api if api.has_messages() => env.messages.as_deref(),
         _ => None,
     };
     let Some(messages) = messages else {
         return (Turn::Unknown, TokenEstimate::of_bytes(body_len, 0));
     };
-    let size = |m: &Message<'_>| m.content.map_or(0, str::len) + 8;
-    let total: usize = messages.iter().map(size).sum::<usize>() + env.tools.map_or(0, str::len);
+    let size = |m: &Message<'_>| m.content.as_deref().map_or(0, str::len) + 8;
+    let lead = [&env.tools, &env.system]
+        .iter()
+        .map(|p| p.as_deref().map_or(0, str::len))
+        .sum::<usize>();
+    let total: usize = messages.iter().map(size).sum::<usize>() + lead;
     let last = messages.last().map_or(0, size);
     let answered = messages
         .iter()
@@ -212,9 +216,9 @@ fn prompt_key(api: Api, env: &Envelope<'_>, spec: KeySpec) -> Option<TextKey> {
     let n = spec.prefix_chars;
     let ungrouped = |text: Option<String>| text.map(|t| (t, Grouping::Ring));
     match api {
-        Api::Chat | Api::Other if env.messages.is_some() => Some(messages_key(
-            env.tools,
-            None,
+        api if api.has_messages() && env.messages.is_some() => Some(messages_key(
+            env.tools.as_deref(),
+            env.system.as_deref(),
             env.messages.as_deref()?,
             spec,
         )),
@@ -226,7 +230,12 @@ fn prompt_key(api: Api, env: &Envelope<'_>, spec: KeySpec) -> Option<TextKey> {
                 _ => None,
             };
             match items {
-                Some(items) => Some(messages_key(env.tools, env.instructions, &items, spec)),
+                Some(items) => Some(messages_key(
+                    env.tools.as_deref(),
+                    env.instructions,
+                    &items,
+                    spec,
+                )),
                 None => {
                     // String input: instructions are the "system" part, input the "user" part.
                     let mut text = KeyText::new(n);
@@ -326,16 +335,18 @@ fn segments<'a>(
     };
     let mut out = Vec::with_capacity(8);
     let messages = match api {
-        Api::Chat | Api::Other if env.messages.is_some() => env.messages.as_deref(),
+        api if api.has_messages() && env.messages.is_some() => env.messages.as_deref(),
         Api::Responses => items,
         _ => None,
     };
     if let Some(messages) = messages {
-        out.extend(env.tools.map(|t| seg("tools", t)));
+        // Anthropic's order: tools, then the system part, then the messages.
+        out.extend(env.tools.as_deref().map(|t| seg("tools", t)));
         out.extend(env.instructions.map(|i| seg("instructions", i)));
+        out.extend(env.system.as_deref().map(|s| seg("system", s)));
         out.extend(messages.iter().map(|m| Segment {
             tag: m.role.as_deref().unwrap_or(""),
-            body: m.content.unwrap_or("").as_bytes(),
+            body: m.content.as_deref().unwrap_or("").as_bytes(),
         }));
         return Some((out, true));
     }
@@ -540,7 +551,8 @@ fn messages_key(
         head.push_compact_json(tools);
     }
     if let Some(i) = instructions {
-        head.push_value(i);
+        // A string, or (Anthropic's `system`) text blocks.
+        head.push_content(i);
     }
     match spec.mode {
         KeyMode::Prefix => {
@@ -575,7 +587,7 @@ fn is_system(m: &Message<'_>) -> bool {
 fn push_message(text: &mut KeyText, m: &Message<'_>) {
     text.push_str(m.role.as_deref().unwrap_or(""));
     text.push_str("\n");
-    if let Some(content) = m.content {
+    if let Some(content) = m.content.as_deref() {
         text.push_content(content);
     }
     text.push_str("\n");

@@ -11,6 +11,7 @@
 //! for a slot, and `tracing` for the breaker's flips.
 
 pub mod breaker;
+mod canonical;
 pub mod cost;
 pub mod decision;
 pub mod explain;

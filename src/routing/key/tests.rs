@@ -125,6 +125,86 @@ fn hybrid_keys_are_conversation_keys_placed_by_their_system_part() {
     assert_eq!(header.unwrap().group, Grouping::Ring);
 }
 
+/// An Anthropic Messages body: `system` as text blocks, tools, and turns whose
+/// content is blocks; the cache marker on the last block of the last message, as
+/// agent clients put it.
+fn anthropic(system: &str, turns: &[&str]) -> serde_json::Value {
+    let n = turns.len();
+    let messages: Vec<_> = turns
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let role = if i % 2 == 0 { "user" } else { "assistant" };
+            let mut block = json!({"type": "text", "text": t});
+            if i + 1 == n {
+                block["cache_control"] = json!({"type": "ephemeral"});
+            }
+            json!({"role": role, "content": [block]})
+        })
+        .collect();
+    json!({
+        "model": "m", "max_tokens": 64,
+        "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+        "tools": [{"name": "grep", "input_schema": {"type": "object"}}],
+        "messages": messages,
+    })
+}
+
+#[test]
+fn messages_keys_ignore_cache_markers_and_group_by_their_system_part() {
+    let spec = KeySpec::new(KeyMode::Hybrid, 1024);
+    let facts = |body: &serde_json::Value| {
+        extract(
+            Api::Messages,
+            &serde_json::to_vec(body).unwrap(),
+            None,
+            spec,
+        )
+        .unwrap()
+    };
+    let long = format!("You are a coding agent. {}", "Rule. ".repeat(200));
+    // The marker moves to the newest block every turn: the key stays.
+    let turn1 = facts(&anthropic(&long, &["fix the bug"]));
+    let turn3 = facts(&anthropic(&long, &["fix the bug", "done", "now test it"]));
+    let other = facts(&anthropic(&long, &["write docs"]));
+    assert_eq!(turn1.key, turn3.key);
+    assert_eq!(
+        turn1.key,
+        br#"user
+[{"text":"fix the bug","type":"text"}]
+"#
+    );
+    assert_ne!(turn1.key, other.key);
+    assert_eq!(turn1.prefix, other.prefix, "tools and system: one group");
+    assert!(matches!(turn1.group, Grouping::Group(_)));
+    assert_eq!((turn1.turn, turn3.turn), (Turn::First, Turn::Later));
+    // The same conversation with no markers at all: the same key and group.
+    let mut plain = anthropic(&long, &["fix the bug", "done", "now test it"]);
+    plain["system"][0]
+        .as_object_mut()
+        .unwrap()
+        .remove("cache_control");
+    plain["messages"][2]["content"][0]
+        .as_object_mut()
+        .unwrap()
+        .remove("cache_control");
+    let plain = facts(&plain);
+    assert_eq!((plain.key, plain.prefix), (turn3.key.clone(), turn3.prefix));
+    // A string system part and string content key like chat's conversation mode.
+    let body = json!({"model": "m", "max_tokens": 8, "system": "Be brief.", "messages": [{"role": "user", "content": "hi"}]});
+    assert_eq!(key(Api::Messages, &body, CONV), "Be brief.user\nhi\n");
+    // count_tokens reads the same body the same way; `messages` is required.
+    let bytes = serde_json::to_vec(&anthropic(&long, &["fix the bug"])).unwrap();
+    assert_eq!(
+        extract(Api::CountTokens, &bytes, None, spec).unwrap().key,
+        turn1.key
+    );
+    assert_eq!(
+        extract(Api::Messages, br#"{"model":"m","system":"x"}"#, None, spec),
+        Err(KeyError::Missing("messages"))
+    );
+}
+
 /// Routes `bodies` through one table, in order; returns the facts of the last.
 fn learned(table: &PrefixTable, api: Api, bodies: &[serde_json::Value]) -> RequestFacts {
     let spec = KeySpec::new(KeyMode::Hybrid, 1024);
