@@ -83,10 +83,15 @@ impl AuthConfig {
     /// Whether an `Authorization` header value carries an accepted key. Every key is
     /// compared (no early exit), each in constant time.
     pub fn admits(&self, authorization: Option<&[u8]>) -> bool {
+        self.admits_key(authorization.and_then(|v| v.strip_prefix(b"Bearer ")))
+    }
+
+    /// Whether a bare key (an `x-api-key` value, or a bearer token) is accepted.
+    pub fn admits_key(&self, key: Option<&[u8]>) -> bool {
         if self.keys.is_empty() {
             return true;
         }
-        let Some(token) = authorization.and_then(|v| v.strip_prefix(b"Bearer ")) else {
+        let Some(token) = key else {
             return false;
         };
         self.keys

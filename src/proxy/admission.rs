@@ -25,6 +25,13 @@ pub(super) async fn admit(
 ) -> Result<(Choice, bool), ProxyError> {
     let pool = &placement.pool().config.name;
     let name = || pool.clone();
+    if !placement.api.is_load() {
+        // It only tokenizes: the least loaded willing node, at once.
+        return placement
+            .choose_least_loaded(tried)
+            .map(|c| (c, false))
+            .ok_or_else(|| ProxyError::NoNode { pool: name() });
+    }
     let walk = if placement.joins_queue(routing.when_saturated, tried) {
         Walk::Saturated
     } else {

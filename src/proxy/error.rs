@@ -6,7 +6,7 @@ use http::{header, HeaderValue, Response, StatusCode};
 use serde_json::json;
 
 use super::body::{full, BoxBody};
-use crate::routing::facts::KeyError;
+use crate::routing::facts::{Api, KeyError};
 use crate::routing::table::{PlaceError, PoolError};
 
 /// Everything that can end a request before an engine's response reaches the client.
@@ -24,9 +24,9 @@ pub enum ProxyError {
     UnsupportedEncoding(String),
     #[error("method {method} is not allowed on {path}; use POST")]
     MethodNotAllowed { method: String, path: String },
-    #[error("invalid URL ({method} {path}): this balancer serves /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings, /generate and /v1/models")]
+    #[error("invalid URL ({method} {path}): this balancer serves /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings, /v1/messages, /v1/messages/count_tokens, /generate and /v1/models")]
     UnknownPath { method: String, path: String },
-    #[error("missing or invalid API key (send Authorization: Bearer <key>)")]
+    #[error("missing or invalid API key (send Authorization: Bearer <key>, or x-api-key: <key> to /v1/messages)")]
     Unauthorized,
     #[error("the request body did not arrive within {after_ms} ms (server.body_read_timeout)")]
     BodyTimeout { after_ms: u128 },
@@ -128,20 +128,58 @@ impl ProxyError {
     }
 }
 
+impl ProxyError {
+    /// Anthropic's error `type` for this error's status.
+    pub fn anthropic_kind(&self) -> &'static str {
+        anthropic_kind(self.status())
+    }
+
+    /// The error as a response in the API's own shape: Anthropic's
+    /// `{"type": "error", "error": {"type", "message"}}` on its paths, OpenAI's
+    /// `{"error": {"message", "type", "code"}}` everywhere else.
+    pub fn into_response(self, api: Api) -> Response<BoxBody> {
+        if !api.is_anthropic() {
+            return self.into();
+        }
+        let body = json!({"type": "error", "error": {"type": self.anthropic_kind(), "message": self.to_string()}});
+        respond(&self, body)
+    }
+}
+
+/// Anthropic's error `type` for a status (its SDKs map the status, its clients read
+/// the type).
+pub fn anthropic_kind(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 | 529 => "overloaded_error",
+        504 => "timeout_error",
+        s if (400..500).contains(&s) => "invalid_request_error",
+        _ => "api_error",
+    }
+}
+
+fn respond(e: &ProxyError, body: serde_json::Value) -> Response<BoxBody> {
+    let mut resp = Response::new(full(body.to_string()));
+    *resp.status_mut() = e.status();
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    if let Some(secs) = e.retry_after() {
+        h.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    }
+    resp
+}
+
 impl From<ProxyError> for Response<BoxBody> {
     fn from(e: ProxyError) -> Self {
         let body = json!({"error": {"message": e.to_string(), "type": e.kind(), "code": e.code()}});
-        let mut resp = Response::new(full(body.to_string()));
-        *resp.status_mut() = e.status();
-        let h = resp.headers_mut();
-        h.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        if let Some(secs) = e.retry_after() {
-            h.insert(header::RETRY_AFTER, HeaderValue::from(secs));
-        }
-        resp
+        respond(&e, body)
     }
 }
 

@@ -308,6 +308,7 @@ impl Exchange<'_> {
             started: self.started,
             ttft,
             ticket,
+            teaches: self.placement.api.is_load(),
         };
         let (head, body) = match answer {
             Answer::Stream {
@@ -333,6 +334,7 @@ impl Exchange<'_> {
                     log,
                     idle,
                     self.strip_usage(),
+                    self.placement.api.is_anthropic(),
                 );
                 (head, body)
             }

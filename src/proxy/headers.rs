@@ -25,6 +25,8 @@ pub static NODE: HeaderName = HeaderName::from_static("x-prefixlb-node");
 pub static ROUTE: HeaderName = HeaderName::from_static("x-prefixlb-route");
 pub static ATTEMPTS: HeaderName = HeaderName::from_static("x-prefixlb-attempts");
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+/// Anthropic's API key header.
+pub static X_API_KEY: HeaderName = HeaderName::from_static("x-api-key");
 
 /// A small count as a header value, without formatting (or allocating) the usual ones.
 pub fn count_value(n: u32) -> HeaderValue {
@@ -67,7 +69,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 
 /// The headers sent to an engine: the client's, minus hop-by-hop, `host` (set from
 /// the engine URL), `content-length` (set from the body) and, with `strip_auth`
-/// (`auth.strip`), `authorization`; plus the client's address in `x-forwarded-for`.
+/// (`auth.strip`), `authorization` and `x-api-key`; plus the client's address in `x-forwarded-for`.
 /// Edited in place: the client's map is not needed after.
 pub fn upstream_headers(mut headers: HeaderMap, peer: SocketAddr, strip_auth: bool) -> HeaderMap {
     use std::fmt::Write as _;
@@ -76,6 +78,7 @@ pub fn upstream_headers(mut headers: HeaderMap, peer: SocketAddr, strip_auth: bo
     headers.remove(header::CONTENT_LENGTH);
     if strip_auth {
         headers.remove(header::AUTHORIZATION);
+        headers.remove(&X_API_KEY);
     }
     let prior = headers
         .get(&X_FORWARDED_FOR)

@@ -28,7 +28,7 @@ use hyper::body::Incoming;
 use serde_json::json;
 use tokio::time::Instant;
 
-pub use error::ProxyError;
+pub use error::{anthropic_kind as anthropic_error_kind, ProxyError};
 
 use crate::clip::clip;
 use crate::routing::facts::Api;
@@ -105,6 +105,8 @@ impl Proxy {
         let table = self.table();
         let started = Instant::now();
         let mut pool = None;
+        // Errors take the shape of the API asked.
+        let api = Api::from_path(req.uri().path());
         match self.route(&table, req, peer, started, &mut pool).await {
             Ok(resp) => resp,
             Err(e) => {
@@ -120,7 +122,7 @@ impl Proxy {
                     duration_ms = started.elapsed().as_millis() as u64,
                     "request refused"
                 );
-                e.into()
+                e.into_response(api)
             }
         }
     }
@@ -140,11 +142,8 @@ impl Proxy {
         }
         // Before anything is read or revealed.
         let auth = &table.config.auth;
-        if !auth.admits(
-            req.headers()
-                .get(header::AUTHORIZATION)
-                .map(HeaderValue::as_bytes),
-        ) {
+        let api = Api::from_path(path);
+        if !auth.admits_key(credential(req.headers(), api)) {
             return Err(ProxyError::Unauthorized);
         }
         if path == "/v1/models" {
@@ -153,7 +152,6 @@ impl Proxy {
                 _ => Err(method_not_allowed(method, path)),
             };
         }
-        let api = Api::from_path(path);
         if api == Api::Other && !table.config.routing.extra_paths.iter().any(|p| p == path) {
             return Err(ProxyError::UnknownPath {
                 method: clip(method.as_str()),
@@ -206,6 +204,16 @@ fn method_not_allowed(method: &Method, path: &str) -> ProxyError {
     ProxyError::MethodNotAllowed {
         method: clip(method.as_str()),
         path: clip(path),
+    }
+}
+
+/// The client's API key: the token of `Authorization: Bearer …`, or on Anthropic's
+/// paths, when there is no `Authorization`, the `x-api-key` header its SDKs send.
+fn credential(headers: &http::HeaderMap, api: Api) -> Option<&[u8]> {
+    match headers.get(header::AUTHORIZATION) {
+        Some(v) => v.as_bytes().strip_prefix(b"Bearer "),
+        None if api.is_anthropic() => headers.get(&headers::X_API_KEY).map(HeaderValue::as_bytes),
+        None => None,
     }
 }
 

@@ -178,7 +178,31 @@ pub fn classify(event: &SseEvent) -> Event {
     if v["meta_info"]["finish_reason"].is_object() || v["type"] == "response.completed" {
         return Event::Finished;
     }
-    Event::Nothing
+    anthropic(&v)
+}
+
+/// Anthropic's Messages stream: a text, thinking or tool-input delta, or a tool call
+/// opening, is output; a stop reason (or `message_stop`) finishes; `message_start`,
+/// `ping` and empty block openings are nothing yet.
+fn anthropic(v: &Value) -> Event {
+    let nonempty_str = |v: &Value| v.as_str().is_some_and(|s| !s.is_empty());
+    match v["type"].as_str() {
+        Some("content_block_delta") => {
+            let d = &v["delta"];
+            if nonempty_str(&d["text"])
+                || nonempty_str(&d["thinking"])
+                || nonempty_str(&d["partial_json"])
+            {
+                return Event::Output;
+            }
+            Event::Nothing
+        }
+        Some("content_block_start") if v["content_block"]["type"] == "tool_use" => Event::Output,
+        Some("content_block_start") if nonempty_str(&v["content_block"]["text"]) => Event::Output,
+        Some("message_delta") if !v["delta"]["stop_reason"].is_null() => Event::Finished,
+        Some("message_stop") => Event::Finished,
+        _ => Event::Nothing,
+    }
 }
 
 /// Whether an error object blames the request: a 4xx `code` (number or numeric
@@ -193,7 +217,15 @@ fn is_client_error(e: &Value) -> bool {
     }
     matches!(
         e["type"].as_str(),
-        Some("invalid_request_error" | "BadRequestError" | "NotFoundError")
+        Some(
+            "invalid_request_error"
+                | "BadRequestError"
+                | "NotFoundError"
+                | "not_found_error"
+                | "authentication_error"
+                | "permission_error"
+                | "request_too_large"
+        )
     )
 }
 
@@ -235,6 +267,54 @@ mod tests {
             (r#"{"type":"response.created"}"#, Nothing),
             ("[DONE]", Done),
             ("not json", Nothing),
+        ];
+        for (data, want) in cases {
+            assert_eq!(kind(data), want, "{data}");
+        }
+    }
+
+    #[test]
+    fn anthropic_events_read_like_their_openai_counterparts() {
+        use Event::*;
+        let cases = [
+            (
+                r#"{"type":"message_start","message":{"role":"assistant","content":[],"stop_reason":null,"usage":{"input_tokens":9}}}"#,
+                Nothing,
+            ),
+            (
+                r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#,
+                Nothing,
+            ),
+            (r#"{"type": "ping"}"#, Nothing),
+            (
+                r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Hi"}}"#,
+                Output,
+            ),
+            (
+                r#"{"type":"content_block_delta","index":0,"delta":{"type":"thinking_delta","thinking":"hm"}}"#,
+                Output,
+            ),
+            (
+                r#"{"type":"content_block_start","index":1,"content_block":{"type":"tool_use","id":"t","name":"f","input":{}}}"#,
+                Output,
+            ),
+            (
+                r#"{"type":"content_block_delta","index":1,"delta":{"type":"input_json_delta","partial_json":""}}"#,
+                Nothing,
+            ),
+            (
+                r#"{"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"output_tokens":0}}"#,
+                Finished,
+            ),
+            (r#"{"type":"message_stop"}"#, Finished),
+            (
+                r#"{"type":"error","error":{"type":"invalid_request_error","message":"bad"}}"#,
+                ClientError,
+            ),
+            (
+                r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#,
+                Error("Overloaded".into()),
+            ),
         ];
         for (data, want) in cases {
             assert_eq!(kind(data), want, "{data}");

@@ -49,6 +49,8 @@ pub struct RequestLog {
     pub ttft: Option<Duration>,
     /// Where it went (its pool and node name it in metrics and the log) and its slot.
     pub ticket: Ticket,
+    /// The pool learns from it when it succeeds (not from a `count_tokens`).
+    pub teaches: bool,
 }
 
 impl RequestLog {
@@ -56,11 +58,11 @@ impl RequestLog {
         let duration = self.started.elapsed();
         let (pool, index) = (self.ticket.pool().clone(), self.ticket.index());
         // The slot goes back first, then the pool learns from a request that succeeded.
-        if outcome == RequestOutcome::Success {
+        if outcome == RequestOutcome::Success && self.teaches {
             let tokens = |n: Option<u64>| n.unwrap_or(0).min(u64::from(u32::MAX)) as u32;
             let reported = Usage {
-                prompt_tokens: tokens(usage.prompt),
-                cached_tokens: tokens(usage.cached),
+                prompt_tokens: tokens(usage.prompt_tokens()),
+                cached_tokens: tokens(usage.cached_tokens()),
             };
             self.ticket.finish(reported, self.ttft, now());
         } else {
@@ -69,9 +71,9 @@ impl RequestLog {
         let (pool_name, node) = (pool.config.name.as_str(), pool.balancer.node(index).id());
         self.metrics
             .observe_request(pool_name, node, outcome, duration);
-        if let Some(prompt) = usage.prompt {
+        if let Some(prompt) = usage.prompt_tokens() {
             self.metrics
-                .count_tokens(node, prompt, usage.cached.unwrap_or(0));
+                .count_tokens(node, prompt, usage.cached_tokens().unwrap_or(0));
         }
         tracing::info!(
             pool = pool_name,
@@ -82,8 +84,8 @@ impl RequestLog {
             outcome = outcome.as_str(),
             ttft_ms = self.ttft.map(|t| t.as_millis() as u64),
             duration_ms = duration.as_millis() as u64,
-            prompt_tokens = usage.prompt,
-            cached_tokens = usage.cached,
+            prompt_tokens = usage.prompt_tokens(),
+            cached_tokens = usage.cached_tokens(),
             "request"
         );
     }
@@ -128,6 +130,8 @@ struct SseRelay {
     scanner: SseScanner,
     /// Drop usage-only events: the balancer asked for them, the client did not.
     strip_usage: bool,
+    /// Anthropic's Messages stream: a failure ends it with an `event: error`.
+    anthropic: bool,
 }
 
 impl SseRelay {
@@ -198,12 +202,14 @@ impl RelayBody {
         log: RequestLog,
         idle: Duration,
         strip_usage: bool,
+        anthropic: bool,
     ) -> Self {
         let mut usage = UsageScan::default();
         usage.feed(&held);
         let mut sse = SseRelay {
             scanner: SseScanner::default(),
             strip_usage,
+            anthropic,
         };
         let held = sse.forward(&held);
         RelayBody {
@@ -238,14 +244,20 @@ impl RelayBody {
         if self.sse.is_none() {
             return Poll::Ready(Some(Err(why.into())));
         }
-        let event = serde_json::json!({"error": {
-            "message": format!("the engine failed mid-stream: {why}"),
-            "type": "upstream_error",
-            "code": "stream_interrupted",
-        }});
-        Poll::Ready(Some(Ok(Frame::data(Bytes::from(format!(
-            "data: {event}\n\n"
-        ))))))
+        let message = format!("the engine failed mid-stream: {why}");
+        let anthropic = self.sse.as_ref().is_some_and(|s| s.anthropic);
+        let event = if anthropic {
+            let event = serde_json::json!({"type": "error", "error": {"type": "api_error", "message": message}});
+            format!("event: error\ndata: {event}\n\n")
+        } else {
+            let event = serde_json::json!({"error": {
+                "message": message,
+                "type": "upstream_error",
+                "code": "stream_interrupted",
+            }});
+            format!("data: {event}\n\n")
+        };
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from(event)))))
     }
 
     fn outcome(&self) -> RequestOutcome {
@@ -367,14 +379,26 @@ static PROMPT_TOKENS: LazyLock<Finder<'static>> =
 static CACHED_TOKENS: LazyLock<Finder<'static>> =
     LazyLock::new(|| Finder::new(b"\"cached_tokens\":"));
 static USAGE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"usage\""));
+static INPUT_TOKENS: LazyLock<Finder<'static>> =
+    LazyLock::new(|| Finder::new(b"\"input_tokens\":"));
+static CACHE_READ: LazyLock<Finder<'static>> =
+    LazyLock::new(|| Finder::new(b"\"cache_read_input_tokens\":"));
+static CACHE_CREATION: LazyLock<Finder<'static>> =
+    LazyLock::new(|| Finder::new(b"\"cache_creation_input_tokens\":"));
 
-/// Picks `usage.prompt_tokens` and `usage.prompt_tokens_details.cached_tokens` out of
-/// response bytes without parsing them: the last value of each seen wins (the usage
-/// object comes last). A 48-byte overlap catches a field split across two frames.
+/// Picks the engine's usage out of response bytes without parsing them: OpenAI's
+/// `usage.prompt_tokens` and `usage.prompt_tokens_details.cached_tokens`, or
+/// Anthropic's `input_tokens`, `cache_read_input_tokens` and
+/// `cache_creation_input_tokens`. The last value of each seen wins (the usage object
+/// comes last). A 48-byte overlap catches a field split across two frames.
 #[derive(Debug, Default)]
 pub struct UsageScan {
     pub prompt: Option<u64>,
     pub cached: Option<u64>,
+    /// Anthropic's: the uncached input (cache reads and writes are counted apart).
+    pub input: Option<u64>,
+    pub cache_read: Option<u64>,
+    pub cache_creation: Option<u64>,
     /// The last bytes of the previous frame, then the seam being scanned; reused, so
     /// scanning allocates nothing per frame.
     tail: Vec<u8>,
@@ -399,12 +423,32 @@ impl UsageScan {
             .extend_from_slice(&chunk[chunk.len().saturating_sub(OVERLAP)..]);
     }
 
+    /// Prompt tokens: OpenAI's count, else Anthropic's three parts (as Anthropic
+    /// defines them, `input_tokens` leaves out what the cache read or wrote).
+    pub fn prompt_tokens(&self) -> Option<u64> {
+        self.prompt.or_else(|| {
+            let input = self.input?;
+            Some(input + self.cache_read.unwrap_or(0) + self.cache_creation.unwrap_or(0))
+        })
+    }
+
+    /// Prompt tokens the engine found in its cache.
+    pub fn cached_tokens(&self) -> Option<u64> {
+        self.cached.or(self.cache_read)
+    }
+
     fn scan(&mut self, hay: &[u8]) {
-        if let Some(n) = last_number(&PROMPT_TOKENS, hay) {
-            self.prompt = Some(n);
-        }
-        if let Some(n) = last_number(&CACHED_TOKENS, hay) {
-            self.cached = Some(n);
+        let fields = [
+            (&*PROMPT_TOKENS, &mut self.prompt),
+            (&*CACHED_TOKENS, &mut self.cached),
+            (&*INPUT_TOKENS, &mut self.input),
+            (&*CACHE_READ, &mut self.cache_read),
+            (&*CACHE_CREATION, &mut self.cache_creation),
+        ];
+        for (field, value) in fields {
+            if let Some(n) = last_number(field, hay) {
+                *value = Some(n);
+            }
         }
     }
 }
@@ -441,12 +485,21 @@ mod tests {
         u.feed(b"ens\": 77, \"prompt_tokens_details\": {\"cached_tokens\": 6");
         u.feed(b"4}}}\n\n");
         assert_eq!((u.prompt, u.cached), (Some(77), Some(64)));
+        // Anthropic's: the input left uncached, the cache's reads and writes apart.
+        let mut u = UsageScan::default();
+        u.feed(b"event: message_start\ndata: {\"usage\":{\"input_tokens\":10,\"cache_creation_input_tokens\":5,\"cache_read_input_tok");
+        u.feed(b"ens\":85,\"output_tokens\":1}}\n\n");
+        assert_eq!(
+            (u.prompt_tokens(), u.cached_tokens()),
+            (Some(100), Some(85))
+        );
     }
 
     fn relay(strip_usage: bool, chunks: &[&[u8]]) -> Vec<u8> {
         let mut sse = SseRelay {
             scanner: SseScanner::default(),
             strip_usage,
+            anthropic: false,
         };
         let mut out = Vec::new();
         for c in chunks {

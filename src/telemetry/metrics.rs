@@ -149,7 +149,7 @@ impl Metrics {
                 &["node"]
             )),
             cached_prompt_tokens: reg!(IntCounterVec::new(
-                opts("cached_prompt_tokens_total", "Prompt tokens served from the engines' prefix caches (usage.prompt_tokens_details.cached_tokens)."),
+                opts("cached_prompt_tokens_total", "Prompt tokens served from the engines' prefix caches (usage.prompt_tokens_details.cached_tokens, or Anthropic's usage.cache_read_input_tokens)."),
                 &["node"]
             )),
         };
