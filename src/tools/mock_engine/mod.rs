@@ -26,6 +26,7 @@ use wire::{
     ChannelBody, Job, Kind,
 };
 
+mod anthropic;
 mod wire;
 
 /// `mock-engine` settings (the subcommand's flags).
@@ -187,6 +188,8 @@ impl MockEngine {
             (&Method::POST, "/mock/fault") => self.set_fault(req).await,
             (&Method::POST, "/v1/chat/completions") => self.clone().generate(req, Kind::Chat).await,
             (&Method::POST, "/v1/completions") => self.clone().generate(req, Kind::Text).await,
+            (&Method::POST, "/v1/messages") => self.clone().generate(req, Kind::Messages).await,
+            (&Method::POST, "/v1/messages/count_tokens") => self.count_tokens(req).await,
             (&Method::POST, "/v1/embeddings") => match req.into_body().collect().await {
                 Ok(body) => match wire::embeddings(&body.to_bytes(), &self.config.model) {
                     Ok(v) => json_response(StatusCode::OK, &v),
@@ -222,7 +225,30 @@ impl MockEngine {
         }
     }
 
+    /// `POST /v1/messages/count_tokens`: the prompt's tokens, as the cache model counts
+    /// them; nothing runs.
+    async fn count_tokens(&self, req: Request<Incoming>) -> Response<BoxBody> {
+        let Ok(body) = req.into_body().collect().await else {
+            return anthropic::error(StatusCode::BAD_REQUEST, "could not read body");
+        };
+        let text = serde_json::from_slice::<Value>(&body.to_bytes())
+            .map_err(|e| format!("invalid JSON: {e}"))
+            .and_then(|v| anthropic::prompt_text(&v));
+        match text {
+            Ok(text) => json_response(
+                StatusCode::OK,
+                &json!({"input_tokens": Prompt::from_text(&text).tokens}),
+            ),
+            Err(msg) => anthropic::error(StatusCode::BAD_REQUEST, &msg),
+        }
+    }
+
     async fn generate(self: Arc<Self>, req: Request<Incoming>, kind: Kind) -> Response<BoxBody> {
+        // Errors in the shape of the API asked.
+        let error = |status: StatusCode, msg: &str| match kind {
+            Kind::Messages => anthropic::error(status, msg),
+            _ => error(status, msg),
+        };
         let Ok(body) = req.into_body().collect().await else {
             return error(StatusCode::BAD_REQUEST, "could not read body");
         };
@@ -294,7 +320,12 @@ impl MockEngine {
         } else {
             job.max_tokens
         };
-        let usage = usage(plan.prompt_tokens, completion_tokens, plan.cached_tokens);
+        let usage = match job.kind {
+            Kind::Messages => {
+                anthropic::usage(plan.prompt_tokens, completion_tokens, plan.cached_tokens)
+            }
+            _ => usage(plan.prompt_tokens, completion_tokens, plan.cached_tokens),
+        };
         let body = completion(&job, &content, usage);
         json_response(StatusCode::OK, &body)
     }
@@ -319,6 +350,9 @@ impl MockEngine {
         let _running = Running::start(&self);
         let plan = self.prefill(&job.prompt);
         self.count_prompt(plan.prompt_tokens, plan.cached_tokens);
+        if job.kind == Kind::Messages {
+            return self.stream_messages(job, fault, tx, plan, permit).await;
+        }
         let chunk = |delta: Value, finish: Value| {
             sse_chunk(job.kind, &job.model, delta, finish, job.timestamps)
         };
@@ -391,6 +425,80 @@ impl MockEngine {
             let _ = tx.send(usage_chunk(&job, usage)).await;
         }
         let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+        drop(permit);
+    }
+
+    /// An Anthropic Messages stream: `message_start` (with the prompt's usage) and a
+    /// `ping`, then a text block of one delta per token or a tool call, then the stop
+    /// reason and `message_stop`. Faults show as they do on the chat API.
+    async fn stream_messages(
+        self: &Arc<Self>,
+        job: Job,
+        fault: Fault,
+        tx: mpsc::Sender<Bytes>,
+        plan: crate::tools::engine_model::PrefillPlan,
+        permit: tokio::sync::SemaphorePermit<'_>,
+    ) {
+        let usage = anthropic::usage(plan.prompt_tokens, 1, plan.cached_tokens);
+        match fault.mode {
+            FaultMode::Stall => {
+                let _ = tx.send(anthropic::opening(&job, usage)[0].clone()).await;
+                tx.closed().await;
+                return self.cancel();
+            }
+            // Ends with nothing: no output, no stop reason.
+            FaultMode::Empty => return,
+            FaultMode::ClientError => {
+                let _ = tx
+                    .send(anthropic::error_event(
+                        "invalid_request_error",
+                        "injected fault: this request is invalid",
+                    ))
+                    .await;
+                return;
+            }
+            _ => {}
+        }
+        for b in anthropic::opening(&job, usage) {
+            if tx.send(b).await.is_err() {
+                return self.cancel();
+            }
+        }
+        let first = plan.first_token() + slow_extra(fault);
+        if let Some(tool) = &job.tool {
+            tokio::time::sleep(first).await;
+            let events = anthropic::tool_events(tool).into_iter();
+            for b in events.chain(anthropic::closing("tool_use", 3, false)) {
+                if tx.send(b).await.is_err() {
+                    return self.cancel();
+                }
+            }
+            return;
+        }
+        if tx.send(anthropic::text_start()).await.is_err() {
+            return self.cancel();
+        }
+        for i in 0..job.max_tokens {
+            let wait = if i == 0 {
+                first
+            } else {
+                self.config.costs.decode_step(self.running())
+            };
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = tx.closed() => return self.cancel(),
+            }
+            if fault.mode == FaultMode::Reset && i == 2 {
+                let _ = tx.send(Bytes::from_static(wire::RESET)).await;
+                return;
+            }
+            if tx.send(anthropic::text_delta(token_text(i))).await.is_err() {
+                return self.cancel();
+            }
+        }
+        for b in anthropic::closing("max_tokens", job.max_tokens, true) {
+            let _ = tx.send(b).await;
+        }
         drop(permit);
     }
 

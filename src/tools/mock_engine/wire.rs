@@ -21,6 +21,8 @@ use crate::tools::engine_model::Prompt;
 pub(super) enum Kind {
     Chat,
     Text,
+    /// Anthropic's Messages API.
+    Messages,
 }
 
 /// A parsed generation request.
@@ -61,6 +63,7 @@ pub(super) fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<
             }
             text
         }
+        Kind::Messages => super::anthropic::prompt_text(&v)?,
         Kind::Text => match &v["prompt"] {
             Value::String(s) => s.clone(),
             Value::Array(items) => items.first().map(|p| p.to_string()).unwrap_or_default(),
@@ -83,6 +86,7 @@ pub(super) fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<
             .unwrap_or(false),
         tool: v["tools"][0]["function"]["name"]
             .as_str()
+            .or(v["tools"][0]["name"].as_str())
             .map(str::to_string),
     })
 }
@@ -169,7 +173,7 @@ pub(super) fn sse_chunk(
             "id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": now(), "model": model,
             "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
         }),
-        Kind::Text => json!({
+        Kind::Text | Kind::Messages => json!({
             "id": "cmpl-mock", "object": "text_completion", "created": now(), "model": model,
             "choices": [{"index": 0, "text": delta.get("content").and_then(Value::as_str).unwrap_or(""), "logprobs": null, "finish_reason": finish}],
         }),
@@ -277,6 +281,7 @@ pub(super) fn completion(job: &Job, content: &str, usage: Value) -> Value {
             "choices": [{"index": 0, "text": content, "finish_reason": "length"}],
             "usage": usage,
         }),
+        Kind::Messages => super::anthropic::message(job, content, usage),
     }
 }
 
@@ -285,7 +290,7 @@ pub(super) fn completion(job: &Job, content: &str, usage: Value) -> Value {
 pub(super) fn usage_chunk(job: &Job, usage: Value) -> Bytes {
     let object = match job.kind {
         Kind::Chat => "chat.completion.chunk",
-        Kind::Text => "text_completion",
+        Kind::Text | Kind::Messages => "text_completion",
     };
     let data = json!({"id": "mock", "object": object, "created": now(), "model": job.model, "choices": [], "usage": usage});
     Bytes::from(format!("data: {data}\n\n"))
