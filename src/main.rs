@@ -378,7 +378,7 @@ mod tools {
         trace: Option<PathBuf>,
         /// A synthetic workload: multi-turn, doc-qa, shared-prefix, rag, agentic,
         /// multi-tenant, long-preamble-N (any of them with -completions: as templated
-        /// prompts), or continuations[-VARIANT] (production-shaped prompt strings; see
+        /// prompts; with -messages: over Anthropic's Messages API), or continuations[-VARIANT] (production-shaped prompt strings; see
         /// docs/evidence.md).
         #[arg(long)]
         workload: Option<String>,
@@ -518,7 +518,7 @@ mod tools {
             }
             (None, Some(name)) => workload::synthetic(name, seed, scale).with_context(|| {
                 format!(
-                    "unknown workload {name:?} (one of {}, {}; `-completions` after any of the first)",
+                    "unknown workload {name:?} (one of {}, {}; `-completions` or `-messages` after any of the first)",
                     workload::NAMES.join(", "),
                     workload::continuations::NAMES.join(", ")
                 )

@@ -20,12 +20,14 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use crate::proxy::sse::SseScanner;
-use crate::tools::workload::Workload;
+use crate::tools::workload::{TurnApi, Workload};
 
 /// One conversation to replay: per turn, the messages it adds and its output budget.
 #[derive(Debug, Clone)]
 pub struct Script {
     pub turns: Vec<ScriptTurn>,
+    /// Sent to Anthropic's `/v1/messages` instead of the chat API.
+    pub messages_api: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -54,6 +56,7 @@ impl Script {
                             prompt: Some(text.into()),
                             max_tokens: c.turns[0].output_tokens,
                         }],
+                        messages_api: false,
                     };
                 }
                 let mut seen = 0;
@@ -76,7 +79,11 @@ impl Script {
                         }
                     })
                     .collect();
-                Script { turns }
+                let messages_api = c.turns.first().is_some_and(|t| t.api == TurnApi::Messages);
+                Script {
+                    turns,
+                    messages_api,
+                }
             })
             .collect()
     }
@@ -299,12 +306,16 @@ async fn step(
             Api::Completions,
             json!({"model": opts.model, "prompt": &**prompt, "max_tokens": turn.max_tokens, "stream": opts.stream}),
         ),
+        None if shared.scripts[live.script].messages_api => (
+            Api::Messages,
+            anthropic_body(&opts.model, &live.history, turn.max_tokens, opts.stream),
+        ),
         None => (
             Api::Chat,
             json!({"model": opts.model, "messages": live.history, "max_tokens": turn.max_tokens, "stream": opts.stream}),
         ),
     };
-    if opts.stream {
+    if opts.stream && api != Api::Messages {
         body["stream_options"] = json!({"include_usage": true});
     }
     let target = &opts.targets[shared
@@ -359,6 +370,40 @@ pub fn message_json(role: &str, content: &str, position: usize) -> Value {
     json!({"role": role, "content": content})
 }
 
+/// An Anthropic Messages body from OpenAI-style messages, as an agent client sends
+/// it: system messages joined into the top-level `system`, each message's content as
+/// one text block (a tool's output as a `tool_result` block of a user message), and a
+/// cache marker on the newest block (clients move it forward every turn).
+pub fn anthropic_body(model: &str, messages: &[Value], max_tokens: usize, stream: bool) -> Value {
+    let text = |m: &Value| m["content"].as_str().unwrap_or("").to_string();
+    let system: Vec<String> = messages
+        .iter()
+        .filter(|m| m["role"] == "system")
+        .map(text)
+        .collect();
+    let mut turns: Vec<Value> = messages
+        .iter()
+        .filter(|m| m["role"] != "system")
+        .map(|m| match m["role"].as_str() {
+            Some("tool") => json!({"role": "user", "content": [{
+                "type": "tool_result",
+                "tool_use_id": m["tool_call_id"].as_str().unwrap_or("call"),
+                "content": text(m),
+            }]}),
+            role => json!({"role": role.unwrap_or("user"), "content": [{"type": "text", "text": text(m)}]}),
+        })
+        .collect();
+    if let Some(last) = turns.last_mut() {
+        last["content"][0]["cache_control"] = json!({"type": "ephemeral"});
+    }
+    let mut body =
+        json!({"model": model, "max_tokens": max_tokens, "stream": stream, "messages": turns});
+    if !system.is_empty() {
+        body["system"] = json!([{"type": "text", "text": system.join("\n"), "cache_control": {"type": "ephemeral"}}]);
+    }
+    body
+}
+
 /// One answer.
 pub struct Reply {
     pub text: String,
@@ -370,21 +415,43 @@ pub struct Reply {
 }
 
 impl Reply {
-    /// Takes the token counts of an OpenAI `usage` object.
+    /// Takes the output count of an Anthropic `message_delta`'s usage (and its
+    /// input counts, where the engine repeats them).
+    fn usage_delta(&mut self, u: &Value) {
+        if u.get("input_tokens").is_some() {
+            self.usage(u);
+        } else if let Some(out) = u["output_tokens"].as_u64() {
+            self.completion_tokens = out;
+        }
+    }
+
+    /// Takes the token counts of an OpenAI or Anthropic `usage` object.
     fn usage(&mut self, u: &Value) {
         self.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0);
         self.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
             .as_u64()
             .unwrap_or(0);
         self.completion_tokens = u["completion_tokens"].as_u64().unwrap_or(0);
+        if u.get("input_tokens").is_some() {
+            // Anthropic's: `input_tokens` leaves out the cache's reads and writes.
+            let n = |k: &str| u[k].as_u64().unwrap_or(0);
+            self.cached_tokens = n("cache_read_input_tokens");
+            self.prompt_tokens =
+                n("input_tokens") + self.cached_tokens + n("cache_creation_input_tokens");
+        }
+        if let Some(out) = u["output_tokens"].as_u64() {
+            self.completion_tokens = out;
+        }
     }
 }
 
-/// Which OpenAI API a request goes to.
+/// Which API a request goes to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Api {
     Chat,
     Completions,
+    /// Anthropic's Messages API.
+    Messages,
 }
 
 /// Sends one chat or completions request to `base` and reads the answer (an SSE stream
@@ -399,6 +466,7 @@ pub async fn exchange(
     let path = match api {
         Api::Chat => "/v1/chat/completions",
         Api::Completions => "/v1/completions",
+        Api::Messages => "/v1/messages",
     };
     let req = http::Request::post(format!("{}{path}", base.trim_end_matches('/')))
         .header("content-type", "application/json")
@@ -441,6 +509,7 @@ pub async fn exchange(
         reply.text = choice["message"]["content"]
             .as_str()
             .or(choice["text"].as_str())
+            .or(v["content"][0]["text"].as_str())
             .unwrap_or("")
             .to_string();
         reply.usage(&v["usage"]);
@@ -449,8 +518,8 @@ pub async fn exchange(
     read_stream(body, sent, reply).await
 }
 
-/// Reads an SSE answer to its `[DONE]`; an error on an error event or a stream that
-/// ends without `[DONE]`.
+/// Reads an SSE answer to its `[DONE]` (Anthropic's: its `message_stop`); an error on
+/// an error event or a stream that ends without its end.
 async fn read_stream(mut body: Incoming, sent: Instant, mut reply: Reply) -> Result<Reply, String> {
     let mut events = SseScanner::default();
     while let Some(frame) = body.frame().await {
@@ -469,6 +538,26 @@ async fn read_stream(mut body: Incoming, sent: Instant, mut reply: Reply) -> Res
             let Ok(v) = serde_json::from_str::<Value>(&event.data) else {
                 continue;
             };
+            // Anthropic's stream: its usage arrives in `message_start` and
+            // `message_delta`, and `message_stop` ends it.
+            match v["type"].as_str() {
+                Some("message_stop") => {
+                    reply.latency = sent.elapsed();
+                    return Ok(reply);
+                }
+                Some("message_start") => reply.usage(&v["message"]["usage"]),
+                Some("message_delta") => reply.usage_delta(&v["usage"]),
+                _ => {}
+            }
+            let anthropic_text = v["delta"]["text"]
+                .as_str()
+                .filter(|_| v["type"] == "content_block_delta");
+            if let Some(text) = anthropic_text.filter(|t| !t.is_empty()) {
+                if reply.text.is_empty() {
+                    reply.ttft = sent.elapsed();
+                }
+                reply.text.push_str(text);
+            }
             if let Some(e) = v.get("error") {
                 return Err(format!(
                     "error event: {}",

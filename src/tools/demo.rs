@@ -175,6 +175,7 @@ async fn drive(targets: Vec<String>, opts: &DemoOptions) -> BenchReport {
                     }
                 })
                 .collect(),
+            messages_api: false,
         })
         .collect();
     let bench = BenchOptions {

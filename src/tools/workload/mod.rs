@@ -106,6 +106,9 @@ pub enum TurnApi {
     TokenIds,
     /// A trace request's blocks as token ids: SGLang's `/generate` with `input_ids`.
     Generate,
+    /// Anthropic's `/v1/messages` with the messages as an agent client sends them
+    /// (system on top, content as text blocks, a cache marker on the newest block).
+    Messages,
 }
 
 /// One request of a workload.
@@ -189,6 +192,11 @@ impl Turn {
             .enumerate()
             .map(|(i, m)| crate::tools::bench::message_json(m.role, &m.content, i))
             .collect();
+        if self.api == TurnApi::Messages {
+            let body =
+                crate::tools::bench::anthropic_body(model, &messages, self.output_tokens, true);
+            return serde_json::to_vec(&body).unwrap_or_default();
+        }
         serde_json::to_vec(&serde_json::json!({
             "model": model, "messages": messages, "max_tokens": self.output_tokens, "stream": true,
         }))
@@ -201,6 +209,7 @@ impl Turn {
             TurnApi::Generate => "/generate",
             _ if self.trace.is_some() => "/v1/completions",
             TurnApi::Chat => "/v1/chat/completions",
+            TurnApi::Messages => "/v1/messages",
             TurnApi::Completions | TurnApi::TokenIds => "/v1/completions",
         }
     }
@@ -221,7 +230,8 @@ pub fn chatml(messages: &[Message]) -> String {
 }
 
 /// The synthetic workloads by name. Any of them with `-completions` appended is sent
-/// to `/v1/completions`, its messages rendered by a ChatML template into one prompt.
+/// to `/v1/completions`, its messages rendered by a ChatML template into one prompt;
+/// with `-messages`, to Anthropic's `/v1/messages`.
 pub const NAMES: [&str; 9] = [
     "multi-turn",
     "doc-qa",
@@ -248,9 +258,13 @@ pub fn synthetic(name: &str, seed: u64, scale: f64) -> Option<Workload> {
     if let Some(shape) = continuations::shape_of(shape_name) {
         return Some(continuations::generate(name, shape, seed, scale, api));
     }
-    let (base, api) = match name.strip_suffix("-completions") {
-        Some(base) => (base, TurnApi::Completions),
-        None => (name, TurnApi::Chat),
+    let (base, api) = match (
+        name.strip_suffix("-completions"),
+        name.strip_suffix("-messages"),
+    ) {
+        (Some(base), _) => (base, TurnApi::Completions),
+        (_, Some(base)) => (base, TurnApi::Messages),
+        _ => (name, TurnApi::Chat),
     };
     let mut conversations = match base {
         "multi-turn" => multi_turn(&mut rng, n(96), 8),
