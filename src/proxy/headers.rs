@@ -121,6 +121,7 @@ mod tests {
             HeaderValue::from_static("chunked"),
         );
         h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer k"));
+        h.insert("x-api-key", HeaderValue::from_static("k"));
         h.insert(header::HOST, HeaderValue::from_static("lb"));
         h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("5"));
         h.insert("x-forwarded-for", HeaderValue::from_static("10.0.0.1"));
@@ -134,5 +135,7 @@ mod tests {
         assert_eq!(out["x-forwarded-for"], "10.0.0.1, 127.0.0.1");
         let stripped = upstream_headers(h, "127.0.0.1:5000".parse().unwrap(), true);
         assert!(stripped.get(header::AUTHORIZATION).is_none());
+        assert!(stripped.get("x-api-key").is_none());
+        assert_eq!(out["x-api-key"], "k", "kept without auth.strip");
     }
 }
