@@ -21,6 +21,9 @@ pub struct FileConfig {
     pub health: HealthSection,
     #[serde(default)]
     pub auth: AuthSection,
+    /// How engines behind `https://` URLs are trusted. Default: the system's roots.
+    #[serde(default)]
+    pub tls: TlsSection,
     /// Dynamic membership from Redis heartbeats. Default: none (static nodes only).
     pub redis: Option<RedisSection>,
     /// Required: at least one pool.
@@ -284,6 +287,18 @@ fn default_poll() -> Dur {
 
 fn default_ttl() -> Dur {
     Dur::secs(6)
+}
+
+/// `[tls]`: engines behind `https://` node URLs. Paths are relative to the config file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TlsSection {
+    /// PEM CA certificates to trust instead of the system's roots. Default: none.
+    pub ca_file: Option<Spanned<String>>,
+    /// A PEM client certificate chain shown to the engines (mTLS). Default: none.
+    pub client_cert_file: Option<Spanned<String>>,
+    /// Its PEM private key. Default: none.
+    pub client_key_file: Option<Spanned<String>>,
 }
 
 /// `[auth]`: optional API keys for the client listener.

@@ -5,6 +5,7 @@
 
 mod duration;
 pub mod file;
+mod tls;
 mod validate;
 
 use std::fmt;
@@ -17,6 +18,7 @@ use serde::Deserialize;
 
 pub use duration::{parse_duration, Dur, MAX_DURATION};
 pub use file::{FileConfig, KeyMode, WhenSaturated};
+pub use tls::TlsConfig;
 pub use validate::parse_node_url;
 
 /// A secret (a token or an API key): compared in constant time, never printed.
@@ -56,6 +58,8 @@ pub struct Config {
     pub breaker: BreakerSettings,
     pub health: HealthConfig,
     pub auth: AuthConfig,
+    /// How engines behind `https://` URLs are reached (`[tls]`).
+    pub tls: std::sync::Arc<TlsConfig>,
     /// Membership from Redis heartbeats, if configured.
     pub redis: Option<RedisConfig>,
     pub pools: Vec<PoolConfig>,

@@ -61,6 +61,7 @@ pub(super) fn config(raw: FileConfig, dir: &Path) -> Result<Config, Invalid> {
     let breaker = validate_breaker(raw.breaker)?;
     let health = validate_health(raw.health)?;
     let auth = validate_auth(raw.auth, dir)?;
+    let tls = super::tls::validate(raw.tls, dir)?;
     let redis = raw.redis.map(validate_redis).transpose()?;
     if raw.pools.is_empty() {
         return invalid(
@@ -84,6 +85,7 @@ pub(super) fn config(raw: FileConfig, dir: &Path) -> Result<Config, Invalid> {
         breaker,
         health,
         auth,
+        tls,
         redis,
         pools,
     })
@@ -523,19 +525,19 @@ fn validate_routing(r: RoutingSection) -> Result<RoutingConfig, Invalid> {
     })
 }
 
-/// A node's base URL: plain `http`, a host, no credentials, no query.
+/// A node's base URL: `http` or `https` (see `[tls]`), a host, no credentials, no
+/// query.
 pub fn parse_node_url(s: &str) -> Result<http::Uri, String> {
     let uri: http::Uri = s
         .parse()
         .map_err(|e| format!("url {s:?} is not a URL: {e}"))?;
     match uri.scheme_str() {
-        Some("http") => {}
-        Some("https") => {
+        Some("http" | "https") => {}
+        _ => {
             return Err(format!(
-                "url {s:?}: https to engines is not supported; engines are reached over plain HTTP on a trusted network"
+                "url {s:?} needs a scheme and host, e.g. \"http://10.0.0.5:8000\""
             ))
         }
-        _ => return Err(format!("url {s:?} needs a scheme and host, e.g. \"http://10.0.0.5:8000\"")),
     }
     let Some(authority) = uri.authority() else {
         return Err(format!("url {s:?} has no host"));
