@@ -175,7 +175,17 @@ impl Exchange<'_> {
         };
         let uri = node.origin_form(&self.path).map_err(|e| bad_uri(&e))?;
         let (authority, host) = node.authority().ok_or_else(|| bad_uri(&"no host"))?;
+        let tls = match node.is_tls() {
+            false => None,
+            true => Some(self.table.config.tls.client().map_err(|e| {
+                Failure::new(
+                    FailoverReason::Error,
+                    format!("{}: no TLS client: {e}", node.id()),
+                )
+            })?),
+        };
         let req = Outgoing {
+            tls: tls.as_ref(),
             method: &self.method,
             target: uri.path_and_query().map_or("/", |p| p.as_str()),
             host,

@@ -9,6 +9,10 @@
 //! connection, with a channel for the request, another for the response and one for
 //! each body: two task wake-ups and three hand-offs per request that this path does
 //! not pay. The framing itself is [`super::h1`]'s (see `docs/performance.md`).
+//!
+//! An engine behind `https://` is reached over rustls ([`Io::Tls`]): the same framing
+//! on the decrypted bytes, SNI from the URL's host, its connections kept apart from
+//! plain ones to the same address.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -24,9 +28,12 @@ use http::uri::Authority;
 use http::{HeaderMap, HeaderValue, Method, Response};
 use http_body::{Body, Frame, SizeHint};
 use parking_lot::Mutex;
-use tokio::io::AsyncWriteExt;
+use rustls::pki_types::ServerName;
+use rustls::ClientConfig;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
+use tokio_rustls::client::TlsStream;
 
 use super::h1::{self, Chunked, Decoded, Framing, WireError};
 
@@ -43,6 +50,9 @@ const EARLY_ANSWER: Duration = Duration::from_secs(2);
 pub enum UpstreamError {
     Connect(io::Error),
     ConnectTimeout(Duration),
+    /// The TLS handshake failed (the engine's certificate was not trusted, the
+    /// engine refused ours, …) or there is no TLS client (`[tls]`).
+    Tls(String),
     /// Writing the request or reading the response failed.
     Io(io::Error),
     /// The engine closed the connection before a complete response head.
@@ -60,6 +70,7 @@ impl fmt::Display for UpstreamError {
             UpstreamError::ConnectTimeout(t) => {
                 write!(f, "tcp connect timed out after {} ms", t.as_millis())
             }
+            UpstreamError::Tls(e) => write!(f, "tls handshake failed: {e}"),
             UpstreamError::Io(e) => write!(f, "connection error: {e}"),
             UpstreamError::Closed => {
                 write!(f, "connection closed before the response head")
@@ -72,9 +83,81 @@ impl fmt::Display for UpstreamError {
 
 impl std::error::Error for UpstreamError {}
 
+/// A connection's byte stream: plain TCP, or TLS over it.
+enum Io {
+    Plain(TcpStream),
+    Tls(Box<TlsStream<TcpStream>>),
+}
+
+impl Io {
+    fn tcp(&self) -> &TcpStream {
+        match self {
+            Io::Plain(tcp) => tcp,
+            Io::Tls(tls) => tls.get_ref().0,
+        }
+    }
+}
+
+impl AsyncRead for Io {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Io::Plain(tcp) => Pin::new(tcp).poll_read(cx, buf),
+            Io::Tls(tls) => Pin::new(tls.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Io {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, b: &[u8]) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Io::Plain(tcp) => Pin::new(tcp).poll_write(cx, b),
+            Io::Tls(tls) => Pin::new(tls.as_mut()).poll_write(cx, b),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Io::Plain(tcp) => Pin::new(tcp).poll_write_vectored(cx, bufs),
+            Io::Tls(tls) => Pin::new(tls.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Io::Plain(tcp) => tcp.is_write_vectored(),
+            Io::Tls(tls) => tls.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Io::Plain(tcp) => Pin::new(tcp).poll_flush(cx),
+            Io::Tls(tls) => Pin::new(tls.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Io::Plain(tcp) => Pin::new(tcp).poll_shutdown(cx),
+            Io::Tls(tls) => Pin::new(tls.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
+/// Where idle connections wait: an engine's address, and whether they speak TLS.
+type Origin = (Authority, bool);
+
 /// One connection to an engine, and the bytes read from it but not yet used.
 struct Conn {
-    io: TcpStream,
+    io: Io,
     buf: BytesMut,
     /// It has carried a request before (a stale one may fail; a fresh one should not).
     reused: bool,
@@ -88,12 +171,15 @@ impl Conn {
             return false;
         }
         let mut cx = Context::from_waker(Waker::noop());
-        match self.io.poll_read_ready(&mut cx) {
+        // Over TLS too: anything the engine sent unasked (a close_notify, say) makes
+        // the socket readable, and a connection that read it is not reused.
+        let tcp = self.io.tcp();
+        match tcp.poll_read_ready(&mut cx) {
             Poll::Pending => true,
             Poll::Ready(Err(_)) => false,
             // Readiness may be left over from the last read: ask the socket.
             Poll::Ready(Ok(())) => matches!(
-                self.io.try_read(&mut [0u8; 1]),
+                tcp.try_read(&mut [0u8; 1]),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock
             ),
         }
@@ -121,7 +207,8 @@ impl Conn {
             head = &head[from_head..];
             body = &body[n - from_head..];
         }
-        Ok(())
+        // TLS may hold the last record back until flushed; TCP has nothing to flush.
+        self.io.flush().await
     }
 
     async fn read_head(&mut self, method: &Method) -> Result<h1::ResponseHead, UpstreamError> {
@@ -157,7 +244,7 @@ impl Idle {
 
 /// The connections to every engine, shared by all requests.
 pub struct Upstream {
-    idle: Mutex<HashMap<Authority, Vec<Idle>>>,
+    idle: Mutex<HashMap<Origin, Vec<Idle>>>,
     connect_timeout: Duration,
     /// How long an idle connection is kept for reuse.
     keep_idle: Duration,
@@ -172,6 +259,8 @@ pub struct Outgoing<'r> {
     /// Neither `host`, `content-length` nor hop-by-hop fields.
     pub headers: &'r HeaderMap,
     pub body: &'r Bytes,
+    /// The TLS client, for an engine behind `https://`.
+    pub tls: Option<&'r Arc<ClientConfig>>,
 }
 
 impl Upstream {
@@ -207,10 +296,11 @@ impl Upstream {
             req.body.len(),
             &mut head,
         );
+        let origin = (authority.clone(), req.tls.is_some());
         let mut conn = loop {
-            let mut conn = match self.checkout(authority) {
+            let mut conn = match self.checkout(&origin) {
                 Some(conn) => conn,
-                None => self.connect(authority).await?,
+                None => self.connect(authority, req.tls).await?,
             };
             match conn.write_request(&head, req.body).await {
                 Ok(()) => break conn,
@@ -222,7 +312,7 @@ impl Upstream {
                     match early.await {
                         Ok(Ok(mut head)) => {
                             head.reusable = false;
-                            return Ok(self.response(authority, head, conn));
+                            return Ok(self.response(origin, head, conn));
                         }
                         // A reused connection the engine had closed meanwhile: it saw
                         // nothing of this request, which goes again on the next one.
@@ -233,13 +323,13 @@ impl Upstream {
             }
         };
         let head = conn.read_head(req.method).await?;
-        Ok(self.response(authority, head, conn))
+        Ok(self.response(origin, head, conn))
     }
 
     /// The response of a head read from `conn`, with the body that reads the rest.
     fn response(
         self: &Arc<Self>,
-        authority: &Authority,
+        origin: Origin,
         head: h1::ResponseHead,
         conn: Conn,
     ) -> Response<EngineBody> {
@@ -252,18 +342,18 @@ impl Upstream {
             },
             reusable: head.reusable,
             conn: Some(conn),
-            home: Some((self.clone(), authority.clone())),
+            home: Some((self.clone(), origin)),
         };
         Response::from_parts(head.parts, body)
     }
 
-    fn put_back(&self, authority: Authority, mut conn: Conn) {
+    fn put_back(&self, origin: Origin, mut conn: Conn) {
         conn.reused = true;
         let idle = Idle {
             conn,
             since: Instant::now(),
         };
-        self.idle.lock().entry(authority).or_default().push(idle);
+        self.idle.lock().entry(origin).or_default().push(idle);
     }
 
     /// Drops closed and expired idle connections of every engine, and the lists of
@@ -278,9 +368,9 @@ impl Upstream {
     }
 
     /// The newest usable idle connection; closed and expired ones are dropped.
-    fn checkout(&self, authority: &Authority) -> Option<Conn> {
+    fn checkout(&self, origin: &Origin) -> Option<Conn> {
         let mut idle = self.idle.lock();
-        let list = idle.get_mut(authority)?;
+        let list = idle.get_mut(origin)?;
         let now = Instant::now();
         // The oldest are at the front: drop the expired ones in one go.
         let fresh = list
@@ -296,17 +386,39 @@ impl Upstream {
         None
     }
 
-    async fn connect(&self, authority: &Authority) -> Result<Conn, UpstreamError> {
+    /// A new connection, its TLS handshake (SNI from the host) included in
+    /// `connect_timeout`.
+    async fn connect(
+        &self,
+        authority: &Authority,
+        tls: Option<&Arc<ClientConfig>>,
+    ) -> Result<Conn, UpstreamError> {
         let host = authority
             .host()
             .trim_start_matches('[')
             .trim_end_matches(']');
-        let port = authority.port_u16().unwrap_or(80);
-        let io = tokio::time::timeout(self.connect_timeout, TcpStream::connect((host, port)))
+        let port = authority
+            .port_u16()
+            .unwrap_or(if tls.is_some() { 443 } else { 80 });
+        let connect = async {
+            let tcp = TcpStream::connect((host, port))
+                .await
+                .map_err(UpstreamError::Connect)?;
+            tcp.set_nodelay(true).map_err(UpstreamError::Connect)?;
+            let Some(tls) = tls else {
+                return Ok(Io::Plain(tcp));
+            };
+            let name = ServerName::try_from(host.to_string())
+                .map_err(|e| UpstreamError::Tls(format!("{host:?} is no server name: {e}")))?;
+            let stream = tokio_rustls::TlsConnector::from(tls.clone())
+                .connect(name, tcp)
+                .await
+                .map_err(|e| UpstreamError::Tls(e.to_string()))?;
+            Ok(Io::Tls(Box::new(stream)))
+        };
+        let io = tokio::time::timeout(self.connect_timeout, connect)
             .await
-            .map_err(|_| UpstreamError::ConnectTimeout(self.connect_timeout))?
-            .map_err(UpstreamError::Connect)?;
-        io.set_nodelay(true).map_err(UpstreamError::Connect)?;
+            .map_err(|_| UpstreamError::ConnectTimeout(self.connect_timeout))??;
         Ok(Conn {
             io,
             buf: BytesMut::with_capacity(READ_CHUNK),
@@ -342,7 +454,7 @@ pub struct EngineBody {
     /// `None` once the body failed (the connection is closed) or was handed back.
     conn: Option<Conn>,
     /// The pool and engine the connection goes back to.
-    home: Option<(Arc<Upstream>, Authority)>,
+    home: Option<(Arc<Upstream>, Origin)>,
 }
 
 impl EngineBody {
@@ -350,10 +462,10 @@ impl EngineBody {
     /// end and the engine keeps the connection open; otherwise it is closed.
     pub fn release(&mut self) {
         let done = matches!(self.decoding, Decoding::Done);
-        if let (true, true, Some(conn), Some((upstream, authority))) =
+        if let (true, true, Some(conn), Some((upstream, origin))) =
             (done, self.reusable, self.conn.take(), self.home.take())
         {
-            upstream.put_back(authority, conn);
+            upstream.put_back(origin, conn);
         }
     }
 

@@ -130,6 +130,11 @@ impl Node {
         self.id_header.as_ref()
     }
 
+    /// The engine is behind TLS (`https://`).
+    pub fn is_tls(&self) -> bool {
+        self.config.url.scheme_str() == Some("https")
+    }
+
     /// The engine's address and its `Host` header.
     pub fn authority(&self) -> Option<(&http::uri::Authority, &http::HeaderValue)> {
         Some((self.config.url.authority()?, self.host.as_ref()?))
@@ -147,6 +152,8 @@ pub struct NodeState {
     /// Consecutive failed / passed active health checks.
     check_failures: AtomicU32,
     check_passes: AtomicU32,
+    /// Why the last active health check failed (none after one passes).
+    check_error: parking_lot::Mutex<Option<String>>,
     pub breaker: Breaker,
     /// Breaker transitions so far, by the state entered.
     transitions: [AtomicU64; 4],
@@ -177,6 +184,7 @@ impl NodeState {
             healthy: AtomicBool::new(true),
             check_failures: AtomicU32::new(0),
             check_passes: AtomicU32::new(0),
+            check_error: parking_lot::Mutex::new(None),
             breaker: Breaker::default(),
             transitions: Default::default(),
             slot_time: SlotTime::default(),
@@ -259,6 +267,26 @@ impl NodeState {
 
     /// Records an active health check: `unhealthy_after` consecutive failures mark the
     /// node down, `healthy_after` passes mark it up. Returns whether `healthy` flipped.
+    /// Why the last active health check failed, if it did (shown in `/admin/nodes`).
+    pub fn check_error(&self) -> Option<String> {
+        self.check_error.lock().clone()
+    }
+
+    /// Records an active health check's result: [`NodeState::record_check`], with why
+    /// it failed kept for the operator.
+    pub fn record_check_result(
+        &self,
+        result: Result<(), String>,
+        unhealthy_after: u32,
+        healthy_after: u32,
+        s: &BreakerSettings,
+        now: Instant,
+    ) -> bool {
+        let passed = result.is_ok();
+        *self.check_error.lock() = result.err();
+        self.record_check(passed, unhealthy_after, healthy_after, s, now)
+    }
+
     pub fn record_check(
         &self,
         passed: bool,

@@ -53,6 +53,7 @@ async fn send(
         host: &HOST,
         headers: &headers,
         body: &BODY,
+        tls: None,
     };
     up.send(authority, req).await
 }
