@@ -241,7 +241,7 @@ mod tests {
             record("s1", "a", "http://h:2"),
             record("y", "a", "http://h:8"),
             record("x", "nope", "http://h:7"),
-            record("w", "b", "https://h:6"),
+            record("w", "b", "ftp://h:6"),
         ];
         let (merged, dynamic, skipped) = merge(&config, &members);
         let ids: Vec<&str> = merged.pools[0]
@@ -264,7 +264,7 @@ mod tests {
             .iter()
             .any(|s| matches!(s, Skipped::UnknownPool { id, .. } if id == "x")));
         assert!(skipped.iter().any(
-            |s| matches!(s, Skipped::Invalid { id, why } if id == "w" && why.contains("https"))
+            |s| matches!(s, Skipped::Invalid { id, why } if id == "w" && why.contains("needs a scheme"))
         ));
     }
 

@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use http::uri::PathAndQuery;
-use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http::{header, HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde_json::json;
 use tokio::time::Instant;
@@ -46,6 +46,9 @@ pub struct Proxy {
     table: ArcSwap<Table>,
     /// Keep-alive connections to the engines, handed back by the relayed body.
     upstream: Arc<upstream::Upstream>,
+    /// The health checks' own connections: a check never leaves the requests a
+    /// connection the engine is about to close.
+    checks: Arc<upstream::Upstream>,
     metrics: Arc<RequestMetrics>,
     /// Request bytes held across all connections (`max_buffered_bytes`).
     budget: Arc<ByteBudget>,
@@ -57,9 +60,11 @@ impl Proxy {
     /// `connect_timeout`.
     pub fn new(table: Table, metrics: Arc<RequestMetrics>) -> Arc<Proxy> {
         let upstream = upstream::Upstream::new(table.config.server.connect_timeout, UPSTREAM_IDLE);
+        let checks = upstream::Upstream::new(table.config.server.connect_timeout, UPSTREAM_IDLE);
         Arc::new(Proxy {
             table: ArcSwap::from_pointee(table),
             upstream,
+            checks,
             metrics,
             budget: Arc::default(),
             stopping: AtomicBool::new(false),
@@ -85,6 +90,56 @@ impl Proxy {
     /// Drops idle engine connections that expired or closed (see [`upstream::Upstream::sweep`]).
     pub fn sweep_idle_connections(&self) {
         self.upstream.sweep();
+        self.checks.sweep();
+    }
+
+    /// One active health check of `node`: `GET path` (after the URL's base path) on
+    /// the checks' own engine connections (over TLS for an `https://` engine),
+    /// a 2xx within `timeout` with its body read to the end; else why not.
+    pub async fn check_node(
+        &self,
+        node: &crate::routing::node::Node,
+        path: &str,
+        timeout: Duration,
+    ) -> Result<(), String> {
+        let target = PathAndQuery::try_from(path)
+            .ok()
+            .and_then(|p| node.origin_form(&p).ok())
+            .ok_or_else(|| format!("health.path {path:?} is no path for this node"))?;
+        let (authority, host) = node.authority().ok_or("the node's URL has no host")?;
+        let tls = match node.is_tls() {
+            false => None,
+            true => Some(self.table().config.tls.client()?),
+        };
+        let empty = (HeaderMap::new(), bytes::Bytes::new());
+        let req = upstream::Outgoing {
+            method: &Method::GET,
+            target: target.path_and_query().map_or("/", |p| p.as_str()),
+            host,
+            headers: &empty.0,
+            body: &empty.1,
+            tls: tls.as_ref(),
+        };
+        let exchange = async {
+            let resp = self
+                .checks
+                .send(authority, req)
+                .await
+                .map_err(|e| e.to_string())?;
+            let status = resp.status();
+            let mut body = resp.into_body();
+            while let Some(frame) = http_body_util::BodyExt::frame(&mut body).await {
+                frame.map_err(|e| e.to_string())?;
+            }
+            body.release();
+            match status.is_success() {
+                true => Ok(()),
+                false => Err(format!("HTTP {}", status.as_u16())),
+            }
+        };
+        tokio::time::timeout(timeout, exchange)
+            .await
+            .map_err(|_| format!("no answer within {} ms", timeout.as_millis()))?
     }
 
     /// Marks the balancer as shutting down (`/readyz` answers 503).

@@ -105,6 +105,7 @@ fn nodes(table: &Table) -> Value {
                     "in_flight": state.in_flight(),
                     "cap": b.cap_of(n),
                     "healthy": state.is_healthy(),
+                    "check_error": state.check_error(),
                     "draining": state.is_draining(),
                     "ttft_p50_ms": ttft.map(|t| ms(t.0)),
                     "ttft_p90_ms": ttft.map(|t| ms(t.1)),
