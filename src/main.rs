@@ -280,6 +280,28 @@ fn check_report(path: &Path, config: Config) -> String {
         r.when_saturated.as_str(),
         r.max_attempts
     );
+    let tls_nodes = config
+        .pools
+        .iter()
+        .flat_map(|p| &p.nodes)
+        .filter(|n| n.url.scheme_str() == Some("https"))
+        .count();
+    let tls = &config.tls;
+    if tls_nodes > 0 || tls.ca_certificates().is_some() || tls.mutual() {
+        let roots = match tls.ca_certificates() {
+            Some(n) => format!("ca_file ({n} certificates)"),
+            None => "the system's roots".into(),
+        };
+        let mutual = if tls.mutual() {
+            "; client certificate (mTLS)"
+        } else {
+            ""
+        };
+        let _ = writeln!(
+            out,
+            "tls: {tls_nodes} https nodes; trusting {roots}{mutual}"
+        );
+    }
     let table = Table::build(config, &Registry::default());
     for pool in &table.pools {
         let b = &pool.balancer;

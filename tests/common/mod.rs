@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod load;
+pub mod tls;
 pub mod toxic;
 
 use std::io::{BufRead, BufReader};
