@@ -522,6 +522,11 @@ mod tools {
         /// vLLM's. 0 = unlimited.
         #[arg(long, default_value_t = 0)]
         max_model_len: usize,
+        /// LoRA adapters served beside the model (comma-separated): listed by
+        /// `/v1/models` with the model as `parent`, as vLLM lists them; with any, a
+        /// request for a model not served gets vLLM's 404.
+        #[arg(long, value_delimiter = ',')]
+        adapters: Vec<String>,
     }
 
     /// The workload of `simulate` and `bench`: a Mooncake trace file or a synthetic one.
@@ -653,6 +658,7 @@ mod tools {
             cache_tokens: a.cache_tokens,
             max_num_seqs: a.max_num_seqs,
             max_model_len: a.max_model_len,
+            adapters: a.adapters,
         };
         let listen = a.listen;
         runtime()?.block_on(async move {

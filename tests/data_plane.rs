@@ -627,6 +627,76 @@ async fn adapters_are_keyed_apart_and_their_aliases_with_them() {
     );
 }
 
+/// Adapters learned from the engines' `/v1/models` (vLLM lists them with a `parent`):
+/// a request for one goes to the pool of its parent, keyed as an adapter, and never to
+/// an engine that does not list it; a declared adapter's requests skip such engines
+/// too. `/v1/models` lists the learned adapter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adapter_goes_only_to_engines_that_serve_it_and_is_learned_from_them() {
+    let fast = ["--decode-ms-per-token", "0"];
+    let with = |id: &str, adapters: &str| {
+        let mut flags = fast.to_vec();
+        flags.extend(["--adapters", adapters]);
+        engine(id, &flags)
+    };
+    let engines = [
+        with("e0", "sql-lora,chat-lora"),
+        with("e1", "sql-lora"),
+        with("e2", "chat-lora"),
+        engine("e3", &fast),
+    ];
+    let addrs: Vec<_> = engines.iter().map(|e| e.addr).collect();
+    let text = config_at(&addrs, "[health]\ninterval = \"200ms\"").replace(
+        "models = [\"mock\"]\n",
+        "models = [\"mock\"]\nadapters = [\"chat-lora\"]\n",
+    );
+    let lb = balancer(&text);
+    // The engines' lists are read with the first health checks.
+    let learned = eventually(Duration::from_secs(5), || async {
+        listed_models(&lb)
+            .await
+            .contains(&("sql-lora".to_string(), Some("mock".to_string())))
+    })
+    .await;
+    assert!(learned, "{:?}", listed_models(&lb).await);
+    let send = |model: &'static str, k: usize| {
+        let url = lb.url("/v1/chat/completions");
+        async move {
+            let mut body = chat(&[("user", &format!("question {k} for {model}"))], false, 2);
+            body["model"] = model.into();
+            let r = post_json(&url, &body, &[]).await;
+            assert_eq!(r.status, 200, "{model} {k}: {}", r.text());
+            r.header("x-prefixlb-node").to_string()
+        }
+    };
+    let mut sql_nodes = std::collections::BTreeSet::new();
+    let mut chat_nodes = std::collections::BTreeSet::new();
+    for k in 0..24 {
+        sql_nodes.insert(send("sql-lora", k).await);
+        chat_nodes.insert(send("chat-lora", k).await);
+    }
+    // Learned `sql-lora` is served by e0 and e1 only; declared `chat-lora` by e0 and e2
+    // (e3 lists only the model, so it is known not to serve either).
+    assert!(
+        sql_nodes.iter().all(|n| n == "n0" || n == "n1"),
+        "{sql_nodes:?}"
+    );
+    assert!(
+        chat_nodes.iter().all(|n| n == "n0" || n == "n2"),
+        "{chat_nodes:?}"
+    );
+    assert_eq!(sql_nodes.len(), 2, "spread over both: {sql_nodes:?}");
+    // A model nobody serves is still unknown.
+    let mut body = chat(&[("user", "x")], false, 2);
+    body["model"] = "nope-lora".into();
+    assert_eq!(
+        post_json(&lb.url("/v1/chat/completions"), &body, &[])
+            .await
+            .status,
+        404
+    );
+}
+
 #[test]
 fn check_reports_unknown_keys_with_their_position() {
     let path = write_config("[routing]\nvnodes = 160\nmax_inflight = 4\n\n[[pools]]\nname = \"p\"\nnodes = [{ id = \"a\", url = \"http://127.0.0.1:1\" }]\n");

@@ -122,7 +122,9 @@ impl Exchange<'_> {
     pub async fn run(mut self) -> Result<Response<BoxBody>, ProxyError> {
         let mut body = self.body_for(&self.placement);
         let max_attempts = self.routing().max_attempts;
+        // Engines that do not serve the adapter asked for count as tried from the start.
         let mut tried = Vec::with_capacity(max_attempts as usize);
+        tried.extend_from_slice(self.placement.unserved());
         let mut failures: Vec<Failure> = Vec::new();
         let mut attempt = 0;
         while attempt < max_attempts {
@@ -136,6 +138,7 @@ impl Exchange<'_> {
                         self.placement = next;
                         body = self.body_for(&self.placement);
                         tried.clear();
+                        tried.extend_from_slice(self.placement.unserved());
                         continue;
                     }
                     None if failures.is_empty() => return Err(e),

@@ -102,10 +102,36 @@ impl Proxy {
         path: &str,
         timeout: Duration,
     ) -> Result<(), String> {
+        tokio::time::timeout(timeout, self.get(&self.checks, node, path))
+            .await
+            .map_err(|_| format!("no answer within {} ms", timeout.as_millis()))?
+            .map(drop)
+    }
+
+    /// Reads what `node`'s engine serves from its `/v1/models` (on the checks'
+    /// connections, bounded by `timeout`) and keeps it on the node: LoRA adapters its
+    /// engine lists are learned, and an engine that does not list an adapter is not
+    /// chosen for it. An engine that cannot say leaves the node's list unknown.
+    pub async fn learn_models(&self, node: &crate::routing::node::Node, timeout: Duration) {
+        let served = tokio::time::timeout(timeout, self.get(&self.checks, node, "/v1/models"))
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .and_then(|body| crate::routing::node::Served::from_json(&body));
+        node.state().set_served(served);
+    }
+
+    /// `GET path` on `node`'s engine over `via`: the body of a 2xx, else why not.
+    async fn get(
+        &self,
+        via: &Arc<upstream::Upstream>,
+        node: &crate::routing::node::Node,
+        path: &str,
+    ) -> Result<bytes::Bytes, String> {
         let target = PathAndQuery::try_from(path)
             .ok()
             .and_then(|p| node.origin_form(&p).ok())
-            .ok_or_else(|| format!("health.path {path:?} is no path for this node"))?;
+            .ok_or_else(|| format!("{path:?} is no path for this node"))?;
         let (authority, host) = node.authority().ok_or("the node's URL has no host")?;
         let tls = match node.is_tls() {
             false => None,
@@ -120,26 +146,23 @@ impl Proxy {
             body: &empty.1,
             tls: tls.as_ref(),
         };
-        let exchange = async {
-            let resp = self
-                .checks
-                .send(authority, req)
-                .await
-                .map_err(|e| e.to_string())?;
-            let status = resp.status();
-            let mut body = resp.into_body();
-            while let Some(frame) = http_body_util::BodyExt::frame(&mut body).await {
-                frame.map_err(|e| e.to_string())?;
+        let resp = via.send(authority, req).await.map_err(|e| e.to_string())?;
+        let status = resp.status();
+        let mut body = resp.into_body();
+        let mut bytes = bytes::BytesMut::new();
+        while let Some(frame) = http_body_util::BodyExt::frame(&mut body).await {
+            if let Ok(data) = frame.map_err(|e| e.to_string())?.into_data() {
+                if bytes.len() + data.len() > MAX_MODELS_BYTES {
+                    return Err("the answer is too long".into());
+                }
+                bytes.extend_from_slice(&data);
             }
-            body.release();
-            match status.is_success() {
-                true => Ok(()),
-                false => Err(format!("HTTP {}", status.as_u16())),
-            }
-        };
-        tokio::time::timeout(timeout, exchange)
-            .await
-            .map_err(|_| format!("no answer within {} ms", timeout.as_millis()))?
+        }
+        body.release();
+        match status.is_success() {
+            true => Ok(bytes.freeze()),
+            false => Err(format!("HTTP {}", status.as_u16())),
+        }
     }
 
     /// Marks the balancer as shutting down (`/readyz` answers 503).
@@ -272,6 +295,9 @@ fn credential(headers: &http::HeaderMap, api: Api) -> Option<&[u8]> {
     }
 }
 
+/// Most bytes of an engine's health or `/v1/models` answer read.
+const MAX_MODELS_BYTES: usize = 1 << 20;
+
 /// How long an idle upstream connection is kept for reuse: engines close idle
 /// keep-alive connections early (uvicorn under vLLM and SGLang after 5 s, llama.cpp's
 /// server after 5 s), and one reused past that fails mid-request, which would count
@@ -286,7 +312,7 @@ fn now() -> std::time::Instant {
 
 /// `GET /v1/models`, answered from the pools.
 fn models(table: &Table) -> Response<BoxBody> {
-    let data: Vec<_> = table
+    let mut data: Vec<_> = table
         .models()
         .map(|(m, pool)| {
             let c = &pool.config;
@@ -298,6 +324,12 @@ fn models(table: &Table) -> Response<BoxBody> {
             model
         })
         .collect();
+    // Adapters learned from the engines' own lists.
+    for pool in &table.pools {
+        for (adapter, parent) in pool.learned_adapters() {
+            data.push(json!({"id": adapter, "object": "model", "created": 0, "owned_by": format!("prefixlb/{}", pool.config.name), "parent": parent}));
+        }
+    }
     let mut resp = Response::new(full(json!({"object": "list", "data": data}).to_string()));
     *resp.status_mut() = StatusCode::OK;
     resp.headers_mut().insert(

@@ -47,6 +47,8 @@ pub struct Placement {
     mode: Mode,
     /// Homes are remembered and learned (off for the simulator's plain bounded walk).
     homes: bool,
+    /// Nodes whose engines do not serve the adapter it asks for.
+    unserved: Vec<usize>,
 }
 
 impl Table {
@@ -119,7 +121,12 @@ impl Placement {
     ) -> Placement {
         let pool = table.pools[index].clone();
         // An adapter's requests are keyed apart: an engine caches prefixes per adapter.
-        let adapter = facts.model.as_deref().and_then(|m| pool.config.adapter(m));
+        let adapter = facts.model.as_deref().and_then(|m| pool.adapter(m));
+        // Engines known not to serve it are never chosen for it.
+        let unserved = match adapter {
+            Some(a) => unserved_by(&pool, a),
+            None => Vec::new(),
+        };
         let space = match adapter {
             Some(adapter) => Cow::Owned(format!("{}\0{adapter}", pool.config.name)),
             None => Cow::Borrowed(pool.config.name.as_str()),
@@ -143,6 +150,7 @@ impl Placement {
             at,
             mode,
             homes: true,
+            unserved,
         }
     }
 
@@ -175,6 +183,12 @@ impl Placement {
             self.homes = false;
         }
         self
+    }
+
+    /// Nodes never to be chosen for it: their engines list what they serve, and the
+    /// adapter it asks for is not among it. Admission treats them as tried.
+    pub fn unserved(&self) -> &[usize] {
+        &self.unserved
     }
 
     /// The pool it is placed in.
@@ -263,6 +277,23 @@ impl Placement {
 /// A request's uncached prompt tokens on the node chosen, as estimated before it goes:
 /// at its home (the walk's first node) what it should find cached there (its history,
 /// or its group's prefix) is left out; anywhere else all of it.
+/// The nodes of `pool` whose engines are known not to serve `adapter`: their
+/// `/v1/models` does not list it while another engine's does. When no engine lists it
+/// (engines that load adapters on demand, or do not list them), none is ruled out.
+fn unserved_by(pool: &Pool, adapter: &str) -> Vec<usize> {
+    let nodes = pool.balancer.nodes();
+    let listed =
+        |n: &crate::routing::node::Node| n.state().served().is_some_and(|s| s.lists(adapter));
+    if !nodes.iter().any(listed) {
+        return Vec::new();
+    }
+    let lacking = nodes
+        .iter()
+        .enumerate()
+        .filter(|(_, n)| n.state().lacks(adapter));
+    lacking.map(|(i, _)| i).collect()
+}
+
 fn uncached_estimate(facts: &RequestFacts, stakes: &Stakes, distance: usize) -> u32 {
     let prompt = facts.tokens.prompt;
     if distance > 0 {

@@ -141,6 +141,41 @@ impl Node {
     }
 }
 
+/// The models an engine serves, from its `/v1/models`: each id, and for a LoRA adapter
+/// the model it adapts (vLLM lists adapters with a `parent`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Served {
+    pub models: Vec<(String, Option<String>)>,
+}
+
+impl Served {
+    /// Reads a `/v1/models` answer (`{"data": [{"id", "parent"?}, …]}`).
+    pub fn from_json(body: &[u8]) -> Option<Served> {
+        let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+        let models = v["data"]
+            .as_array()?
+            .iter()
+            .filter_map(|m| {
+                let id = m["id"].as_str()?.to_string();
+                Some((id, m["parent"].as_str().map(str::to_string)))
+            })
+            .collect();
+        Some(Served { models })
+    }
+
+    pub fn lists(&self, model: &str) -> bool {
+        self.models.iter().any(|(id, _)| id == model)
+    }
+
+    /// The model `adapter` adapts, if this engine lists it as an adapter.
+    pub fn parent_of(&self, adapter: &str) -> Option<&str> {
+        self.models
+            .iter()
+            .find(|(id, _)| id == adapter)
+            .and_then(|(_, parent)| parent.as_deref())
+    }
+}
+
 /// Runtime state of one node, keyed by node id and carried across config reloads and
 /// ring rebuilds.
 #[derive(Debug)]
@@ -154,6 +189,8 @@ pub struct NodeState {
     check_passes: AtomicU32,
     /// Why the last active health check failed (none after one passes).
     check_error: parking_lot::Mutex<Option<String>>,
+    /// What the engine serves, from its `/v1/models` (none: not known).
+    served: parking_lot::Mutex<Option<Arc<Served>>>,
     pub breaker: Breaker,
     /// Breaker transitions so far, by the state entered.
     transitions: [AtomicU64; 4],
@@ -185,6 +222,7 @@ impl NodeState {
             check_failures: AtomicU32::new(0),
             check_passes: AtomicU32::new(0),
             check_error: parking_lot::Mutex::new(None),
+            served: parking_lot::Mutex::new(None),
             breaker: Breaker::default(),
             transitions: Default::default(),
             slot_time: SlotTime::default(),
@@ -267,6 +305,20 @@ impl NodeState {
 
     /// Records an active health check: `unhealthy_after` consecutive failures mark the
     /// node down, `healthy_after` passes mark it up. Returns whether `healthy` flipped.
+    /// What the engine serves, as its `/v1/models` last said (none: not known).
+    pub fn served(&self) -> Option<Arc<Served>> {
+        self.served.lock().clone()
+    }
+
+    pub fn set_served(&self, served: Option<Served>) {
+        *self.served.lock() = served.map(Arc::new);
+    }
+
+    /// Whether the engine's `/v1/models` was read and does not list `model`.
+    pub fn lacks(&self, model: &str) -> bool {
+        self.served.lock().as_ref().is_some_and(|s| !s.lists(model))
+    }
+
     /// Why the last active health check failed, if it did (shown in `/admin/nodes`).
     pub fn check_error(&self) -> Option<String> {
         self.check_error.lock().clone()

@@ -48,6 +48,51 @@ pub struct Pool {
     pub balancer: Balancer,
 }
 
+impl Pool {
+    /// The LoRA adapter a requested `model` names, if any: one the pool declares
+    /// (directly or by an alias), or one an engine of the pool lists with a parent
+    /// among the pool's models (learned from its `/v1/models`).
+    pub fn adapter<'a>(&'a self, requested: &'a str) -> Option<&'a str> {
+        self.config
+            .adapter(requested)
+            .or_else(|| self.learned_adapter(requested).then_some(requested))
+    }
+
+    /// Whether an engine of the pool lists `model` as an adapter of one of the pool's
+    /// models (and the pool's config does not name it).
+    pub fn learned_adapter(&self, model: &str) -> bool {
+        let c = &self.config;
+        if c.models.iter().any(|m| m == model) || c.aliased(model).is_some() {
+            return false;
+        }
+        self.balancer.nodes().iter().any(|n| {
+            n.state()
+                .served()
+                .and_then(|s| s.parent_of(model).map(|p| c.models.iter().any(|m| m == p)))
+                .unwrap_or(false)
+        })
+    }
+
+    /// Adapters the pool's engines list that its config does not name, with the model
+    /// each adapts.
+    pub fn learned_adapters(&self) -> Vec<(String, String)> {
+        let mut out: Vec<(String, String)> = Vec::new();
+        for n in self.balancer.nodes() {
+            let Some(served) = n.state().served() else {
+                continue;
+            };
+            for (id, parent) in &served.models {
+                let Some(parent) = parent else { continue };
+                let known = self.config.adapters.contains(id) || out.iter().any(|(a, _)| a == id);
+                if !known && self.learned_adapter(id) {
+                    out.push((id.clone(), parent.clone()));
+                }
+            }
+        }
+        out
+    }
+}
+
 /// An immutable routing snapshot.
 #[derive(Debug)]
 pub struct Table {
@@ -166,6 +211,7 @@ impl Table {
                 .by_model
                 .get(m)
                 .copied()
+                .or_else(|| self.pools.iter().position(|p| p.learned_adapter(m)))
                 .or(self.default_pool)
                 .ok_or_else(|| PoolError::UnknownModel {
                     model: m.to_string(),

@@ -3,8 +3,9 @@
 //! `unhealthy_after` consecutive failures take a node out of every walk,
 //! `healthy_after` passes bring it back, and a passing check moves an open breaker
 //! whose `open_for` is over to half_open, so recovery starts even with no traffic.
-//! Checks go over the data plane's engine-side HTTP/1.1 code (TLS included) on
-//! connections of their own, and why the last
+//! A node that passes has its engine's `/v1/models` read too (the LoRA adapters it
+//! serves). Checks go over the data plane's engine-side HTTP/1.1 code (TLS included)
+//! on connections of their own, and why the last
 //! one failed is kept for `/admin/nodes`. Each round ends by sweeping expired idle
 //! connections out of the upstream pool.
 
@@ -31,6 +32,9 @@ pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
                 );
                 checks.spawn(async move {
                     let result = proxy.check_node(&node, &h.path, h.timeout).await;
+                    if result.is_ok() {
+                        proxy.learn_models(&node, h.timeout).await;
+                    }
                     let now = tokio::time::Instant::now().into_std();
                     node.state().record_check_result(
                         result,

@@ -119,6 +119,7 @@ async fn start_engines(
             cache_tokens: opts.cache_tokens,
             max_num_seqs: 8,
             max_model_len: 0,
+            adapters: Vec::new(),
         });
         let mut stop = stop_rx.clone();
         tokio::spawn(engine.serve(listener, async move {

@@ -40,6 +40,8 @@ pub struct MockConfig {
     /// Context window (prompt + output tokens); longer requests get vLLM's 400.
     /// 0 = unlimited (the default).
     pub max_model_len: usize,
+    /// LoRA adapters served beside `model`; with any, other models get a 404.
+    pub adapters: Vec<String>,
 }
 
 impl Default for MockConfig {
@@ -51,6 +53,7 @@ impl Default for MockConfig {
             cache_tokens: 200_000,
             max_num_seqs: 64,
             max_model_len: 0,
+            adapters: Vec::new(),
         }
     }
 }
@@ -172,7 +175,10 @@ impl MockEngine {
 
     async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<BoxBody> {
         let path = req.uri().path().to_string();
-        if !matches!(path.as_str(), "/metrics" | "/health" | "/mock/fault") {
+        if !matches!(
+            path.as_str(),
+            "/metrics" | "/health" | "/mock/fault" | "/v1/models"
+        ) {
             self.http_requests.fetch_add(1, Ordering::Relaxed);
         }
         let mut resp = match (req.method(), path.as_str()) {
@@ -181,10 +187,7 @@ impl MockEngine {
                 _ => text(StatusCode::OK, ""),
             },
             (&Method::GET, "/metrics") => text(StatusCode::OK, &self.metrics()),
-            (&Method::GET, "/v1/models") => json_response(
-                StatusCode::OK,
-                &json!({"object": "list", "data": [{"id": self.config.model, "object": "model", "created": 0, "owned_by": "mock-engine"}]}),
-            ),
+            (&Method::GET, "/v1/models") => json_response(StatusCode::OK, &self.models()),
             (&Method::POST, "/mock/fault") => self.set_fault(req).await,
             (&Method::POST, "/v1/chat/completions") => self.clone().generate(req, Kind::Chat).await,
             (&Method::POST, "/v1/completions") => self.clone().generate(req, Kind::Text).await,
@@ -203,6 +206,18 @@ impl MockEngine {
             resp.headers_mut().insert("x-engine-id", id);
         }
         resp
+    }
+
+    /// `/v1/models`: the model, and each adapter with the model as its `parent`.
+    fn models(&self) -> Value {
+        let model = |id: &str| json!({"id": id, "object": "model", "created": 0, "owned_by": "mock-engine"});
+        let mut data = vec![model(&self.config.model)];
+        for a in &self.config.adapters {
+            let mut m = model(a);
+            m["parent"] = json!(self.config.model);
+            data.push(m);
+        }
+        json!({"object": "list", "data": data})
     }
 
     async fn set_fault(&self, req: Request<Incoming>) -> Response<BoxBody> {
@@ -256,6 +271,14 @@ impl MockEngine {
             Ok(job) => job,
             Err(msg) => return error(StatusCode::BAD_REQUEST, &msg),
         };
+        let c = &self.config;
+        if !c.adapters.is_empty() && job.model != c.model && !c.adapters.contains(&job.model) {
+            // vLLM's answer for a model (or adapter) it does not serve.
+            return error(
+                StatusCode::NOT_FOUND,
+                &format!("The model `{}` does not exist.", job.model),
+            );
+        }
         self.requests.fetch_add(1, Ordering::Relaxed);
         let limit = self.config.max_model_len;
         if limit > 0 && job.prompt.tokens + job.max_tokens > limit {
@@ -566,7 +589,7 @@ impl MockEngine {
             g(
                 "mock_engine_http_requests_total",
                 "counter",
-                "HTTP requests received on any path but /metrics, /health and /mock/fault.",
+                "HTTP requests received on any path but /metrics, /health, /v1/models and /mock/fault.",
                 self.http_requests.load(Ordering::Relaxed),
             ),
             g(
