@@ -155,6 +155,17 @@ fn shape(api: Api, env: &Envelope<'_>, body_len: usize) -> (Turn, TokenEstimate)
         _ => None,
     };
     let Some(messages) = messages else {
+        // A token-id prompt says how many tokens it is.
+        let ids = match api {
+            Api::Completions => env.prompt.map(first_raw),
+            Api::Generate if env.text.is_none() => env.input_ids.map(first_raw),
+            _ => None,
+        };
+        if let Some(ids) = ids.filter(|ids| super::prefix::is_token_ids(ids.as_bytes())) {
+            let n = memchr::memchr_iter(b',', ids.as_bytes()).count() + 1;
+            let prompt = n.min(u32::MAX as usize) as u32;
+            return (Turn::Unknown, TokenEstimate { prompt, history: 0 });
+        }
         return (Turn::Unknown, TokenEstimate::of_bytes(body_len, 0));
     };
     let size = |m: &Message<'_>| m.content.as_deref().map_or(0, str::len) + 8;

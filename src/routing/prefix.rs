@@ -26,6 +26,11 @@ use super::Mode;
 /// request; a preamble's last partial chunk goes into the conversation part.
 pub const CHUNK: usize = 512;
 
+/// Tokens per chunk of a token-id prompt (`input_ids`, a completions token array):
+/// chunks end after whole tokens, and hash the token values, so how a client spaces
+/// its numbers does not matter.
+pub const TOKEN_CHUNK: usize = 128;
+
 /// One piece of the canonical text: a message (`tag` its role), tools, instructions or
 /// a prompt. `body` is the raw JSON text of its value.
 #[derive(Debug, Clone, Copy)]
@@ -65,6 +70,8 @@ pub struct Chunks<'s, 'a> {
     /// The text may grow at its end (a prompt string, whose next turn continues the
     /// last chunk): a partial last chunk is left out.
     growing: bool,
+    /// The current segment is a token-id array: chunked by [`TOKEN_CHUNK`] tokens.
+    tokens: bool,
 }
 
 impl<'s, 'a> Chunks<'s, 'a> {
@@ -82,6 +89,7 @@ impl<'s, 'a> Chunks<'s, 'a> {
             limit: max_scan,
             limited: false,
             growing,
+            tokens: false,
         }
     }
 }
@@ -96,6 +104,7 @@ impl Iterator for Chunks<'_, '_> {
                 // A segment's tag (its role) is chained in before its first chunk.
                 self.chain = xxh3_64_with_seed(s.tag.as_bytes(), self.chain);
                 self.started = true;
+                self.tokens = is_token_ids(s.body);
                 if s.body.is_empty() {
                     self.advance_segment();
                     return Some(self.chunk(self.seg - 1, 0));
@@ -109,16 +118,66 @@ impl Iterator for Chunks<'_, '_> {
                 self.limited = true;
                 return None;
             }
-            let end = (self.offset + CHUNK).min(s.body.len());
-            if self.growing && end - self.offset < CHUNK && self.seg + 1 == self.segments.len() {
+            let (end, whole) = if self.tokens {
+                token_chunk_end(s.body, self.offset)
+            } else {
+                let end = (self.offset + CHUNK).min(s.body.len());
+                (end, end - self.offset == CHUNK)
+            };
+            if self.growing && !whole && self.seg + 1 == self.segments.len() {
                 return None;
             }
-            self.chain = xxh3_64_with_seed(&s.body[self.offset..end], self.chain);
+            let piece = &s.body[self.offset..end];
+            self.chain = if self.tokens {
+                hash_token_ids(piece, self.chain)
+            } else {
+                xxh3_64_with_seed(piece, self.chain)
+            };
             self.bytes += end - self.offset;
             self.offset = end;
             return Some(self.chunk(self.seg, end));
         }
     }
+}
+
+/// Whether a segment's JSON text is an array of numbers (token ids).
+pub(super) fn is_token_ids(body: &[u8]) -> bool {
+    let mut rest = body.iter().skip_while(|b| b.is_ascii_whitespace());
+    if rest.next() != Some(&b'[') {
+        return false;
+    }
+    rest.find(|b| !b.is_ascii_whitespace())
+        .is_some_and(u8::is_ascii_digit)
+}
+
+/// Where the token chunk starting at `from` ends (just after the comma that follows
+/// its [`TOKEN_CHUNK`]-th token, or at the end), and whether it is whole.
+fn token_chunk_end(body: &[u8], from: usize) -> (usize, bool) {
+    match memchr::memchr_iter(b',', &body[from..]).nth(TOKEN_CHUNK - 1) {
+        Some(i) => (from + i + 1, true),
+        None => (body.len(), false),
+    }
+}
+
+/// Chains the token values of a piece of a token-id array (digits, separators and
+/// brackets; anything else is skipped), each as 4 little-endian bytes.
+fn hash_token_ids(piece: &[u8], chain: u64) -> u64 {
+    let mut h = xxhash_rust::xxh3::Xxh3::with_seed(chain);
+    let mut n: u32 = 0;
+    let mut digits = false;
+    for &b in piece {
+        if b.is_ascii_digit() {
+            n = n.wrapping_mul(10).wrapping_add(u32::from(b - b'0'));
+            digits = true;
+        } else if std::mem::take(&mut digits) {
+            h.update(&n.to_le_bytes());
+            n = 0;
+        }
+    }
+    if digits {
+        h.update(&n.to_le_bytes());
+    }
+    h.digest()
 }
 
 impl Chunks<'_, '_> {

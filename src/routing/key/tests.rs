@@ -277,6 +277,66 @@ fn a_preamble_in_the_first_user_message_is_learned_and_keys_stay_put() {
 }
 
 #[test]
+fn token_id_prompts_are_chunked_by_tokens_whatever_their_spacing() {
+    // A shared 600-token preamble, then each request's own 200 tokens; half the
+    // clients write `[1,2]`, half `[1, 2]` (Python's json.dumps).
+    let table = PrefixTable::default();
+    let spec = KeySpec::new(KeyMode::Hybrid, 1024);
+    let body = |user: u32, spaced: bool, api: Api| {
+        let ids: Vec<String> = (0..600u32)
+            .map(|t| (t * 7 + 100_000).to_string())
+            .chain((0..200u32).map(|t| (user * 1000 + t).to_string()))
+            .collect();
+        let list = ids.join(if spaced { ", " } else { "," });
+        let field = if api == Api::Generate {
+            "input_ids"
+        } else {
+            "prompt"
+        };
+        format!(r#"{{"model": "m", "{field}": [{list}]}}"#)
+    };
+    let facts = |b: &str, api: Api| {
+        let env = facts::read(api, b.as_bytes()).unwrap();
+        facts_of(
+            api,
+            b.as_bytes(),
+            env.as_ref(),
+            None,
+            spec,
+            Some((&table, Mode::Route)),
+        )
+    };
+    for u in 0..40 {
+        facts(&body(u, u % 2 == 0, Api::Completions), Api::Completions);
+    }
+    let compact = facts(&body(500, false, Api::Completions), Api::Completions);
+    let spaced = facts(&body(501, true, Api::Completions), Api::Completions);
+    let generate = facts(&body(502, true, Api::Generate), Api::Generate);
+    let p = compact.prefix.unwrap();
+    assert!(p.learned, "{p:?}");
+    assert_eq!(
+        spaced.prefix.map(|p| p.hash),
+        Some(p.hash),
+        "spacing does not matter"
+    );
+    assert_eq!(
+        generate.prefix.map(|p| p.hash),
+        Some(p.hash),
+        "/generate alike"
+    );
+    // The group ends on a chunk of whole tokens: 4 × 128 of the 600 shared.
+    let shared_bytes = |spaced: bool| {
+        // The bracket, 512 six-digit ids, each with its comma, and the spaces between.
+        1 + 512 * 7 + if spaced { 511 } else { 0 }
+    };
+    assert_eq!(p.bytes, shared_bytes(false), "{p:?}");
+    assert_eq!(spaced.prefix.unwrap().bytes, shared_bytes(true));
+    // The estimate counts tokens, not bytes.
+    assert_eq!(compact.tokens.prompt, 800);
+    assert_eq!(generate.tokens.prompt, 800);
+}
+
+#[test]
 fn a_templated_completions_prompt_keeps_its_key_across_turns() {
     let table = PrefixTable::default();
     let system = "You answer questions about GPUs. ".repeat(60);
