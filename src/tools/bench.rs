@@ -538,8 +538,14 @@ async fn read_stream(mut body: Incoming, sent: Instant, mut reply: Reply) -> Res
             let Ok(v) = serde_json::from_str::<Value>(&event.data) else {
                 continue;
             };
+            if let Some(e) = v.get("error") {
+                return Err(format!(
+                    "error event: {}",
+                    crate::clip::clip(&e.to_string())
+                ));
+            }
             // Anthropic's stream: its usage arrives in `message_start` and
-            // `message_delta`, and `message_stop` ends it.
+            // `message_delta`, text in `content_block_delta`, and `message_stop` ends it.
             match v["type"].as_str() {
                 Some("message_stop") => {
                     reply.latency = sent.elapsed();
@@ -547,22 +553,18 @@ async fn read_stream(mut body: Incoming, sent: Instant, mut reply: Reply) -> Res
                 }
                 Some("message_start") => reply.usage(&v["message"]["usage"]),
                 Some("message_delta") => reply.usage_delta(&v["usage"]),
+                Some("content_block_delta") => {
+                    if let Some(text) = v["delta"]["text"].as_str().filter(|t| !t.is_empty()) {
+                        if reply.text.is_empty() {
+                            reply.ttft = sent.elapsed();
+                        }
+                        reply.text.push_str(text);
+                    }
+                }
                 _ => {}
             }
-            let anthropic_text = v["delta"]["text"]
-                .as_str()
-                .filter(|_| v["type"] == "content_block_delta");
-            if let Some(text) = anthropic_text.filter(|t| !t.is_empty()) {
-                if reply.text.is_empty() {
-                    reply.ttft = sent.elapsed();
-                }
-                reply.text.push_str(text);
-            }
-            if let Some(e) = v.get("error") {
-                return Err(format!(
-                    "error event: {}",
-                    crate::clip::clip(&e.to_string())
-                ));
+            if v["type"].is_string() {
+                continue;
             }
             let choice = &v["choices"][0];
             if let Some(content) = choice["delta"]["content"]
