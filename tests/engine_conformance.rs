@@ -63,7 +63,7 @@ struct Engine {
 
 const SECOND: &str = r#"{"second":"answer"}"#;
 
-/// A raw-TCP engine: `/health` is always 200; the request after `next` is set gets the
+/// A raw-TCP engine: `/health` and `/v1/models` are always 200 (and empty); the request after `next` is set gets the
 /// case's bytes, every other request a well-formed `SECOND`.
 async fn raw_engine(state: Arc<Mutex<Engine>>) -> std::net::SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -87,7 +87,9 @@ async fn raw_engine(state: Arc<Mutex<Engine>>) -> std::net::SocketAddr {
                         }
                     };
                     let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-                    let health = head.starts_with("get /health");
+                    // The balancer's own requests: health checks and model lists.
+                    let health =
+                        head.starts_with("get /health") || head.starts_with("get /v1/models");
                     let length: usize = head
                         .lines()
                         .find_map(|l| l.strip_prefix("content-length:"))

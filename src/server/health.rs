@@ -4,7 +4,7 @@
 //! `healthy_after` passes bring it back, and a passing check moves an open breaker
 //! whose `open_for` is over to half_open, so recovery starts even with no traffic.
 //! A node that passes has its engine's `/v1/models` read too (the LoRA adapters it
-//! serves). Checks go over the data plane's engine-side HTTP/1.1 code (TLS included)
+//! serves), at once and then every [`MODELS_EVERY`] rounds. Checks go over the data plane's engine-side HTTP/1.1 code (TLS included)
 //! on connections of their own, and why the last
 //! one failed is kept for `/admin/nodes`. Each round ends by sweeping expired idle
 //! connections out of the upstream pool.
@@ -16,9 +16,13 @@ use tokio::task::JoinSet;
 
 use crate::proxy::Proxy;
 
+/// A passing node's `/v1/models` is read again every this many rounds (every 30 s at
+/// the default `health.interval`), and on every round while it is not known.
+const MODELS_EVERY: u64 = 6;
+
 /// Checks every node until `stop` turns true.
 pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
-    loop {
+    for round in 0u64.. {
         let table = proxy.table();
         let h = &table.config.health;
         let mut checks = JoinSet::new();
@@ -32,9 +36,7 @@ pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
                 );
                 checks.spawn(async move {
                     let result = proxy.check_node(&node, &h.path, h.timeout).await;
-                    if result.is_ok() {
-                        proxy.learn_models(&node, h.timeout).await;
-                    }
+                    let passed = result.is_ok();
                     let now = tokio::time::Instant::now().into_std();
                     node.state().record_check_result(
                         result,
@@ -43,6 +45,11 @@ pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
                         &settings,
                         now,
                     );
+                    // The model list: at once, then every few rounds.
+                    let stale = round % MODELS_EVERY == 0 || node.state().served().is_none();
+                    if passed && stale {
+                        proxy.learn_models(&node, h.timeout).await;
+                    }
                 });
             }
         }
