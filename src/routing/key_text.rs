@@ -65,13 +65,14 @@ impl KeyText {
                 let (mut kind, mut text, mut url) = (None, None, None);
                 sc.object(|sc, key| {
                     let v = match &*key {
-                        "image_url" | "video_url" | "audio_url" => media_url(sc)?,
+                        "image_url" | "video_url" | "audio_url" | "source" => media_url(sc)?,
                         _ => sc.value()?,
                     };
                     match &*key {
                         "type" => kind = Some(v),
                         "text" => text = Some(v),
-                        "image_url" | "video_url" | "audio_url" => url = Some(v),
+                        // Anthropic's images and documents: `source`'s URL or data.
+                        "image_url" | "video_url" | "audio_url" | "source" => url = Some(v),
                         _ => {}
                     }
                     Ok(())
@@ -116,18 +117,21 @@ impl KeyText {
     }
 }
 
-/// A media part's URL: the `url` of `{"url": ...}`, or a bare string.
+/// A media part's URL: the `url` of `{"url": ...}` (else its inline `data`, as
+/// Anthropic's base64 `source` carries it), or a bare string.
 fn media_url<'a>(sc: &mut Scanner<'a>) -> Result<&'a str, ScanError> {
     if sc.peek() != Some(b'{') {
         return sc.value();
     }
-    let mut url = "";
+    let (mut url, mut data) = ("", "");
     sc.object(|sc, key| {
         let v = sc.value()?;
-        if key == "url" {
-            url = v;
+        match &*key {
+            "url" => url = v,
+            "data" => data = v,
+            _ => {}
         }
         Ok(())
     })?;
-    Ok(url)
+    Ok(if url.is_empty() { data } else { url })
 }

@@ -193,6 +193,15 @@ fn messages_keys_ignore_cache_markers_and_group_by_their_system_part() {
     // A string system part and string content key like chat's conversation mode.
     let body = json!({"model": "m", "max_tokens": 8, "system": "Be brief.", "messages": [{"role": "user", "content": "hi"}]});
     assert_eq!(key(Api::Messages, &body, CONV), "Be brief.user\nhi\n");
+    // Images by type and URL (or their inline data).
+    let image = |url: &str| {
+        let src = json!({"type": "url", "url": url});
+        json!({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": src}, {"type": "text", "text": "what is this?"}]}]})
+    };
+    let a = key(Api::Messages, &image("https://x/a.png"), CONV);
+    assert!(a.contains("image https://x/a.png"), "{a}");
+    assert_ne!(a, key(Api::Messages, &image("https://x/b.png"), CONV));
     // count_tokens reads the same body the same way; `messages` is required.
     let bytes = serde_json::to_vec(&anthropic(&long, &["fix the bug"])).unwrap();
     assert_eq!(
