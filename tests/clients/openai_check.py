@@ -10,51 +10,17 @@ client's exceptions (404 -> NotFoundError, 503 on saturation -> APIStatusError,
 401 -> AuthenticationError). Exits non-zero on the first failure.
 """
 
-import os
-import re
-import subprocess
-import sys
-import tempfile
 import threading
 
 import openai
 
-BIN = sys.argv[1] if len(sys.argv) > 1 else "target/debug/prefixlb"
+from harness import balancer, check, engines, run
+
 KEY = "sk-openai-check"
-procs = []
-
-
-def start(args, env=None):
-    """Starts a prefixlb process and returns the addresses on its 'listening' line."""
-    p = subprocess.Popen([BIN, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                         env={**os.environ, "RUST_LOG": "warn", **(env or {})}, text=True)
-    procs.append(p)
-    line = p.stdout.readline()
-    addrs = re.findall(r"http://([0-9.]+:[0-9]+)", line)
-    assert addrs, f"no address in {line!r}"
-    return addrs
-
-
-def check(name, cond, detail=""):
-    if not cond:
-        raise AssertionError(f"{name}: {detail}")
-    print(f"ok  {name}")
 
 
 def main():
-    engines = [start(["mock-engine", "--listen", "127.0.0.1:0", "--id", f"e{i}",
-                      "--decode-ms-per-token", "5"])[0] for i in range(2)]
-    nodes = "".join(f'[[pools.nodes]]\nid = "n{i}"\nurl = "http://{a}"\n' for i, a in enumerate(engines))
-    config = (
-        '[server]\nlisten = "127.0.0.1:0"\nadmin_listen = "127.0.0.1:0"\n'
-        '[routing]\nmax_in_flight = 1\nwhen_saturated = "reject"\n'
-        '[auth]\napi_keys_env = "OPENAI_CHECK_KEYS"\n'
-        f'[[pools]]\nname = "mock"\nmodels = ["mock"]\n{nodes}'
-    )
-    path = os.path.join(tempfile.mkdtemp(), "prefixlb.toml")
-    with open(path, "w") as f:
-        f.write(config)
-    lb = start(["serve", "--config", path], env={"OPENAI_CHECK_KEYS": KEY})[0]
+    lb = balancer(engines(2), "OPENAI_CHECK_KEYS", KEY)
     client = openai.OpenAI(base_url=f"http://{lb}/v1", api_key=KEY, max_retries=0, timeout=20)
 
     r = client.chat.completions.create(model="mock", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
@@ -131,11 +97,4 @@ def main():
     print("openai client check: all passed")
 
 
-try:
-    main()
-except Exception as e:  # noqa: BLE001 - any failure fails the check
-    print(f"FAILED: {e!r}", file=sys.stderr)
-    sys.exit(1)
-finally:
-    for p in procs:
-        p.kill()
+run(main)

@@ -134,6 +134,18 @@ pub fn run_cli(args: &[&str]) -> Vec<u8> {
     out.stdout
 }
 
+/// Runs `prefixlb check` on a config text, asserts that it refuses it (exit 2), and
+/// returns what it said.
+pub fn check_refuses(text: &str) -> String {
+    let path = write_config(text);
+    let out = Command::new(BIN)
+        .args(["check", "--config", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{text}");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 pub fn write_config(text: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("prefixlb-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

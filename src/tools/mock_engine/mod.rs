@@ -420,27 +420,9 @@ impl MockEngine {
             let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
             return;
         }
-        for i in 0..tokens {
-            let wait = if i == 0 {
-                first
-            } else {
-                self.config.costs.decode_step(self.running())
-            };
-            tokio::select! {
-                _ = tokio::time::sleep(wait) => {}
-                _ = tx.closed() => return self.cancel(),
-            }
-            if fault.mode == FaultMode::Reset && i == 2 {
-                let _ = tx.send(Bytes::from_static(wire::RESET)).await;
-                return;
-            }
-            if tx
-                .send(chunk(json!({"content": token_text(i)}), Value::Null))
-                .await
-                .is_err()
-            {
-                return self.cancel();
-            }
+        let each = |i| chunk(json!({"content": token_text(i)}), Value::Null);
+        if !self.tokens(tokens, first, fault, &tx, each).await {
+            return;
         }
         let _ = tx.send(chunk(json!({}), json!("length"))).await;
         if job.include_usage {
@@ -501,7 +483,27 @@ impl MockEngine {
         if tx.send(anthropic::text_start()).await.is_err() {
             return self.cancel();
         }
-        for i in 0..job.max_tokens {
+        let each = |i| anthropic::text_delta(token_text(i));
+        if !self.tokens(job.max_tokens, first, fault, &tx, each).await {
+            return;
+        }
+        for b in anthropic::closing("max_tokens", job.max_tokens, true) {
+            let _ = tx.send(b).await;
+        }
+        drop(permit);
+    }
+
+    /// Sends `n` tokens as `each` encodes them, the first after `first`, then one per
+    /// decode step; whether all went (not: the client left, or a reset was injected).
+    async fn tokens(
+        &self,
+        n: usize,
+        first: Duration,
+        fault: Fault,
+        tx: &mpsc::Sender<Bytes>,
+        each: impl Fn(usize) -> Bytes,
+    ) -> bool {
+        for i in 0..n {
             let wait = if i == 0 {
                 first
             } else {
@@ -509,20 +511,21 @@ impl MockEngine {
             };
             tokio::select! {
                 _ = tokio::time::sleep(wait) => {}
-                _ = tx.closed() => return self.cancel(),
+                _ = tx.closed() => {
+                    self.cancel();
+                    return false;
+                }
             }
             if fault.mode == FaultMode::Reset && i == 2 {
                 let _ = tx.send(Bytes::from_static(wire::RESET)).await;
-                return;
+                return false;
             }
-            if tx.send(anthropic::text_delta(token_text(i))).await.is_err() {
-                return self.cancel();
+            if tx.send(each(i)).await.is_err() {
+                self.cancel();
+                return false;
             }
         }
-        for b in anthropic::closing("max_tokens", job.max_tokens, true) {
-            let _ = tx.send(b).await;
-        }
-        drop(permit);
+        true
     }
 
     async fn admit(&self) -> tokio::sync::SemaphorePermit<'_> {
