@@ -24,6 +24,12 @@ pub struct FileConfig {
     /// How engines behind `https://` URLs are trusted. Default: the system's roots.
     #[serde(default)]
     pub tls: TlsSection,
+    /// Priority classes of the admission queue, highest first. Default: one.
+    #[serde(default)]
+    pub priorities: Vec<super::tenancy::PrioritySection>,
+    /// Tenants' classes, weights and rate limits. Default: none.
+    #[serde(default)]
+    pub tenants: Vec<super::tenancy::TenantSection>,
     /// Dynamic membership from Redis heartbeats. Default: none (static nodes only).
     pub redis: Option<RedisSection>,
     /// Required: at least one pool.
@@ -138,6 +144,14 @@ pub struct RoutingSection {
     /// Redis (rounded up, at least 1), so N replicas together keep the cap. Default
     /// false.
     pub split_cap_across_replicas: bool,
+    /// A header naming a request's tenant when its API key has no name. Default:
+    /// none (such requests are tenant `default`).
+    pub tenant_header: Option<String>,
+    /// A header by which a request may ask for a priority class at or below its
+    /// tenant's. Default: none.
+    pub priority_header: Option<String>,
+    /// The class of tenants that name none. Default: the first of `[[priorities]]`.
+    pub default_priority: Option<Spanned<String>>,
 }
 
 impl Default for RoutingSection {
@@ -158,6 +172,9 @@ impl Default for RoutingSection {
             max_scan_bytes: unspanned(64 * 1024),
             extra_paths: unspanned(Vec::new()),
             split_cap_across_replicas: false,
+            tenant_header: None,
+            priority_header: None,
+            default_priority: None,
         }
     }
 }

@@ -5,6 +5,7 @@
 
 mod duration;
 pub mod file;
+mod tenancy;
 mod tls;
 mod validate;
 
@@ -18,6 +19,7 @@ use serde::Deserialize;
 
 pub use duration::{parse_duration, Dur, MAX_DURATION};
 pub use file::{FileConfig, KeyMode, WhenSaturated};
+pub use tenancy::{ClassConfig, Tenancy, TenantConfig};
 pub use tls::TlsConfig;
 pub use validate::parse_node_url;
 
@@ -60,6 +62,8 @@ pub struct Config {
     pub auth: AuthConfig,
     /// How engines behind `https://` URLs are reached (`[tls]`).
     pub tls: std::sync::Arc<TlsConfig>,
+    /// Tenants and priority classes (`[[tenants]]`, `[[priorities]]`).
+    pub tenancy: Tenancy,
     /// Membership from Redis heartbeats, if configured.
     pub redis: Option<RedisConfig>,
     pub pools: Vec<PoolConfig>,
@@ -76,10 +80,11 @@ pub struct RedisConfig {
     pub heartbeat_ttl: Duration,
 }
 
-/// Accepted API keys of the client listener (none: no check).
+/// Accepted API keys of the client listener (none: no check), each with the tenant it
+/// names, if any (`name:key` lines).
 #[derive(Debug, Clone, Default)]
 pub struct AuthConfig {
-    pub keys: Vec<Secret>,
+    pub keys: Vec<(Option<String>, Secret)>,
     pub strip: bool,
 }
 
@@ -92,15 +97,23 @@ impl AuthConfig {
 
     /// Whether a bare key (an `x-api-key` value, or a bearer token) is accepted.
     pub fn admits_key(&self, key: Option<&[u8]>) -> bool {
+        self.admit(key).is_some()
+    }
+
+    /// Admits a bare key: `Some(tenant)` if accepted (the key's name, if it has one),
+    /// `None` if refused. Every key is compared, each in constant time.
+    pub fn admit(&self, key: Option<&[u8]>) -> Option<Option<&str>> {
         if self.keys.is_empty() {
-            return true;
+            return Some(None);
         }
-        let Some(token) = key else {
-            return false;
-        };
-        self.keys
-            .iter()
-            .fold(false, |ok, key| key.matches(token) | ok)
+        let token = key?;
+        let mut found = None;
+        for (name, secret) in &self.keys {
+            if secret.matches(token) {
+                found = Some(name.as_deref());
+            }
+        }
+        found
     }
 }
 

@@ -57,7 +57,20 @@ where
 /// Validates a parsed file; `dir` is the file's folder (for `api_keys_file`).
 pub(super) fn config(raw: FileConfig, dir: &Path) -> Result<Config, Invalid> {
     let server = validate_server(raw.server)?;
+    let (tenant_header, priority_header, default_priority) = (
+        raw.routing.tenant_header.clone(),
+        raw.routing.priority_header.clone(),
+        raw.routing.default_priority.clone(),
+    );
     let routing = validate_routing(raw.routing)?;
+    let tenancy = super::tenancy::validate(
+        raw.priorities,
+        raw.tenants,
+        default_priority,
+        tenant_header,
+        priority_header,
+        routing.max_queue,
+    )?;
     let breaker = validate_breaker(raw.breaker)?;
     let health = validate_health(raw.health)?;
     let auth = validate_auth(raw.auth, dir)?;
@@ -86,6 +99,7 @@ pub(super) fn config(raw: FileConfig, dir: &Path) -> Result<Config, Invalid> {
         health,
         auth,
         tls,
+        tenancy,
         redis,
         pools,
     })
@@ -254,6 +268,16 @@ fn validate_node(n: NodeSection, ids: &mut HashSet<String>) -> Result<NodeConfig
     Ok(NodeConfig { id, url, weight })
 }
 
+/// A key, or `name:key`: the name is the tenant of the requests that carry the key.
+fn named_key(entry: &str) -> (Option<String>, Secret) {
+    match entry.split_once(':') {
+        Some((name, key)) if !name.is_empty() && !key.is_empty() => {
+            (Some(name.trim().to_string()), Secret::new(key.trim()))
+        }
+        _ => (None, Secret::new(entry)),
+    }
+}
+
 fn validate_auth(a: AuthSection, dir: &Path) -> Result<AuthConfig, Invalid> {
     let mut keys = Vec::new();
     let mut configured = None;
@@ -269,7 +293,7 @@ fn validate_auth(a: AuthSection, dir: &Path) -> Result<AuthConfig, Invalid> {
             text.lines()
                 .map(str::trim)
                 .filter(|l| !l.is_empty() && !l.starts_with('#'))
-                .map(Secret::new),
+                .map(named_key),
         );
         configured = Some(file.span());
     }
@@ -287,7 +311,7 @@ fn validate_auth(a: AuthSection, dir: &Path) -> Result<AuthConfig, Invalid> {
             value
                 .split(|c: char| c == ',' || c.is_whitespace())
                 .filter(|k| !k.is_empty())
-                .map(Secret::new),
+                .map(named_key),
         );
         configured = Some(var.span());
     }
