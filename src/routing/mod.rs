@@ -16,6 +16,7 @@ pub mod cost;
 pub mod decision;
 pub mod explain;
 pub mod facts;
+pub mod fair;
 pub mod group;
 pub mod home;
 pub mod json_scan;

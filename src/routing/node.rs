@@ -13,6 +13,7 @@ use tokio::sync::Notify;
 
 use super::breaker::{Breaker, BreakerSettings, BreakerState, Outcome};
 use super::cost::{PrefillRate, SlotTime};
+use super::fair::{FairQueue, Waiting};
 use super::group::GroupHeat;
 use super::home::{HomeTable, RecentHomes};
 use super::prefix::PrefixTable;
@@ -433,7 +434,8 @@ impl NodeState {
 pub struct PoolLoad {
     in_flight: AtomicU32,
     queued: AtomicUsize,
-    freed: Notify,
+    /// The waiters, in the order they go (see [`FairQueue`]).
+    queue: FairQueue,
     /// Recent traffic per prefix group (`key = "hybrid"`).
     pub groups: GroupHeat,
     /// Recent traffic per chunk of prompt text: where shared prefixes end (`hybrid`).
@@ -469,19 +471,27 @@ impl PoolLoad {
         self.queued.load(Ordering::Acquire)
     }
 
-    /// The FIFO of waiters woken one per freed slot.
-    pub fn freed(&self) -> &Notify {
-        &self.freed
+    /// Requests of priority class `class` waiting for a slot.
+    pub fn queued_in(&self, class: usize) -> usize {
+        self.queue.depth_of(class)
     }
 
-    /// Joins the queue if it holds fewer than `max`; the place leaves it on drop.
-    pub fn enqueue(self: &Arc<Self>, max: usize) -> Option<QueuePlace> {
-        self.queued
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < max).then_some(n + 1)
-            })
-            .ok()
-            .map(|_| QueuePlace { pool: self.clone() })
+    /// Joins the queue if fewer than `max` wait (and fewer than `class_max` of its
+    /// class); the place leaves it on drop.
+    pub fn enqueue(
+        self: &Arc<Self>,
+        who: Waiting,
+        max: usize,
+        class_max: usize,
+    ) -> Option<QueuePlace> {
+        let (id, wake) = self.queue.join(who, max, class_max)?;
+        self.queued.fetch_add(1, Ordering::AcqRel);
+        Some(QueuePlace {
+            pool: self.clone(),
+            id,
+            wake,
+            admitted: false,
+        })
     }
 }
 
@@ -489,10 +499,41 @@ impl PoolLoad {
 #[derive(Debug)]
 pub struct QueuePlace {
     pool: Arc<PoolLoad>,
+    id: u64,
+    wake: Arc<Notify>,
+    admitted: bool,
+}
+
+impl QueuePlace {
+    /// Notified when a freed slot is this waiter's turn.
+    pub fn woken(&self) -> Arc<Notify> {
+        self.wake.clone()
+    }
+
+    /// It took a slot: its tenant is charged, and it leaves the queue.
+    pub fn admitted(mut self) {
+        self.admitted = true;
+    }
+
+    /// It was woken but found no slot it may take: the next waiter is woken.
+    pub fn pass(&self) {
+        self.pool.queue.pass(self.id);
+    }
+
+    /// Whether it goes first of all waiters.
+    pub fn is_first(&self) -> bool {
+        self.pool.queue.is_first(self.id)
+    }
+
+    /// Capacity came back while it waits: the waiter whose turn it is is woken.
+    pub fn capacity_returned(&self) {
+        self.pool.queue.wake_if_idle();
+    }
 }
 
 impl Drop for QueuePlace {
     fn drop(&mut self) {
+        self.pool.queue.leave(self.id, self.admitted);
         self.pool.queued.fetch_sub(1, Ordering::AcqRel);
     }
 }
@@ -529,7 +570,9 @@ impl Drop for Reservation {
         self.node.in_flight.fetch_sub(1, Ordering::AcqRel);
         self.pool.in_flight.fetch_sub(1, Ordering::AcqRel);
         self.node.freed.notify_one();
-        self.pool.freed.notify_one();
+        if self.pool.queued() > 0 {
+            self.pool.queue.wake_next();
+        }
     }
 }
 

@@ -215,12 +215,18 @@ fn least_loaded_overcommits_the_emptiest_node() {
 #[test]
 fn queue_is_bounded_and_places_leave_on_drop() {
     let load: Arc<PoolLoad> = Arc::default();
-    let a = load.enqueue(2).unwrap();
-    let _b = load.enqueue(2).unwrap();
-    assert!(load.enqueue(2).is_none());
+    let who = || crate::routing::fair::Waiting {
+        tenant: "t".into(),
+        class: 0,
+        weight: 1.0,
+        cost: 1.0,
+    };
+    let a = load.enqueue(who(), 2, 2).unwrap();
+    let _b = load.enqueue(who(), 2, 2).unwrap();
+    assert!(load.enqueue(who(), 2, 2).is_none());
     drop(a);
     assert_eq!(load.queued(), 1);
-    assert!(load.enqueue(2).is_some());
+    assert!(load.enqueue(who(), 2, 2).is_some());
 }
 
 proptest! {
