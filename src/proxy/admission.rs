@@ -12,16 +12,32 @@ use tokio::time::Instant;
 use super::{now, ProxyError};
 use crate::config::{RoutingConfig, WhenSaturated};
 use crate::routing::decision::Placement;
-use crate::routing::walk::{Choice, Walk};
+use crate::routing::fair::Waiting;
+use crate::routing::walk::{Choice, Peek, Walk};
 use crate::telemetry::metrics::RequestMetrics;
 
 /// Takes a slot on the first willing node of the placement's walk; when every willing
 /// node is at cap, applies `routing.when_saturated`. Returns whether the request queued.
+/// Who is asking, for the queue: its tenant and class, its cost, its deadline.
+#[derive(Debug, Clone)]
+pub(super) struct Asker {
+    pub who: Waiting,
+    /// The longest it waits in the queue: `routing.queue_timeout`, or less when the
+    /// client said so (`x-request-timeout`).
+    pub queue_timeout: std::time::Duration,
+    /// Its class's queue bound.
+    pub class_max: usize,
+    /// Its class's name and its tenant's label, for the metrics.
+    pub class_name: String,
+    pub tenant_label: String,
+}
+
 pub(super) async fn admit(
     placement: &Placement,
     routing: &RoutingConfig,
     tried: &[usize],
     metrics: &RequestMetrics,
+    asker: &Asker,
 ) -> Result<(Choice, bool), ProxyError> {
     let pool = &placement.pool().config.name;
     let name = || pool.clone();
@@ -66,8 +82,21 @@ pub(super) async fn admit(
                 .ok_or_else(|| ProxyError::NoNode { pool: name() }),
             WhenSaturated::Queue => {
                 let waited = Instant::now();
-                let admitted = wait_for_slot(placement, routing, tried).await;
+                let admitted = wait_for_slot(placement, routing, tried, asker).await;
                 metrics.observe_queue_wait(pool, waited.elapsed());
+                let shed = match &admitted {
+                    Ok(_) => None,
+                    Err(ProxyError::QueueTimeout { .. }) => Some("deadline"),
+                    Err(ProxyError::QueueFull { .. }) => Some("queue_full"),
+                    Err(_) => None,
+                };
+                let class = &asker.class_name;
+                match shed {
+                    Some(reason) => metrics.count_shed(pool, class, reason),
+                    None => {
+                        metrics.observe_tenant_wait(class, &asker.tenant_label, waited.elapsed())
+                    }
+                }
                 admitted.map(|c| (c, true))
             }
         },
@@ -100,31 +129,49 @@ async fn wait_for_home(
     }
 }
 
-/// Waits in the pool's FIFO (bounded by `max_queue` and `queue_timeout`), re-running
-/// the walk each time a slot frees, so the key still lands on its nearest free node.
+/// Waits in the pool's queue (bounded by `max_queue`, its class's bound and its
+/// deadline) until a freed slot is its turn (see [`crate::routing::fair`]), then
+/// re-runs the walk, so the key still lands on its nearest free node.
 async fn wait_for_slot(
     placement: &Placement,
     routing: &RoutingConfig,
     tried: &[usize],
+    asker: &Asker,
 ) -> Result<Choice, ProxyError> {
     let load = placement.pool().balancer.load();
     let pool = || placement.pool().config.name.clone();
-    let _place = load
-        .enqueue(routing.max_queue)
+    let place = load
+        .enqueue(asker.who.clone(), routing.max_queue, asker.class_max)
         .ok_or_else(|| ProxyError::QueueFull {
             pool: pool(),
-            max: routing.max_queue,
+            max: routing.max_queue.min(asker.class_max),
         })?;
     let started = Instant::now();
-    let deadline = started + routing.queue_timeout;
+    let deadline = started + asker.queue_timeout;
+    let mut woken = false;
     loop {
-        // Register for the wake-up before looking, so a slot freed in between is not missed.
-        let mut freed = std::pin::pin!(load.freed().notified());
-        freed.as_mut().enable();
-        match placement.choose(tried, now()) {
-            Walk::Chosen(c) => return Ok(c),
-            Walk::Unavailable => return Err(ProxyError::NoNode { pool: pool() }),
-            Walk::Saturated => {}
+        // Register for the wake-up before looking, so a turn given in between is not missed.
+        let notify = place.woken();
+        let mut wake = std::pin::pin!(notify.notified());
+        wake.as_mut().enable();
+        if woken || place.is_first() {
+            match placement.choose(tried, now()) {
+                Walk::Chosen(c) => {
+                    place.admitted();
+                    return Ok(c);
+                }
+                Walk::Unavailable => return Err(ProxyError::NoNode { pool: pool() }),
+                Walk::Saturated if woken => place.pass(),
+                Walk::Saturated => {}
+            }
+        } else {
+            // Not its turn: it only notices what frees no slot (a node undrained,
+            // healthy again; or every node gone).
+            match placement.peek(tried, now()) {
+                Peek::Unavailable => return Err(ProxyError::NoNode { pool: pool() }),
+                Peek::Node { .. } => place.capacity_returned(),
+                Peek::Saturated => {}
+            }
         }
         if Instant::now() >= deadline {
             return Err(ProxyError::QueueTimeout {
@@ -132,11 +179,10 @@ async fn wait_for_slot(
                 waited_ms: started.elapsed().as_millis(),
             });
         }
-        // A slot freed wakes the oldest waiter; capacity that returns without one (a
-        // node undrained, healthy again, its breaker closing) is seen at the next look.
-        // (A node added by a reload is not: the request keeps the table it started with.)
+        // (A node added by a reload is not seen: the request keeps the table it
+        // started with.)
         let look = deadline.min(Instant::now() + QUEUE_LOOK_EVERY);
-        let _ = tokio::time::timeout_at(look, freed).await;
+        woken = tokio::time::timeout_at(look, wake).await.is_ok();
     }
 }
 

@@ -26,6 +26,12 @@ pub enum ProxyError {
     MethodNotAllowed { method: String, path: String },
     #[error("invalid URL ({method} {path}): this balancer serves /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings, /v1/messages, /v1/messages/count_tokens, /generate and /v1/models")]
     UnknownPath { method: String, path: String },
+    #[error("tenant `{tenant}` is over its {limit} limit; retry in {retry_after_secs} s")]
+    RateLimited {
+        tenant: String,
+        limit: &'static str,
+        retry_after_secs: u32,
+    },
     #[error("missing or invalid API key (send Authorization: Bearer <key>, or x-api-key: <key> to /v1/messages)")]
     Unauthorized,
     #[error("the request body did not arrive within {after_ms} ms (server.body_read_timeout)")]
@@ -60,6 +66,7 @@ impl ProxyError {
             ProxyError::Place(_) | ProxyError::BodyRead(_) => StatusCode::BAD_REQUEST,
             ProxyError::UnknownPath { .. } => StatusCode::NOT_FOUND,
             ProxyError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ProxyError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             ProxyError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::UnsupportedMediaType(_) | ProxyError::UnsupportedEncoding(_) => {
@@ -80,6 +87,7 @@ impl ProxyError {
     /// The OpenAI error `type`.
     pub fn kind(&self) -> &'static str {
         match self.status() {
+            StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
             s if s.is_client_error() => "invalid_request_error",
             StatusCode::SERVICE_UNAVAILABLE => "overloaded_error",
             _ => "upstream_error",
@@ -110,6 +118,7 @@ impl ProxyError {
             ProxyError::MethodNotAllowed { .. } => "method_not_allowed",
             ProxyError::UnknownPath { .. } => "unknown_url",
             ProxyError::Unauthorized => "invalid_api_key",
+            ProxyError::RateLimited { .. } => "rate_limit_exceeded",
             ProxyError::BodyTimeout { .. } => "body_read_timeout",
             ProxyError::BufferFull => "buffer_full",
             ProxyError::Saturated { .. } => "saturated",
@@ -124,6 +133,12 @@ impl ProxyError {
 
     /// Seconds a client should wait before retrying, for "try again later" errors.
     pub fn retry_after(&self) -> Option<u32> {
+        if let ProxyError::RateLimited {
+            retry_after_secs, ..
+        } = self
+        {
+            return Some(*retry_after_secs);
+        }
         (self.status() == StatusCode::SERVICE_UNAVAILABLE).then_some(1)
     }
 }

@@ -62,6 +62,8 @@ pub(super) struct Exchange<'t> {
     /// The body as the client sent it; every pool edits these bytes afresh.
     pub body: Bytes,
     pub started: Instant,
+    /// Who is asking, if it must wait in a queue.
+    pub asker: admission::Asker,
 }
 
 /// An engine's answer that goes to the client.
@@ -128,8 +130,14 @@ impl Exchange<'_> {
         let mut failures: Vec<Failure> = Vec::new();
         let mut attempt = 0;
         while attempt < max_attempts {
-            let admitted =
-                admission::admit(&self.placement, self.routing(), &tried, self.metrics).await;
+            let admitted = admission::admit(
+                &self.placement,
+                self.routing(),
+                &tried,
+                self.metrics,
+                &self.asker,
+            )
+            .await;
             let (choice, queued) = match admitted {
                 Ok(admitted) => admitted,
                 Err(e @ ProxyError::NoNode { .. }) => match self.placement.fallback(self.table) {

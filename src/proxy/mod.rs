@@ -14,6 +14,7 @@ pub mod ingress;
 mod probe;
 mod relay;
 pub mod sse;
+pub mod tenant;
 mod upstream;
 
 use std::net::SocketAddr;
@@ -52,6 +53,8 @@ pub struct Proxy {
     metrics: Arc<RequestMetrics>,
     /// Request bytes held across all connections (`max_buffered_bytes`).
     budget: Arc<ByteBudget>,
+    /// The tenants' rate-limit buckets (kept across reloads).
+    limits: tenant::Limiter,
     stopping: AtomicBool,
 }
 
@@ -67,6 +70,7 @@ impl Proxy {
             checks,
             metrics,
             budget: Arc::default(),
+            limits: tenant::Limiter::default(),
             stopping: AtomicBool::new(false),
         })
     }
@@ -221,9 +225,9 @@ impl Proxy {
         // Before anything is read or revealed.
         let auth = &table.config.auth;
         let api = Api::from_path(path);
-        if !auth.admits_key(credential(req.headers(), api)) {
+        let Some(key_name) = auth.admit(credential(req.headers(), api)) else {
             return Err(ProxyError::Unauthorized);
-        }
+        };
         if path == "/v1/models" {
             return match *method {
                 Method::GET => Ok(models(table)),
@@ -259,6 +263,7 @@ impl Proxy {
             .map(HeaderValue::as_bytes);
         let placement = table.place(parts.uri.path(), header_key, &body, Mode::Route)?;
         *pool = Some(&table.pools[placement.own_pool()].config.name);
+        let asker = self.ask(table, key_name, &parts.headers, &placement)?;
         let exchange = forward::Exchange {
             upstream: &self.upstream,
             metrics: &self.metrics,
@@ -273,10 +278,57 @@ impl Proxy {
             headers: headers::upstream_headers(parts.headers, peer, auth.strip),
             body,
             started,
+            asker,
         };
         exchange.run().await
     }
 }
+
+impl Proxy {
+    /// Who the request is (its tenant and class), charged to its tenant's rate
+    /// limits (429 when over), and how it waits if it must.
+    fn ask(
+        &self,
+        table: &Table,
+        key_name: Option<&str>,
+        headers: &http::HeaderMap,
+        placement: &crate::routing::decision::Placement,
+    ) -> Result<admission::Asker, ProxyError> {
+        let tenancy = &table.config.tenancy;
+        let who = tenant::identify(tenancy, key_name, headers);
+        let facts = &placement.facts;
+        let tokens =
+            u64::from(facts.tokens.prompt) + u64::from(facts.max_tokens.unwrap_or(DEFAULT_OUTPUT));
+        if placement.api.is_load() {
+            if let Err((limit, wait)) = self.limits.charge(&who, tokens, std::time::Instant::now())
+            {
+                self.metrics.count_rate_limited(who.label(), limit.as_str());
+                return Err(ProxyError::RateLimited {
+                    tenant: clip(&who.tenant),
+                    limit: limit.as_str(),
+                    retry_after_secs: wait.as_secs_f64().ceil().max(1.0) as u32,
+                });
+            }
+        }
+        let routing = &table.config.routing;
+        Ok(admission::Asker {
+            queue_timeout: tenant::queue_deadline(headers, routing.queue_timeout),
+            class_max: tenancy.classes[who.class].max_queue,
+            class_name: tenancy.classes[who.class].name.clone(),
+            tenant_label: who.label().to_string(),
+            who: crate::routing::fair::Waiting {
+                weight: who.config.weight,
+                class: who.class,
+                cost: tokens as f64,
+                tenant: who.tenant,
+            },
+        })
+    }
+}
+
+/// Output tokens assumed of a request that does not say (`max_tokens`), for its cost
+/// in the queue and against its tenant's token rate.
+const DEFAULT_OUTPUT: u32 = 256;
 
 fn method_not_allowed(method: &Method, path: &str) -> ProxyError {
     ProxyError::MethodNotAllowed {

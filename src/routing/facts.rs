@@ -116,6 +116,9 @@ pub struct RequestFacts {
     pub wants_thinking: bool,
     /// `stream_options.include_usage = true`: the client asked for the usage chunk.
     pub include_usage: bool,
+    /// The most output tokens it asks for (`max_tokens`, `max_completion_tokens`,
+    /// `max_output_tokens`), if it says.
+    pub max_tokens: Option<u32>,
     /// Where the body may be edited (model rewrite, `stream_options`).
     pub spans: BodySpans,
     /// The key bytes (before the pool name and seed are mixed in): for a `hybrid` key,
@@ -241,6 +244,7 @@ pub struct Envelope<'a> {
     pub(super) spans: BodySpans,
     pub(super) wants_thinking: bool,
     pub(super) include_usage: bool,
+    pub(super) max_tokens: Option<u32>,
     pub(super) stream: Option<bool>,
     pub(super) messages: Option<Vec<Message<'a>>>,
     /// Anthropic's top-level `system` (a string or text blocks), without cache markers.
@@ -300,6 +304,13 @@ fn read_envelope(text: &str) -> Result<Envelope<'_>, ScanError> {
             }
             "stream" => {
                 env.stream = sc.opt_bool("'stream' must be a boolean")?;
+                return Ok(());
+            }
+            "max_tokens" | "max_completion_tokens" | "max_output_tokens" => {
+                let v = sc.value()?;
+                if let Ok(n) = v.parse::<u64>() {
+                    env.max_tokens = Some(n.min(u64::from(u32::MAX)) as u32);
+                }
                 return Ok(());
             }
             "messages" => {

@@ -87,6 +87,7 @@ pub fn facts_of(
         ),
         None => (None, false, false, BodySpans::default(), false),
     };
+    let max_tokens = envelope.and_then(|env| env.max_tokens);
 
     let raw = || PromptKey {
         key: raw_prefix(body, spec.prefix_chars),
@@ -136,6 +137,7 @@ pub fn facts_of(
         stream,
         wants_thinking,
         include_usage,
+        max_tokens,
         spans,
         key: k.key,
         group: k.group,

@@ -63,6 +63,9 @@ pub struct RequestMetrics {
     queue_wait: HistogramVec,
     prompt_tokens: IntCounterVec,
     cached_prompt_tokens: IntCounterVec,
+    queue_wait_by_tenant: HistogramVec,
+    queue_sheds: IntCounterVec,
+    rate_limited: IntCounterVec,
 }
 
 /// What the membership watcher sees of Redis.
@@ -84,6 +87,7 @@ struct SnapshotGauges {
     normalized_ttft_p90: GaugeVec,
     node_healthy: IntGaugeVec,
     queue_depth: IntGaugeVec,
+    queue_depth_by_priority: IntGaugeVec,
     ring_nodes: IntGaugeVec,
     engine_running: GaugeVec,
     engine_waiting: GaugeVec,
@@ -152,6 +156,18 @@ impl Metrics {
                 opts("cached_prompt_tokens_total", "Prompt tokens served from the engines' prefix caches (usage.prompt_tokens_details.cached_tokens, or Anthropic's usage.cache_read_input_tokens)."),
                 &["node"]
             )),
+            queue_wait_by_tenant: reg!(HistogramVec::new(
+                hist("queue_wait_by_tenant_seconds", "Time queued requests waited for a slot, by priority class and tenant (configured tenants and key names; any other is `other`).", QUEUE_BUCKETS),
+                &["priority", "tenant"]
+            )),
+            queue_sheds: reg!(IntCounterVec::new(
+                opts("queue_shed_total", "Queued requests refused before they took a slot: their deadline passed (`deadline`) or the queue was full (`queue_full`)."),
+                &["pool", "priority", "reason"]
+            )),
+            rate_limited: reg!(IntCounterVec::new(
+                opts("rate_limited_total", "Requests refused with 429 for their tenant's rate limit, by limit."),
+                &["tenant", "limit"]
+            )),
         };
         let snapshot = SnapshotGauges {
             in_flight: reg!(IntGaugeVec::new(opts("in_flight", "Requests reserved on a node."), &["node"])),
@@ -169,6 +185,7 @@ impl Metrics {
             normalized_ttft_p90: reg!(GaugeVec::new(opts("normalized_ttft_p90", "P90 over the breaker window of TTFT divided by the TTFT the work should take (1 = as expected)."), &["node"])),
             node_healthy: reg!(IntGaugeVec::new(opts("node_healthy", "1 if the node passes its health checks."), &["node"])),
             queue_depth: reg!(IntGaugeVec::new(opts("queue_depth", "Requests waiting for a slot."), &["pool"])),
+            queue_depth_by_priority: reg!(IntGaugeVec::new(opts("queue_depth_by_priority", "Requests waiting for a slot, by priority class."), &["pool", "priority"])),
             ring_nodes: reg!(IntGaugeVec::new(opts("ring_nodes", "Nodes on a pool's ring."), &["pool"])),
             engine_running: reg!(GaugeVec::new(opts("engine_requests_running", "Sequences the engine reports running (vLLM/SGLang metrics, via its agent)."), &["pool", "node"])),
             engine_waiting: reg!(GaugeVec::new(opts("engine_requests_waiting", "Requests waiting in the engine's own queue, as it reports (via its agent)."), &["pool", "node"])),
@@ -209,6 +226,7 @@ impl Metrics {
             &g.node_degraded,
             &g.node_healthy,
             &g.queue_depth,
+            &g.queue_depth_by_priority,
             &g.ring_nodes,
         ] {
             g.reset();
@@ -235,6 +253,11 @@ impl Metrics {
             g.queue_depth
                 .with_label_values(&[p])
                 .set(b.load().queued() as i64);
+            for (i, class) in table.config.tenancy.classes.iter().enumerate() {
+                g.queue_depth_by_priority
+                    .with_label_values(&[p, &class.name])
+                    .set(b.load().queued_in(i) as i64);
+            }
             r.queue_wait.with_label_values(&[p]);
             for route in RouteKind::ALL {
                 r.routing_decisions.with_label_values(&[p, route.as_str()]);
@@ -337,6 +360,25 @@ impl RequestMetrics {
         self.ttft
             .with_label_values(&[pool, node])
             .observe(ttft.as_secs_f64());
+    }
+
+    /// A queued request's wait, by its class and tenant label.
+    pub fn observe_tenant_wait(&self, priority: &str, tenant: &str, waited: Duration) {
+        self.queue_wait_by_tenant
+            .with_label_values(&[priority, tenant])
+            .observe(waited.as_secs_f64());
+    }
+
+    /// A queued request refused before it took a slot.
+    pub fn count_shed(&self, pool: &str, priority: &str, reason: &str) {
+        self.queue_sheds
+            .with_label_values(&[pool, priority, reason])
+            .inc();
+    }
+
+    /// A request refused for its tenant's rate limit.
+    pub fn count_rate_limited(&self, tenant: &str, limit: &str) {
+        self.rate_limited.with_label_values(&[tenant, limit]).inc();
     }
 
     pub fn observe_queue_wait(&self, pool: &str, waited: Duration) {

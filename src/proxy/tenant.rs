@@ -1,0 +1,294 @@
+//! Who a request is: its tenant (its API key's name, else `routing.tenant_header`,
+//! else `default`), its priority class (its tenant's, or a lower one it asks for by
+//! `routing.priority_header`), how long it may wait in the queue (`queue_timeout`, or
+//! less by `x-request-timeout`), and the per-tenant rate limits (token buckets of
+//! requests and tokens per minute, charged at admission). Pure but for the buckets'
+//! lock.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use http::{HeaderMap, HeaderName};
+use parking_lot::Mutex;
+
+use crate::config::{Tenancy, TenantConfig};
+
+/// The header by which a client bounds its wait in the queue (seconds, or a duration
+/// such as `"2500ms"`); it can shorten `routing.queue_timeout`, never lengthen it.
+pub static REQUEST_TIMEOUT: HeaderName = HeaderName::from_static("x-request-timeout");
+
+/// Longest tenant name taken from a header.
+const MAX_TENANT_CHARS: usize = 64;
+
+/// A request's tenant and class.
+#[derive(Debug, Clone)]
+pub struct Identity {
+    pub tenant: Arc<str>,
+    pub class: usize,
+    pub config: TenantConfig,
+    /// The tenant is named in the config (`[[tenants]]` or a key's name): its own
+    /// metric label; any other is counted as `other`.
+    pub known: bool,
+}
+
+impl Identity {
+    /// The tenant as a metric label (bounded: configured names, or `other`).
+    pub fn label(&self) -> &str {
+        if self.known {
+            &self.tenant
+        } else {
+            "other"
+        }
+    }
+}
+
+/// Who a request is, from its API key's name and its headers.
+pub fn identify(tenancy: &Tenancy, key_name: Option<&str>, headers: &HeaderMap) -> Identity {
+    let from_header = || {
+        let h = tenancy.tenant_header.as_ref()?;
+        let v = headers.get(h)?.to_str().ok()?.trim();
+        let ok =
+            !v.is_empty() && v.len() <= MAX_TENANT_CHARS && v.bytes().all(|b| b.is_ascii_graphic());
+        ok.then_some(v)
+    };
+    let tenant = key_name.or_else(from_header).unwrap_or("default");
+    let config = tenancy.tenant(tenant);
+    let known = key_name.is_some() || tenancy.tenants.contains_key(tenant) || tenant == "default";
+    // A request may ask for a class at or below its tenant's, never above.
+    let asked = tenancy
+        .priority_header
+        .as_ref()
+        .and_then(|h| headers.get(h)?.to_str().ok())
+        .and_then(|name| tenancy.class(name.trim()));
+    let class = asked.map_or(config.class, |c| c.max(config.class));
+    Identity {
+        tenant: tenant.into(),
+        class,
+        config,
+        known,
+    }
+}
+
+/// How long a request may wait in the queue: `queue_timeout`, or less when its client
+/// says so.
+pub fn queue_deadline(headers: &HeaderMap, queue_timeout: Duration) -> Duration {
+    let asked = headers
+        .get(&REQUEST_TIMEOUT)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            let v = v.trim();
+            match v.parse::<f64>() {
+                Ok(secs) if secs.is_finite() && secs >= 0.0 => {
+                    Some(Duration::from_secs_f64(secs.min(1e6)))
+                }
+                Ok(_) => None,
+                Err(_) => crate::config::parse_duration(v).ok(),
+            }
+        });
+    asked.map_or(queue_timeout, |a| a.min(queue_timeout))
+}
+
+/// Which limit a request went over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limit {
+    Requests,
+    Tokens,
+}
+
+impl Limit {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Limit::Requests => "requests_per_minute",
+            Limit::Tokens => "tokens_per_minute",
+        }
+    }
+}
+
+/// One bucket: what is left of a per-minute allowance, refilled continuously. It may
+/// go below zero (a request larger than what is left passes while anything is left,
+/// and the debt is paid before the next).
+#[derive(Debug, Clone, Copy)]
+struct Bucket {
+    level: f64,
+    at: Instant,
+}
+
+impl Bucket {
+    fn full(per_minute: u64, now: Instant) -> Bucket {
+        Bucket {
+            level: per_minute as f64,
+            at: now,
+        }
+    }
+
+    fn refill(&mut self, per_minute: u64, now: Instant) {
+        let rate = per_minute as f64 / 60.0;
+        let secs = now.saturating_duration_since(self.at).as_secs_f64();
+        self.level = (self.level + secs * rate).min(per_minute as f64);
+        self.at = now;
+    }
+
+    /// How long until it is back to zero (nothing when it is not below).
+    fn wait(&self, per_minute: u64) -> Option<Duration> {
+        (self.level < 0.0).then(|| Duration::from_secs_f64(-self.level * 60.0 / per_minute as f64))
+    }
+}
+
+/// A tenant's request and token buckets (none where it has no such limit).
+type Buckets = (Option<Bucket>, Option<Bucket>);
+
+/// The tenants' buckets, kept across reloads.
+#[derive(Debug, Default)]
+pub struct Limiter {
+    buckets: Mutex<HashMap<Arc<str>, Buckets>>,
+}
+
+/// Most tenants with buckets (the oldest are dropped past it: they refill anyway).
+const MAX_TENANTS: usize = 10_000;
+
+impl Limiter {
+    /// Charges one request of `tokens` to its tenant's buckets if neither is below
+    /// zero; else which limit, and how long until it would pass.
+    pub fn charge(
+        &self,
+        who: &Identity,
+        tokens: u64,
+        now: Instant,
+    ) -> Result<(), (Limit, Duration)> {
+        let (rpm, tpm) = (who.config.requests_per_minute, who.config.tokens_per_minute);
+        if rpm.is_none() && tpm.is_none() {
+            return Ok(());
+        }
+        let mut all = self.buckets.lock();
+        if all.len() >= MAX_TENANTS && !all.contains_key(&who.tenant) {
+            all.clear();
+        }
+        let (r, t) = all.entry(who.tenant.clone()).or_default();
+        let check = |bucket: &mut Option<Bucket>, per_minute: Option<u64>, limit| {
+            let Some(per_minute) = per_minute else {
+                *bucket = None;
+                return Ok(());
+            };
+            let b = bucket.get_or_insert_with(|| Bucket::full(per_minute, now));
+            b.refill(per_minute, now);
+            match b.wait(per_minute) {
+                Some(wait) => Err((limit, wait)),
+                None if b.level < 1.0 && limit == Limit::Requests => {
+                    let missing = 1.0 - b.level;
+                    Err((
+                        limit,
+                        Duration::from_secs_f64(missing * 60.0 / per_minute as f64),
+                    ))
+                }
+                None => Ok(()),
+            }
+        };
+        check(r, rpm, Limit::Requests)?;
+        check(t, tpm, Limit::Tokens)?;
+        if let Some(b) = r.as_mut() {
+            b.level -= 1.0;
+        }
+        if let Some(b) = t.as_mut() {
+            b.level -= tokens as f64;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tenancy(extra: &str) -> Tenancy {
+        let text = format!(
+            "[routing]\ntenant_header = \"x-tenant\"\npriority_header = \"x-priority\"\n\
+             [[priorities]]\nname = \"interactive\"\n[[priorities]]\nname = \"batch\"\nmax_queue = 7\n\
+             [[tenants]]\nname = \"etl\"\npriority = \"batch\"\nrequests_per_minute = 2\ntokens_per_minute = 600\n{extra}\
+             [[pools]]\nname = \"p\"\nnodes = [{{ id = \"a\", url = \"http://h:1\" }}]\n"
+        );
+        crate::config::Config::parse(&text, "t").unwrap().tenancy
+    }
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.insert(
+                HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                v.parse().unwrap(),
+            );
+        }
+        h
+    }
+
+    #[test]
+    fn the_key_names_the_tenant_else_the_header_and_a_class_can_only_be_lowered() {
+        let t = tenancy("");
+        assert_eq!(t.classes[1].max_queue, 7);
+        let who = identify(&t, Some("etl"), &headers(&[("x-tenant", "someone")]));
+        assert_eq!((&*who.tenant, who.class, who.label()), ("etl", 1, "etl"));
+        let who = identify(&t, None, &headers(&[("x-tenant", "team-a")]));
+        assert_eq!(
+            (&*who.tenant, who.class, who.label()),
+            ("team-a", 0, "other")
+        );
+        let who = identify(&t, None, &headers(&[]));
+        assert_eq!((&*who.tenant, who.class), ("default", 0));
+        // Asking for batch lowers; etl asking for interactive stays batch.
+        let who = identify(&t, None, &headers(&[("x-priority", "batch")]));
+        assert_eq!(who.class, 1);
+        let who = identify(&t, Some("etl"), &headers(&[("x-priority", "interactive")]));
+        assert_eq!(who.class, 1);
+        // A header that is no tenant name is ignored.
+        let who = identify(&t, None, &headers(&[("x-tenant", &"x".repeat(65))]));
+        assert_eq!(&*who.tenant, "default");
+    }
+
+    #[test]
+    fn a_deadline_from_the_client_only_shortens_the_wait() {
+        let q = Duration::from_secs(30);
+        assert_eq!(
+            queue_deadline(&headers(&[("x-request-timeout", "2.5")]), q),
+            Duration::from_millis(2500)
+        );
+        assert_eq!(
+            queue_deadline(&headers(&[("x-request-timeout", "250ms")]), q),
+            Duration::from_millis(250)
+        );
+        assert_eq!(
+            queue_deadline(&headers(&[("x-request-timeout", "600")]), q),
+            q
+        );
+        assert_eq!(
+            queue_deadline(&headers(&[("x-request-timeout", "soon")]), q),
+            q
+        );
+        assert_eq!(queue_deadline(&headers(&[]), q), q);
+    }
+
+    #[test]
+    fn buckets_refuse_past_the_rate_say_when_and_refill() {
+        let t = tenancy("");
+        let etl = identify(&t, Some("etl"), &HeaderMap::new());
+        let free = identify(&t, None, &HeaderMap::new());
+        let l = Limiter::default();
+        let t0 = Instant::now();
+        assert!(l.charge(&etl, 100, t0).is_ok());
+        assert!(l.charge(&etl, 100, t0).is_ok());
+        // Two requests a minute: the third waits 30 s for its request.
+        let (limit, wait) = l.charge(&etl, 100, t0).unwrap_err();
+        assert_eq!(limit, Limit::Requests);
+        assert!((29..=30).contains(&wait.as_secs()), "{wait:?}");
+        // A minute on both refilled; a request bigger than what is left passes once,
+        // then the debt is paid first.
+        let t1 = t0 + Duration::from_secs(60);
+        assert!(l.charge(&etl, 1000, t1).is_ok());
+        let (limit, wait) = l.charge(&etl, 1, t1).unwrap_err();
+        assert_eq!(limit, Limit::Tokens);
+        assert_eq!(wait.as_secs(), 40, "400 tokens of debt at 10 a second");
+        // A tenant without limits is never refused.
+        for _ in 0..100 {
+            assert!(l.charge(&free, 1_000_000, t0).is_ok());
+        }
+    }
+}
