@@ -147,6 +147,30 @@ impl FairQueue {
         Some((id, wake))
     }
 
+    /// How many waiters would go before a request of `who` that joined now.
+    pub fn ahead(&self, who: &Waiting) -> usize {
+        let inner = self.inner.lock();
+        let floor = inner
+            .waiters
+            .iter()
+            .filter(|w| w.who.class == who.class)
+            .map(|w| inner.counter(w.who.class, &w.who.tenant))
+            .fold(f64::INFINITY, f64::min);
+        let own = inner.counter(who.class, &who.tenant);
+        let own = if floor.is_finite() {
+            own.max(floor)
+        } else {
+            own
+        };
+        inner
+            .waiters
+            .iter()
+            .filter(|w| {
+                (w.who.class, inner.counter(w.who.class, &w.who.tenant)) <= (who.class, own)
+            })
+            .count()
+    }
+
     /// Whether `id` goes first of all waiters (woken or not).
     pub fn is_first(&self, id: u64) -> bool {
         let inner = self.inner.lock();

@@ -471,6 +471,11 @@ impl PoolLoad {
         self.queued.load(Ordering::Acquire)
     }
 
+    /// How many waiters would go before a request of `who` that joined now.
+    pub fn queue_ahead(&self, who: &Waiting) -> usize {
+        self.queue.ahead(who)
+    }
+
     /// Requests of priority class `class` waiting for a slot.
     pub fn queued_in(&self, class: usize) -> usize {
         self.queue.depth_of(class)

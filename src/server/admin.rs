@@ -134,7 +134,9 @@ async fn explain_request(table: &Table, req: Request<Incoming>) -> Response<BoxB
         .headers()
         .get(&table.config.routing.key_header)
         .map(|v| v.as_bytes().to_vec());
-    let body = match Limited::new(req.into_body(), table.config.server.max_body_bytes)
+    let (parts, body) = req.into_parts();
+    let headers = parts.headers;
+    let body = match Limited::new(body, table.config.server.max_body_bytes)
         .collect()
         .await
     {
@@ -147,7 +149,29 @@ async fn explain_request(table: &Table, req: Request<Incoming>) -> Response<BoxB
         }
     };
     match explain(table, &path, header_key.as_deref(), &body, Instant::now()) {
-        Ok(x) => json_ok(serde_json::to_value(x).unwrap_or(Value::Null)),
+        Ok(x) => {
+            let pool = x.pool.clone();
+            let mut v = serde_json::to_value(x).unwrap_or(Value::Null);
+            // Who it would be, and where it would wait (by its headers: an explanation
+            // carries no API key).
+            let tenancy = &table.config.tenancy;
+            let who = crate::proxy::tenant::identify(tenancy, None, &headers);
+            let waiting = crate::routing::fair::Waiting {
+                weight: who.config.weight,
+                class: who.class,
+                cost: 0.0,
+                tenant: who.tenant.clone(),
+            };
+            let ahead = table
+                .pools
+                .iter()
+                .find(|p| p.config.name == pool)
+                .map(|p| p.balancer.load().queue_ahead(&waiting));
+            v["tenant"] = json!(&*who.tenant);
+            v["priority"] = json!(tenancy.classes[who.class].name);
+            v["queue_ahead"] = json!(ahead);
+            json_ok(v)
+        }
         Err(e) => error(StatusCode::BAD_REQUEST, &e.to_string()),
     }
 }
