@@ -243,6 +243,13 @@ impl Metrics {
         for result in ["ok", "error"] {
             self.config_reloads.with_label_values(&[result]);
         }
+        // Rate limits: the default tenant and every configured one, at zero until hit.
+        let tenants = table.config.tenancy.tenants.keys().map(String::as_str);
+        for tenant in std::iter::once("default").chain(tenants) {
+            for limit in ["requests_per_minute", "tokens_per_minute"] {
+                r.rate_limited.with_label_values(&[tenant, limit]);
+            }
+        }
         let mut seen = g.transitions_seen.lock();
         for pool in &table.pools {
             let p = pool.config.name.as_str();
@@ -257,6 +264,11 @@ impl Metrics {
                 g.queue_depth_by_priority
                     .with_label_values(&[p, &class.name])
                     .set(b.load().queued_in(i) as i64);
+                r.queue_wait_by_tenant
+                    .with_label_values(&[&class.name, "default"]);
+                for reason in ["deadline", "queue_full"] {
+                    r.queue_sheds.with_label_values(&[p, &class.name, reason]);
+                }
             }
             r.queue_wait.with_label_values(&[p]);
             for route in RouteKind::ALL {
