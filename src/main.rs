@@ -404,7 +404,8 @@ mod tools {
         /// docs/evidence.md).
         #[arg(long)]
         workload: Option<String>,
-        /// Policies to compare (comma-separated); default all.
+        /// Policies to compare (comma-separated); default all (`prefixlb-fifo`, the
+        /// queue served oldest first, only for a workload with tenants).
         #[arg(long, value_delimiter = ',')]
         policies: Vec<String>,
         /// Engines (default: the config's first pool's node count).
@@ -580,7 +581,13 @@ mod tools {
             SpreadArg::Random => sim::Spread::Random,
         };
         let policies: Vec<String> = if a.policies.is_empty() {
-            sim::POLICIES.iter().map(|p| p.to_string()).collect()
+            // prefixlb-fifo differs from prefixlb only where the workload names tenants.
+            let tenants = w.conversations.iter().any(|c| c.tenant.is_some());
+            sim::POLICIES
+                .iter()
+                .filter(|p| tenants || **p != "prefixlb-fifo")
+                .map(|p| p.to_string())
+                .collect()
         } else {
             a.policies
         };

@@ -16,7 +16,7 @@ use serde::Serialize;
 use crate::config::Config;
 use crate::routing::decision::Ticket;
 use crate::tools::engine_model::{Costs, EngineModel, Prompt, BLOCK_TOKENS};
-use crate::tools::workload::Workload;
+use crate::tools::workload::{Tenant, Workload};
 use policy::{Done, Pending, Pick, Policy, Routed, Setup, View};
 pub use policy::{Spread, POLICIES};
 
@@ -77,6 +77,18 @@ pub struct Report {
     /// replica would have picked differently.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub replica_disagreement: Option<f64>,
+    /// Per tenant, where the workload names them (`multi-tenant-flood`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tenants: Vec<TenantReport>,
+}
+
+/// One tenant's requests and their time to first token.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TenantReport {
+    pub tenant: String,
+    pub requests: usize,
+    pub ttft_p50_ms: f64,
+    pub ttft_p99_ms: f64,
 }
 
 struct Job {
@@ -96,6 +108,10 @@ struct Job {
     cached_tokens: usize,
     /// A retry is scheduled for this job (waiting for its home).
     retry_at: Option<u64>,
+    /// Its conversation's tenant, if the workload names one.
+    tenant: Option<Tenant>,
+    /// Tokens it is charged when placed: prompt and output.
+    cost: f64,
 }
 
 /// One simulated engine.
@@ -157,6 +173,7 @@ pub fn simulate(
     };
     let policy_impl = policy::by_name(policy, config, setup)?;
     let mut run = Run::new(workload, fleet, policy_impl, block_tokens);
+    run.fair = policy == "prefixlb";
     while let Some(Reverse((now, _, event))) = run.st.events.pop() {
         match event {
             Event::Arrive { conv, turn } => run.arrive(conv, turn, now),
@@ -192,6 +209,11 @@ struct Run<'w> {
     loads: Loads,
     /// Requests waiting at the balancer, oldest first.
     pending: Vec<Job>,
+    /// Waiters go in the fair queue's order (a higher class first, then the tenant
+    /// with the fewest tokens served): the `prefixlb` policy. Else oldest first.
+    fair: bool,
+    /// Tokens served per (class, tenant), as the fair queue counts them.
+    counters: std::collections::HashMap<(usize, &'static str), f64>,
     spilled: usize,
     done: usize,
     first: u64,
@@ -218,6 +240,7 @@ impl<'w> Run<'w> {
             seq: 0,
             costs: fleet.costs,
             ttfts: Vec::new(),
+            tenant_ttfts: Vec::new(),
             prompt_tokens: 0,
             cached_tokens: 0,
             slots: Vec::new(),
@@ -235,6 +258,8 @@ impl<'w> Run<'w> {
             st,
             loads: Loads::new(fleet.nodes),
             pending: Vec::new(),
+            fair: false,
+            counters: std::collections::HashMap::new(),
             spilled: 0,
             done: 0,
             first: u64::MAX,
@@ -244,13 +269,21 @@ impl<'w> Run<'w> {
 
     fn arrive(&mut self, conv: usize, turn: usize, now: u64) {
         self.first = self.first.min(now);
-        let t = &self.workload.conversations[conv].turns[turn];
+        let c = &self.workload.conversations[conv];
+        let t = &c.turns[turn];
+        let prompt = t.prompt();
+        let cost = (prompt.tokens + t.output_tokens) as f64;
+        if let (Some(tenant), true) = (c.tenant, self.fair) {
+            self.lift(tenant);
+        }
         self.pending.push(Job {
             conv,
             turn,
             arrival: now,
-            prompt: t.prompt(),
+            prompt,
             output: t.output_tokens,
+            tenant: c.tenant,
+            cost,
             ticket: None,
             state: None,
             placed: 0,
@@ -293,6 +326,19 @@ impl<'w> Run<'w> {
     /// (for any slot, or for its home) keeps its place and lets the others try.
     fn route_waiting(&mut self, now: u64) -> Result<(), String> {
         let mut waiting = std::mem::take(&mut self.pending);
+        if self.fair && waiting.iter().any(|j| j.tenant.is_some()) {
+            // The fair queue's order, as of now (counters move as requests are placed
+            // below; the queue re-reads them at every freed slot).
+            let key = |j: &Job| match j.tenant {
+                Some(t) => (t.class, self.counter(t), j.arrival),
+                None => (0, 0.0, j.arrival),
+            };
+            waiting.sort_by(|a, b| {
+                key(a)
+                    .partial_cmp(&key(b))
+                    .unwrap_or(std::cmp::Ordering::Equal)
+            });
+        }
         let mut kept = Vec::with_capacity(waiting.len());
         for mut job in waiting.drain(..) {
             let turn = &self.workload.conversations[job.conv].turns[job.turn];
@@ -326,6 +372,9 @@ impl<'w> Run<'w> {
                 } => (engine, ticket, spilled),
             };
             self.spilled += spilled as usize;
+            if let Some(t) = job.tenant {
+                *self.counters.entry((t.class, t.name)).or_default() += job.cost;
+            }
             self.loads.change(engine, now, true);
             job.ticket = ticket;
             job.placed = now;
@@ -341,15 +390,62 @@ impl<'w> Run<'w> {
         Ok(())
     }
 
+    fn counter(&self, t: Tenant) -> f64 {
+        self.counters
+            .get(&(t.class, t.name))
+            .copied()
+            .unwrap_or(0.0)
+    }
+
+    /// A tenant that starts waiting is lifted to the lowest counter of its class's
+    /// waiting tenants (it banks no credit while idle).
+    fn lift(&mut self, t: Tenant) {
+        let waiting = |name| {
+            self.pending.iter().any(|j| {
+                j.tenant
+                    .is_some_and(|o| o.class == t.class && o.name == name)
+            })
+        };
+        if waiting(t.name) {
+            return;
+        }
+        let floor = self
+            .pending
+            .iter()
+            .filter_map(|j| j.tenant.filter(|o| o.class == t.class))
+            .map(|o| self.counter(o))
+            .fold(f64::INFINITY, f64::min);
+        if floor.is_finite() && self.counter(t) < floor {
+            self.counters.insert((t.class, t.name), floor);
+        }
+    }
+
     fn report(mut self, policy: &str) -> Report {
         let mut ttfts = std::mem::take(&mut self.st.ttfts);
         ttfts.sort_by(f64::total_cmp);
-        let q = |p: f64| {
-            ttfts
-                .get(((p * ttfts.len() as f64).ceil() as usize).clamp(1, ttfts.len().max(1)) - 1)
+        let quantile = |sorted: &[f64], p: f64| {
+            sorted
+                .get(((p * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len().max(1)) - 1)
                 .copied()
                 .unwrap_or(0.0)
         };
+        let q = |p: f64| quantile(&ttfts, p);
+        let mut by_tenant: std::collections::BTreeMap<&str, Vec<f64>> = Default::default();
+        for (t, ttft) in std::mem::take(&mut self.st.tenant_ttfts) {
+            by_tenant.entry(t).or_default().push(ttft);
+        }
+        let tenants = by_tenant
+            .into_iter()
+            .map(|(t, mut v)| {
+                v.sort_by(f64::total_cmp);
+                TenantReport {
+                    tenant: t.to_string(),
+                    requests: v.len(),
+                    ttft_p50_ms: quantile(&v, 0.5),
+                    ttft_p99_ms: quantile(&v, 0.99),
+                }
+            })
+            .collect();
         let areas = self.loads.areas(self.last);
         let mean = areas.iter().sum::<f64>() / areas.len().max(1) as f64;
         let span = (self.last.saturating_sub(self.first)) as f64 / 1e6;
@@ -366,6 +462,7 @@ impl<'w> Run<'w> {
             peak_in_flight: self.loads.peak.iter().copied().max().unwrap_or(0),
             spill_share: self.spilled as f64 / done.max(1) as f64,
             replica_disagreement: self.policy.disagreement(),
+            tenants,
         }
     }
 }
@@ -418,6 +515,8 @@ struct State {
     seq: u64,
     costs: Costs,
     ttfts: Vec<f64>,
+    /// (tenant, TTFT ms) of the requests whose workload names a tenant.
+    tenant_ttfts: Vec<(&'static str, f64)>,
     prompt_tokens: u64,
     cached_tokens: u64,
     /// Running jobs (with their tickets), until they finish.
@@ -444,7 +543,11 @@ impl State {
         job.first_token = first_token;
         job.prompt_tokens = plan.prompt_tokens;
         job.cached_tokens = plan.cached_tokens;
-        self.ttfts.push((first_token - job.arrival) as f64 / 1000.0);
+        let ttft = (first_token - job.arrival) as f64 / 1000.0;
+        self.ttfts.push(ttft);
+        if let Some(t) = job.tenant {
+            self.tenant_ttfts.push((t.name, ttft));
+        }
         // The batch as this sequence starts decoding sets its pace (an approximation:
         // the real pace changes as others come and go).
         let step = self.costs.decode_step(e.running);
@@ -510,6 +613,14 @@ pub fn table(reports: &[Report]) -> String {
                 _ => String::new(),
             }
         ));
+    }
+    for r in reports.iter().filter(|r| !r.tenants.is_empty()) {
+        for t in &r.tenants {
+            out.push_str(&format!(
+                "  {:<14} tenant {:<8} {:>6} requests  TTFT p50 {:>9.1}ms  p99 {:>9.1}ms\n",
+                r.policy, t.tenant, t.requests, t.ttft_p50_ms, t.ttft_p99_ms
+            ));
+        }
     }
     out
 }

@@ -19,11 +19,12 @@ use crate::tools::engine_model::{PrefixCache, Prompt};
 use crate::tools::workload::{Rng, Turn};
 
 /// The routing policies compared, by name.
-pub const POLICIES: [&str; 7] = [
+pub const POLICIES: [&str; 8] = [
     "round_robin",
     "least_loaded",
     "consistent_hash",
     "prefixlb",
+    "prefixlb-fifo",
     "chwbl",
     "cache_aware",
     "oracle",
@@ -155,7 +156,9 @@ pub fn by_name(name: &str, config: &Config, setup: Setup) -> Result<Box<dyn Poli
             table: fleet_table(config, nodes, None, None),
             model,
         }),
-        "prefixlb" => Box::new(Bounded::new(
+        // `prefixlb-fifo`: the same, its waiters served oldest first (before the fair
+        // queue; see `Run::fair`).
+        "prefixlb" | "prefixlb-fifo" => Box::new(Bounded::new(
             (0..setup.replicas.max(1))
                 .map(|_| {
                     let t = fleet_table(config, nodes, None, None);

@@ -252,3 +252,24 @@ fn the_messages_api_reaches_the_chat_apis_hit_rate() {
         );
     }
 }
+
+#[test]
+fn a_batch_flood_does_not_keep_the_interactive_tenant_waiting() {
+    // Issue 26: 400 batch jobs (class 1) in the first ten seconds while 48 users chat
+    // (class 0). Oldest first, a chat turn that arrives behind the flood waits for all
+    // of it; with the fair queue it waits for the next free slot.
+    let w = workload::synthetic("multi-tenant-flood", 1, 1.0).unwrap();
+    let run = |p| simulate(&w, &config(), &eight_engines(), p).unwrap();
+    let chat = |r: &Report| {
+        r.tenants
+            .iter()
+            .find(|t| t.tenant == "chat")
+            .unwrap()
+            .clone()
+    };
+    let (fair, fifo) = (run("prefixlb"), run("prefixlb-fifo"));
+    assert_eq!(fair.requests, w.requests());
+    let (a, b) = (chat(&fair), chat(&fifo));
+    assert!(a.ttft_p99_ms * 10.0 < b.ttft_p99_ms, "{a:?} {b:?}");
+    assert!(a.ttft_p99_ms < 5_000.0, "{a:?}");
+}

@@ -175,6 +175,7 @@ pub fn generate(name: &str, shape: Shape, seed: u64, scale: f64, api: TurnApi) -
     let conversations = requests
         .into_iter()
         .map(|r| Conversation {
+            tenant: None,
             turns: vec![Turn {
                 messages: Vec::new(),
                 api,

@@ -129,6 +129,15 @@ pub struct Turn {
 #[derive(Debug, Clone)]
 pub struct Conversation {
     pub turns: Vec<Turn>,
+    /// Whose it is, where the workload says (`multi-tenant-flood`).
+    pub tenant: Option<Tenant>,
+}
+
+/// A conversation's tenant and priority class (0 is the highest).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tenant {
+    pub name: &'static str,
+    pub class: usize,
 }
 
 /// A workload: conversations, replayed conversation-faithfully.
@@ -232,7 +241,7 @@ pub fn chatml(messages: &[Message]) -> String {
 /// The synthetic workloads by name. Any of them with `-completions` appended is sent
 /// to `/v1/completions`, its messages rendered by a ChatML template into one prompt;
 /// with `-messages`, to Anthropic's `/v1/messages`.
-pub const NAMES: [&str; 9] = [
+pub const NAMES: [&str; 10] = [
     "multi-turn",
     "doc-qa",
     "shared-prefix",
@@ -242,6 +251,7 @@ pub const NAMES: [&str; 9] = [
     "long-preamble-512",
     "long-preamble-2048",
     "long-preamble-8192",
+    "multi-tenant-flood",
 ];
 
 /// Builds a synthetic workload. `scale` multiplies its number of conversations.
@@ -276,6 +286,7 @@ pub fn synthetic(name: &str, seed: u64, scale: f64) -> Option<Workload> {
         "long-preamble-512" => long_preamble(&mut rng, n(96), 8, 512),
         "long-preamble-2048" => long_preamble(&mut rng, n(96), 8, 2048),
         "long-preamble-8192" => long_preamble(&mut rng, n(96), 8, 8192),
+        "multi-tenant-flood" => multi_tenant_flood(&mut rng, n(48), n(400)),
         _ => return None,
     };
     for turn in conversations.iter_mut().flat_map(|c| c.turns.iter_mut()) {
@@ -340,7 +351,10 @@ fn doc_qa(rng: &mut Rng, users: usize, rounds: usize) -> Vec<Conversation> {
                 });
                 history.push(msg("assistant", prose(rng, output)));
             }
-            Conversation { turns }
+            Conversation {
+                turns,
+                tenant: None,
+            }
         })
         .collect()
 }
@@ -373,6 +387,45 @@ fn multi_tenant(rng: &mut Rng, users: usize, rounds: usize) -> Vec<Conversation>
     chats(rng, users, rounds, |u| {
         Opening::System(tenants[of_user[u]].clone())
     })
+}
+
+/// A shared pool under a batch flood: `chats` interactive users (tenant `chat`, class
+/// 0, multi-turn chats as `multi-turn`'s) while tenant `batch` (class 1) sends `jobs`
+/// single requests all in the first ten seconds (1,000-2,000-token documents to
+/// summarize, 300-600 output tokens each): far more than the fleet serves at once.
+fn multi_tenant_flood(rng: &mut Rng, chats_n: usize, jobs: usize) -> Vec<Conversation> {
+    let mut out = multi_turn(rng, chats_n, 8);
+    for c in &mut out {
+        c.tenant = Some(Tenant {
+            name: "chat",
+            class: 0,
+        });
+    }
+    let system: Arc<str> = "Summarize the document for the weekly report.".into();
+    for _ in 0..jobs {
+        let len = rng.range(1000, 2000) as usize;
+        let doc = prose(rng, len);
+        out.push(Conversation {
+            tenant: Some(Tenant {
+                name: "batch",
+                class: 1,
+            }),
+            turns: vec![Turn {
+                messages: vec![
+                    Message {
+                        role: "system",
+                        content: system.clone(),
+                    },
+                    msg("user", doc),
+                ],
+                api: TurnApi::Chat,
+                output_tokens: rng.range(300, 600) as usize,
+                delay: rng.unit() * 10.0,
+                trace: None,
+            }],
+        });
+    }
+    out
 }
 
 /// What comes before a chat's own text.
@@ -444,7 +497,10 @@ fn chats(
                 });
                 history.push(msg("assistant", prose(rng, output)));
             }
-            Conversation { turns }
+            Conversation {
+                turns,
+                tenant: None,
+            }
         })
         .collect()
 }
@@ -466,6 +522,7 @@ fn shared_prefix(rng: &mut Rng, groups: usize, per_group: usize) -> Vec<Conversa
         .map(|(k, i)| {
             let g = i % groups;
             Conversation {
+                tenant: None,
                 turns: vec![Turn {
                     messages: vec![
                         Message {
@@ -496,6 +553,7 @@ fn rag(rng: &mut Rng, requests: usize) -> Vec<Conversation> {
         .map(|k| {
             let (a, b) = (zipf(rng, &weights), zipf(rng, &weights));
             Conversation {
+                tenant: None,
                 turns: vec![Turn {
                     messages: vec![
                         Message {
@@ -544,7 +602,10 @@ fn agentic(rng: &mut Rng, agents: usize, steps: usize) -> Vec<Conversation> {
                 let result_len = rng.range(200, 800) as usize;
                 history.push(msg("tool", prose(rng, result_len)));
             }
-            Conversation { turns }
+            Conversation {
+                turns,
+                tenant: None,
+            }
         })
         .collect()
 }

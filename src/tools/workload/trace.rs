@@ -67,6 +67,7 @@ pub fn trace(text: &str, block_tokens: usize) -> Result<Workload, String> {
         let t: TraceLine =
             serde_json::from_str(line).map_err(|e| format!("trace line {}: {e}", i + 1))?;
         conversations.push(Conversation {
+            tenant: None,
             turns: vec![Turn {
                 messages: Vec::new(),
                 api: TurnApi::Completions,
