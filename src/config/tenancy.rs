@@ -38,7 +38,7 @@ pub struct TenantSection {
 /// A priority class.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ClassConfig {
-    pub name: String,
+    pub name: std::sync::Arc<str>,
     pub max_queue: usize,
 }
 
@@ -64,12 +64,15 @@ pub struct Tenancy {
     pub tenant_header: Option<http::HeaderName>,
     /// A header by which a request may ask for a class at or below its tenant's.
     pub priority_header: Option<http::HeaderName>,
+    /// The names every request without its own shares: `default` and `other`.
+    pub default_tenant: std::sync::Arc<str>,
+    pub other_tenant: std::sync::Arc<str>,
 }
 
 impl Tenancy {
     /// The class index of `name`.
     pub fn class(&self, name: &str) -> Option<usize> {
-        self.classes.iter().position(|c| c.name == name)
+        self.classes.iter().position(|c| &*c.name == name)
     }
 
     /// A tenant's settings (an unknown tenant: the default class, weight 1, no limits).
@@ -103,7 +106,7 @@ pub(super) fn validate(
     let mut classes = Vec::with_capacity(priorities.len().max(1));
     for p in &priorities {
         let name = p.name.get_ref().trim();
-        if name.is_empty() || classes.iter().any(|c: &ClassConfig| c.name == name) {
+        if name.is_empty() || classes.iter().any(|c: &ClassConfig| &*c.name == name) {
             return Err((
                 Some(p.name.span()),
                 format!("priority {name:?} is empty or named twice"),
@@ -120,7 +123,7 @@ pub(super) fn validate(
             None => max_queue,
         };
         classes.push(ClassConfig {
-            name: name.to_string(),
+            name: name.into(),
             max_queue: bound,
         });
     }
@@ -133,9 +136,9 @@ pub(super) fn validate(
     let class_of = |s: &Spanned<String>| {
         classes
             .iter()
-            .position(|c| c.name == s.get_ref().trim())
+            .position(|c| &*c.name == s.get_ref().trim())
             .ok_or_else(|| {
-                let known: Vec<_> = classes.iter().map(|c| c.name.as_str()).collect();
+                let known: Vec<_> = classes.iter().map(|c| &*c.name).collect();
                 (
                     Some(s.span()),
                     format!(
@@ -193,5 +196,7 @@ pub(super) fn validate(
         tenants: by_name,
         tenant_header: header(tenant_header, "tenant_header")?,
         priority_header: header(priority_header, "priority_header")?,
+        default_tenant: "default".into(),
+        other_tenant: "other".into(),
     })
 }

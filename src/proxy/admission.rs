@@ -28,8 +28,8 @@ pub(super) struct Asker {
     /// Its class's queue bound.
     pub class_max: usize,
     /// Its class's name and its tenant's label, for the metrics.
-    pub class_name: String,
-    pub tenant_label: String,
+    pub class_name: std::sync::Arc<str>,
+    pub tenant_label: std::sync::Arc<str>,
 }
 
 pub(super) async fn admit(

@@ -315,7 +315,7 @@ impl Proxy {
             queue_timeout: tenant::queue_deadline(headers, routing.queue_timeout),
             class_max: tenancy.classes[who.class].max_queue,
             class_name: tenancy.classes[who.class].name.clone(),
-            tenant_label: who.label().to_string(),
+            tenant_label: who.label_arc(tenancy),
             who: crate::routing::fair::Waiting {
                 weight: who.config.weight,
                 class: who.class,

@@ -41,6 +41,15 @@ impl Identity {
             "other"
         }
     }
+
+    /// [`Identity::label`], shared.
+    pub fn label_arc(&self, tenancy: &Tenancy) -> Arc<str> {
+        if self.known {
+            self.tenant.clone()
+        } else {
+            tenancy.other_tenant.clone()
+        }
+    }
 }
 
 /// Who a request is, from its API key's name and its headers.
@@ -52,9 +61,10 @@ pub fn identify(tenancy: &Tenancy, key_name: Option<&str>, headers: &HeaderMap) 
             !v.is_empty() && v.len() <= MAX_TENANT_CHARS && v.bytes().all(|b| b.is_ascii_graphic());
         ok.then_some(v)
     };
-    let tenant = key_name.or_else(from_header).unwrap_or("default");
+    let named = key_name.or_else(from_header);
+    let tenant = named.unwrap_or("default");
     let config = tenancy.tenant(tenant);
-    let known = key_name.is_some() || tenancy.tenants.contains_key(tenant) || tenant == "default";
+    let known = key_name.is_some() || tenancy.tenants.contains_key(tenant) || named.is_none();
     // A request may ask for a class at or below its tenant's, never above.
     let asked = tenancy
         .priority_header
@@ -63,7 +73,8 @@ pub fn identify(tenancy: &Tenancy, key_name: Option<&str>, headers: &HeaderMap) 
         .and_then(|name| tenancy.class(name.trim()));
     let class = asked.map_or(config.class, |c| c.max(config.class));
     Identity {
-        tenant: tenant.into(),
+        // The common case, no name: shared, not allocated.
+        tenant: named.map_or_else(|| tenancy.default_tenant.clone(), Arc::from),
         class,
         config,
         known,

@@ -17,7 +17,8 @@ use super::json_scan::{ScanError, Scanner};
 const MARKER: &[u8] = b"\"cache_control\"";
 
 /// `raw` (valid JSON text) without its `cache_control` members; borrowed when it has
-/// none (the common case costs one substring search).
+/// none. The envelope's scan calls it only for a value in which it passed such a key
+/// ([`super::json_scan::Scanner::take_cache_marks`]).
 pub fn without_cache_control(raw: &str) -> Cow<'_, str> {
     if memmem::find(raw.as_bytes(), MARKER).is_none() {
         return Cow::Borrowed(raw);

@@ -318,8 +318,16 @@ fn read_envelope(text: &str) -> Result<Envelope<'_>, ScanError> {
                 return Ok(());
             }
             "tools" | "system" => {
+                sc.take_cache_marks();
                 let v = Some(sc.value()?).filter(|v| *v != "null");
-                let v = v.map(without_cache_control);
+                let marked = sc.take_cache_marks();
+                let v = v.map(|v| {
+                    if marked {
+                        without_cache_control(v)
+                    } else {
+                        v.into()
+                    }
+                });
                 match &*key {
                     "tools" => env.tools = v,
                     _ => env.system = v,
@@ -406,9 +414,16 @@ pub(super) fn read_messages<'a>(
             match &*key {
                 "role" => m.role = sc.opt_string("'role' must be a string")?,
                 "content" => {
-                    m.content = Some(sc.value()?)
-                        .filter(|v| *v != "null")
-                        .map(without_cache_control)
+                    sc.take_cache_marks();
+                    let v = Some(sc.value()?).filter(|v| *v != "null");
+                    let marked = sc.take_cache_marks();
+                    m.content = v.map(|v| {
+                        if marked {
+                            without_cache_control(v)
+                        } else {
+                            v.into()
+                        }
+                    });
                 }
                 _ => {
                     sc.value()?;

@@ -43,6 +43,8 @@ pub struct Scanner<'a> {
     text: &'a str,
     pos: usize,
     depth: usize,
+    /// An object key `cache_control` was passed (see [`Scanner::take_cache_marks`]).
+    cache_marks: bool,
 }
 
 impl<'a> Scanner<'a> {
@@ -51,7 +53,15 @@ impl<'a> Scanner<'a> {
             text,
             pos: 0,
             depth: 0,
+            cache_marks: false,
         }
+    }
+
+    /// Whether an object member named `cache_control` was passed since the last call
+    /// (Anthropic's cache markers, which the key leaves out): noticed as keys are read,
+    /// so a body without one costs no search.
+    pub fn take_cache_marks(&mut self) -> bool {
+        std::mem::take(&mut self.cache_marks)
     }
 
     /// The byte offset reached (after any value just read).
@@ -126,6 +136,7 @@ impl<'a> Scanner<'a> {
                 return Err(self.error("expected a string key"));
             }
             let key = decode(self.raw_string()?);
+            self.cache_marks |= key == "cache_control";
             self.expect(b':', "expected ':'")?;
             member(self, key)?;
             match self.peek() {

@@ -168,7 +168,7 @@ async fn explain_request(table: &Table, req: Request<Incoming>) -> Response<BoxB
                 .find(|p| p.config.name == pool)
                 .map(|p| p.balancer.load().queue_ahead(&waiting));
             v["tenant"] = json!(&*who.tenant);
-            v["priority"] = json!(tenancy.classes[who.class].name);
+            v["priority"] = json!(&*tenancy.classes[who.class].name);
             v["queue_ahead"] = json!(ahead);
             json_ok(v)
         }
