@@ -173,7 +173,8 @@ async fn a_tenant_over_its_rate_gets_429_and_never_reaches_an_engine() {
     let (engines, lb) = fleet(
         4,
         "[[tenants]]\nname = \"metered\"\nrequests_per_minute = 3\n\
-         [[tenants]]\nname = \"tokens\"\ntokens_per_minute = 100\n",
+         [[tenants]]\nname = \"tokens\"\ntokens_per_minute = 100\n\
+         [[tenants]]\nname = \"corrected\"\ntokens_per_minute = 600\n",
     );
     let served = || async {
         let mut n = 0.0;
@@ -221,6 +222,23 @@ async fn a_tenant_over_its_rate_gets_429_and_never_reaches_an_engine() {
         served().await,
         before + 1.0,
         "only the big one reached an engine"
+    );
+    // The charge is corrected from the engine's usage: a request that does not say
+    // its `max_tokens` is charged 256 output tokens at admission, and the 16 the engine
+    // made are what counts once it ends, so the next two fit under 600.
+    let no_max = json!({"model": "mock", "messages": [{"role": "user", "content": "short"}]});
+    let r = post_json(
+        &lb.url("/v1/chat/completions"),
+        &no_max,
+        &[("x-tenant", "corrected")],
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(send_as(&lb, "corrected", "second", 480, &[]).await.0, 200);
+    assert_eq!(
+        send_as(&lb, "corrected", "third", 40, &[]).await.0,
+        200,
+        "charged 256 + 480 > 600 without the correction"
     );
     // Other tenants are not affected.
     for k in 0..5 {

@@ -30,6 +30,8 @@ pub(super) struct Asker {
     /// Its class's name and its tenant's label, for the metrics.
     pub class_name: std::sync::Arc<str>,
     pub tenant_label: std::sync::Arc<str>,
+    /// Its charge to its tenant's token budget, settled when it ends.
+    pub charge: Option<super::tenant::Charge>,
 }
 
 pub(super) async fn admit(

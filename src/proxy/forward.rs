@@ -330,6 +330,7 @@ impl Exchange<'_> {
             ttft,
             ticket,
             teaches: self.placement.api.is_load(),
+            charge: self.asker.charge.clone(),
         };
         let (head, body) = match answer {
             Answer::Stream {

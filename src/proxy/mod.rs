@@ -54,7 +54,7 @@ pub struct Proxy {
     /// Request bytes held across all connections (`max_buffered_bytes`).
     budget: Arc<ByteBudget>,
     /// The tenants' rate-limit buckets (kept across reloads).
-    limits: tenant::Limiter,
+    limits: Arc<tenant::Limiter>,
     stopping: AtomicBool,
 }
 
@@ -70,7 +70,7 @@ impl Proxy {
             checks,
             metrics,
             budget: Arc::default(),
-            limits: tenant::Limiter::default(),
+            limits: Arc::default(),
             stopping: AtomicBool::new(false),
         })
     }
@@ -299,7 +299,15 @@ impl Proxy {
         let facts = &placement.facts;
         let tokens =
             u64::from(facts.tokens.prompt) + u64::from(facts.max_tokens.unwrap_or(DEFAULT_OUTPUT));
+        let mut charge = None;
         if placement.api.is_load() {
+            if who.config.tokens_per_minute.is_some() {
+                charge = Some(tenant::Charge {
+                    limiter: self.limits.clone(),
+                    tenant: who.tenant.clone(),
+                    estimate: tokens,
+                });
+            }
             if let Err((limit, wait)) = self.limits.charge(&who, tokens, std::time::Instant::now())
             {
                 self.metrics.count_rate_limited(who.label(), limit.as_str());
@@ -315,6 +323,7 @@ impl Proxy {
             queue_timeout: tenant::queue_deadline(headers, routing.queue_timeout),
             class_max: tenancy.classes[who.class].max_queue,
             class_name: tenancy.classes[who.class].name.clone(),
+            charge,
             tenant_label: who.label_arc(tenancy),
             who: crate::routing::fair::Waiting {
                 weight: who.config.weight,

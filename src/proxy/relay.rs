@@ -49,6 +49,9 @@ pub struct RequestLog {
     pub ttft: Option<Duration>,
     /// Where it went (its pool and node name it in metrics and the log) and its slot.
     pub ticket: Ticket,
+    /// Its tenant's token budget, charged an estimate at admission: corrected to what
+    /// the engine reports when it ends.
+    pub charge: Option<super::tenant::Charge>,
     /// The pool learns from it when it succeeds (not from a `count_tokens`).
     pub teaches: bool,
 }
@@ -67,6 +70,9 @@ impl RequestLog {
             self.ticket.finish(reported, self.ttft, now());
         } else {
             drop(self.ticket);
+        }
+        if let (Some(charge), Some(prompt)) = (&self.charge, usage.prompt_tokens()) {
+            charge.settle(prompt + usage.completion.or(usage.output).unwrap_or(0));
         }
         let (pool_name, node) = (pool.config.name.as_str(), pool.balancer.node(index).id());
         self.metrics
@@ -385,6 +391,10 @@ static CACHE_READ: LazyLock<Finder<'static>> =
     LazyLock::new(|| Finder::new(b"\"cache_read_input_tokens\":"));
 static CACHE_CREATION: LazyLock<Finder<'static>> =
     LazyLock::new(|| Finder::new(b"\"cache_creation_input_tokens\":"));
+static COMPLETION_TOKENS: LazyLock<Finder<'static>> =
+    LazyLock::new(|| Finder::new(b"\"completion_tokens\":"));
+static OUTPUT_TOKENS: LazyLock<Finder<'static>> =
+    LazyLock::new(|| Finder::new(b"\"output_tokens\":"));
 
 /// Picks the engine's usage out of response bytes without parsing them: OpenAI's
 /// `usage.prompt_tokens` and `usage.prompt_tokens_details.cached_tokens`, or
@@ -399,6 +409,9 @@ pub struct UsageScan {
     pub input: Option<u64>,
     pub cache_read: Option<u64>,
     pub cache_creation: Option<u64>,
+    /// Output tokens: OpenAI's `completion_tokens`, Anthropic's `output_tokens`.
+    pub completion: Option<u64>,
+    pub output: Option<u64>,
     /// The last bytes of the previous frame, then the seam being scanned; reused, so
     /// scanning allocates nothing per frame.
     tail: Vec<u8>,
@@ -444,6 +457,8 @@ impl UsageScan {
             (&*INPUT_TOKENS, &mut self.input),
             (&*CACHE_READ, &mut self.cache_read),
             (&*CACHE_CREATION, &mut self.cache_creation),
+            (&*COMPLETION_TOKENS, &mut self.completion),
+            (&*OUTPUT_TOKENS, &mut self.output),
         ];
         for (field, value) in fields {
             if let Some(n) = last_number(field, hay) {

@@ -149,6 +149,27 @@ impl Bucket {
 /// A tenant's request and token buckets (none where it has no such limit).
 type Buckets = (Option<Bucket>, Option<Bucket>);
 
+/// A request's charge to its tenant's token bucket: the estimate taken at admission,
+/// settled against what the engine reports.
+#[derive(Debug, Clone)]
+pub struct Charge {
+    pub limiter: Arc<Limiter>,
+    pub tenant: Arc<str>,
+    pub estimate: u64,
+}
+
+impl Charge {
+    /// The engine reported `actual` tokens (prompt and output): the bucket gets back
+    /// what was over-charged, or pays what was under-charged.
+    pub fn settle(&self, actual: u64) {
+        let delta = self.estimate as f64 - actual as f64;
+        let mut all = self.limiter.buckets.lock();
+        if let Some((_, Some(tokens))) = all.get_mut(&self.tenant) {
+            tokens.level += delta;
+        }
+    }
+}
+
 /// The tenants' buckets, kept across reloads.
 #[derive(Debug, Default)]
 pub struct Limiter {
