@@ -220,6 +220,7 @@ fn route(a: RouteArgs) -> anyhow::Result<ExitCode> {
     let key_header = config.routing.key_header.clone();
     let body = read_body(&a.body)?;
     let mut header_key = None;
+    let mut headers = http::HeaderMap::new();
     for h in &a.headers {
         let (k, v) = h
             .split_once(':')
@@ -227,11 +228,17 @@ fn route(a: RouteArgs) -> anyhow::Result<ExitCode> {
         if k.trim().eq_ignore_ascii_case(key_header.as_str()) {
             header_key = Some(v.trim().as_bytes().to_vec());
         }
+        let name = http::HeaderName::from_bytes(k.trim().as_bytes())
+            .with_context(|| format!("--header {h:?}: bad name"))?;
+        let value = http::HeaderValue::from_str(v.trim())
+            .with_context(|| format!("--header {h:?}: bad value"))?;
+        headers.append(name, value);
     }
     let table = Table::build(config, &Registry::default());
     let now = std::time::Instant::now();
     match prefixlb::routing::explain::explain(&table, &a.path, header_key.as_deref(), &body, now) {
         Ok(x) => {
+            let x = prefixlb::server::admin::explanation_json(&table, x, &headers);
             emit(format!("{}\n", serde_json::to_string_pretty(&x)?))?;
             Ok(ExitCode::SUCCESS)
         }

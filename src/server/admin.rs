@@ -149,31 +149,38 @@ async fn explain_request(table: &Table, req: Request<Incoming>) -> Response<BoxB
         }
     };
     match explain(table, &path, header_key.as_deref(), &body, Instant::now()) {
-        Ok(x) => {
-            let pool = x.pool.clone();
-            let mut v = serde_json::to_value(x).unwrap_or(Value::Null);
-            // Who it would be, and where it would wait (by its headers: an explanation
-            // carries no API key).
-            let tenancy = &table.config.tenancy;
-            let who = crate::proxy::tenant::identify(tenancy, None, &headers);
-            let waiting = crate::routing::fair::Waiting {
-                weight: who.config.weight,
-                class: who.class,
-                cost: 0.0,
-                tenant: who.tenant.clone(),
-            };
-            let ahead = table
-                .pools
-                .iter()
-                .find(|p| p.config.name == pool)
-                .map(|p| p.balancer.load().queue_ahead(&waiting));
-            v["tenant"] = json!(&*who.tenant);
-            v["priority"] = json!(&*tenancy.classes[who.class].name);
-            v["queue_ahead"] = json!(ahead);
-            json_ok(v)
-        }
+        Ok(x) => json_ok(explanation_json(table, x, &headers)),
         Err(e) => error(StatusCode::BAD_REQUEST, &e.to_string()),
     }
+}
+
+/// An explanation as `route` prints it and `/admin/explain` answers it: the routing
+/// decision, with who the request would be and where it would wait (by its headers:
+/// an explanation carries no API key).
+pub fn explanation_json(
+    table: &Table,
+    x: crate::routing::explain::Explanation,
+    headers: &http::HeaderMap,
+) -> Value {
+    let pool = x.pool.clone();
+    let mut v = serde_json::to_value(x).unwrap_or(Value::Null);
+    let tenancy = &table.config.tenancy;
+    let who = crate::proxy::tenant::identify(tenancy, None, headers);
+    let waiting = crate::routing::fair::Waiting {
+        weight: who.config.weight,
+        class: who.class,
+        cost: 0.0,
+        tenant: who.tenant.clone(),
+    };
+    let ahead = table
+        .pools
+        .iter()
+        .find(|p| p.config.name == pool)
+        .map(|p| p.balancer.load().queue_ahead(&waiting));
+    v["tenant"] = json!(&*who.tenant);
+    v["priority"] = json!(&*tenancy.classes[who.class].name);
+    v["queue_ahead"] = json!(ahead);
+    v
 }
 
 fn drain(table: &Table, id: &str, draining: bool) -> Response<BoxBody> {
