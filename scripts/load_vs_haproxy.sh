@@ -8,6 +8,12 @@
 #   ROUNDS=12 DURATION=3 scripts/load_vs_haproxy.sh   # more, shorter rounds: steadier ratios
 #   LOAD_FACTOR=off scripts/load_vs_haproxy.sh        # prefixlb without the relative bound
 #   BODIES=1k CONNS=32 ROUNDS=30 DURATION=3 scripts/load_vs_haproxy.sh   # one cell, many rounds
+#   ENGINES=nginx ROUNDS=12 DURATION=3 scripts/load_vs_haproxy.sh      # engines that cost nothing
+# ENGINES=mock (the default): two zero-latency `mock-engine`s, which parse JSON and
+# build answers on the same cores (every ratio is squeezed toward 1). ENGINES=nginx:
+# two nginx servers (one worker each, no access log) answering every POST with a
+# fixed chat completion, so the proxies' own cost shows (nginx-light is installed
+# from Debian's packages if absent).
 # HAProxy is configured as its users would for prefix affinity: the whole body
 # buffered, hashed on its first 1,024 bytes, consistent hashing with bounded loads
 # (`hash-balance-factor 125`). prefixlb gets the same bound, `load_factor = 1.25`, so
@@ -19,6 +25,7 @@ ROUNDS=${ROUNDS:-3}
 DURATION=${DURATION:-10}
 THREADS=${THREADS:-2}
 LOAD_FACTOR=${LOAD_FACTOR:-1.25}
+ENGINES=${ENGINES:-mock}
 BODIES=${BODIES:-1k 18k}
 CONNS=${CONNS:-32 256}
 WORK=${WORK:-target/load}
@@ -33,6 +40,7 @@ need() {
 }
 need haproxy haproxy
 need wrk wrk
+if [ "$ENGINES" = nginx ]; then need nginx nginx-light; fi
 
 cargo build --release --quiet
 BIN=target/release/prefixlb
@@ -41,8 +49,33 @@ cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 
 trap cleanup EXIT
 
 for i in 0 1; do
-    "$BIN" mock-engine --listen "127.0.0.1:1920$i" --id "e$i" \
-        --decode-ms-per-token 0 --prefill-us-per-token 0 >/dev/null 2>&1 &
+    if [ "$ENGINES" = nginx ]; then
+        mkdir -p "$WORK/nginx$i"
+        cat >"$WORK/nginx$i/nginx.conf" <<EOF
+worker_processes 1;
+daemon off;
+pid $PWD/$WORK/nginx$i/nginx.pid;
+error_log /dev/null crit;
+events { worker_connections 4096; }
+http {
+    access_log off;
+    client_body_temp_path $PWD/$WORK/nginx$i;
+    client_max_body_size 64m;
+    keepalive_requests 1000000;
+    server {
+        listen 127.0.0.1:1920$i;
+        location / {
+            default_type application/json;
+            return 200 '{"id":"cmpl-$i","object":"chat.completion","model":"mock","choices":[{"index":0,"message":{"role":"assistant","content":" the"},"finish_reason":"length"}],"usage":{"prompt_tokens":9,"completion_tokens":1,"total_tokens":10,"prompt_tokens_details":{"cached_tokens":0}}}';
+        }
+    }
+}
+EOF
+        nginx -p "$PWD/$WORK/nginx$i" -c "$PWD/$WORK/nginx$i/nginx.conf" >/dev/null 2>&1 &
+    else
+        "$BIN" mock-engine --listen "127.0.0.1:1920$i" --id "e$i" \
+            --decode-ms-per-token 0 --prefill-us-per-token 0 >/dev/null 2>&1 &
+    fi
     PIDS+=($!)
 done
 
@@ -143,6 +176,7 @@ EOF
 }
 
 echo
+echo "engines: $ENGINES"
 echo "round body conns | prefixlb rps p50 p99 cpu/1k | haproxy rps p50 p99 cpu/1k"
 for round in $(seq "$ROUNDS"); do
     for body in $BODIES; do
