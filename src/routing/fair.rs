@@ -62,19 +62,34 @@ impl Inner {
             .unwrap_or(0.0)
     }
 
-    /// The waiter that goes next, among those not woken (and not `except`).
-    fn next(&self, except: Option<u64>) -> Option<usize> {
-        let key = |w: &Waiter| (w.who.class, self.counter(w.who.class, &w.who.tenant), w.id);
+    /// Where a waiter stands: its class, its tenant's counter, its arrival.
+    fn order(&self, w: &Waiter) -> (usize, f64, u64) {
+        (w.who.class, self.counter(w.who.class, &w.who.tenant), w.id)
+    }
+
+    /// The lowest counter of the tenants waiting in `class`, if any wait.
+    fn floor(&self, class: usize) -> Option<f64> {
         self.waiters
             .iter()
-            .enumerate()
-            .filter(|(_, w)| !w.woken && Some(w.id) != except)
+            .filter(|w| w.who.class == class)
+            .map(|w| self.counter(class, &w.who.tenant))
+            .reduce(f64::min)
+    }
+
+    /// The waiter that goes first among `waiters` (by index).
+    fn first<'w>(&self, waiters: impl Iterator<Item = (usize, &'w Waiter)>) -> Option<usize> {
+        waiters
             .min_by(|(_, a), (_, b)| {
-                key(a)
-                    .partial_cmp(&key(b))
-                    .unwrap_or(std::cmp::Ordering::Equal)
+                let (a, b) = (self.order(a), self.order(b));
+                a.partial_cmp(&b).unwrap_or(std::cmp::Ordering::Equal)
             })
             .map(|(i, _)| i)
+    }
+
+    /// The waiter that goes next, among those not woken (and not `except`).
+    fn next(&self, except: Option<u64>) -> Option<usize> {
+        let candidates = self.waiters.iter().enumerate();
+        self.first(candidates.filter(|(_, w)| !w.woken && Some(w.id) != except))
     }
 
     fn wake(&mut self, except: Option<u64>) -> bool {
@@ -120,15 +135,8 @@ impl FairQueue {
                 .any(|w| w.who.class == who.class && w.who.tenant == *t)
         };
         if !waiting(&who.tenant) {
-            let floor = inner
-                .waiters
-                .iter()
-                .filter(|w| w.who.class == who.class)
-                .map(|w| inner.counter(w.who.class, &w.who.tenant))
-                .fold(f64::INFINITY, f64::min);
-            if floor.is_finite() {
-                let own = inner.counter(who.class, &who.tenant);
-                if own < floor {
+            if let Some(floor) = inner.floor(who.class) {
+                if inner.counter(who.class, &who.tenant) < floor {
                     inner
                         .counters
                         .insert((who.class, who.tenant.clone()), floor);
@@ -150,23 +158,14 @@ impl FairQueue {
     /// How many waiters would go before a request of `who` that joined now.
     pub fn ahead(&self, who: &Waiting) -> usize {
         let inner = self.inner.lock();
-        let floor = inner
-            .waiters
-            .iter()
-            .filter(|w| w.who.class == who.class)
-            .map(|w| inner.counter(w.who.class, &w.who.tenant))
-            .fold(f64::INFINITY, f64::min);
         let own = inner.counter(who.class, &who.tenant);
-        let own = if floor.is_finite() {
-            own.max(floor)
-        } else {
-            own
-        };
+        let own = inner.floor(who.class).map_or(own, |f| own.max(f));
         inner
             .waiters
             .iter()
             .filter(|w| {
-                (w.who.class, inner.counter(w.who.class, &w.who.tenant)) <= (who.class, own)
+                let (class, counter, _) = inner.order(w);
+                (class, counter) <= (who.class, own)
             })
             .count()
     }
@@ -174,13 +173,8 @@ impl FairQueue {
     /// Whether `id` goes first of all waiters (woken or not).
     pub fn is_first(&self, id: u64) -> bool {
         let inner = self.inner.lock();
-        let key = |w: &Waiter| (w.who.class, inner.counter(w.who.class, &w.who.tenant), w.id);
-        let first = inner.waiters.iter().min_by(|a, b| {
-            key(a)
-                .partial_cmp(&key(b))
-                .unwrap_or(std::cmp::Ordering::Equal)
-        });
-        first.is_some_and(|w| w.id == id)
+        let first = inner.first(inner.waiters.iter().enumerate());
+        first.is_some_and(|i| inner.waiters[i].id == id)
     }
 
     /// Capacity came back without a slot being freed (a node undrained, healthy
