@@ -163,7 +163,16 @@ async fn wait_for_slot(
                     return Ok(c);
                 }
                 Walk::Unavailable => return Err(ProxyError::NoNode { pool: pool() }),
-                Walk::Saturated if woken => place.pass(),
+                // Its turn, and no slot it may take: when one is free that only
+                // others may take (a node it tried, or lacking its adapter), the turn
+                // goes on; else the slot went to a request that did not queue.
+                Walk::Saturated if woken => {
+                    if matches!(placement.peek(&[], now()), Peek::Node { .. }) {
+                        place.pass();
+                    } else {
+                        place.rest();
+                    }
+                }
                 Walk::Saturated => {}
             }
         } else {

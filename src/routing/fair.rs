@@ -35,6 +35,10 @@ struct Waiter {
     wake: Arc<Notify>,
     /// Woken for a freed slot and not yet admitted or passed on.
     woken: bool,
+    /// It passed a wake-up on since the last slot freed: it is not woken again for
+    /// that one (so a slot nobody may take is offered to each waiter once, not
+    /// bounced between two of them).
+    passed: bool,
 }
 
 /// The waiters of one pool and the tenants' counters.
@@ -86,14 +90,14 @@ impl Inner {
             .map(|(i, _)| i)
     }
 
-    /// The waiter that goes next, among those not woken (and not `except`).
-    fn next(&self, except: Option<u64>) -> Option<usize> {
+    /// The waiter that goes next, among those neither woken nor passed.
+    fn next(&self) -> Option<usize> {
         let candidates = self.waiters.iter().enumerate();
-        self.first(candidates.filter(|(_, w)| !w.woken && Some(w.id) != except))
+        self.first(candidates.filter(|(_, w)| !w.woken && !w.passed))
     }
 
-    fn wake(&mut self, except: Option<u64>) -> bool {
-        match self.next(except) {
+    fn wake(&mut self) -> bool {
+        match self.next() {
             Some(i) => {
                 self.waiters[i].woken = true;
                 self.waiters[i].wake.notify_one();
@@ -151,6 +155,7 @@ impl FairQueue {
             who,
             wake: wake.clone(),
             woken: false,
+            passed: false,
         });
         Some((id, wake))
     }
@@ -182,13 +187,26 @@ impl FairQueue {
     pub fn wake_if_idle(&self) {
         let mut inner = self.inner.lock();
         if !inner.waiters.iter().any(|w| w.woken) {
-            inner.wake(None);
+            inner.wake();
         }
     }
 
     /// A freed slot: wakes the waiter that goes next. Returns whether one was woken.
     pub fn wake_next(&self) -> bool {
-        self.inner.lock().wake(None)
+        let mut inner = self.inner.lock();
+        for w in &mut inner.waiters {
+            w.passed = false;
+        }
+        inner.wake()
+    }
+
+    /// A woken waiter found its slot taken (by a request that did not queue): it waits
+    /// on, first in line for the next.
+    pub fn rest(&self, id: u64) {
+        let mut inner = self.inner.lock();
+        if let Some(w) = inner.waiters.iter_mut().find(|w| w.id == id) {
+            w.woken = false;
+        }
     }
 
     /// A woken waiter found no slot it may take: the wake-up goes to the next one.
@@ -196,8 +214,9 @@ impl FairQueue {
         let mut inner = self.inner.lock();
         if let Some(w) = inner.waiters.iter_mut().find(|w| w.id == id) {
             w.woken = false;
+            w.passed = true;
         }
-        inner.wake(Some(id));
+        inner.wake();
     }
 
     /// Leaves the queue: admitted (its tenant charged its cost) or not (gave up, shed,
@@ -213,7 +232,7 @@ impl FairQueue {
             let charge = w.who.cost / w.who.weight.max(0.01);
             *inner.counters.entry(key).or_insert(0.0) += charge;
         } else if w.woken {
-            inner.wake(None);
+            inner.wake();
         }
         if inner.counters.len() > MAX_COUNTERS {
             let waiting: Vec<(usize, Arc<str>)> = inner
@@ -243,7 +262,7 @@ mod tests {
     fn admit(q: &FairQueue, ids: &mut Vec<(u64, Arc<str>)>, n: usize) -> Vec<String> {
         let mut out = Vec::new();
         for _ in 0..n {
-            let i = q.inner.lock().next(None).unwrap();
+            let i = q.inner.lock().next().unwrap();
             let id = q.inner.lock().waiters[i].id;
             let pos = ids.iter().position(|(x, _)| *x == id).unwrap();
             out.push(ids.remove(pos).1.to_string());
@@ -317,12 +336,24 @@ mod tests {
         assert!(q.wake_next());
         let woken = |id| q.inner.lock().waiters.iter().any(|w| w.id == id && w.woken);
         assert!(woken(a) && !woken(b));
+        // a finds its slot taken by a request that did not queue: it rests, and the
+        // next freed slot is offered to it first again.
+        q.rest(a);
+        assert!(!woken(a) && !woken(b));
+        assert!(q.wake_next());
+        assert!(woken(a) && !woken(b));
         q.pass(a);
         assert!(woken(b) && !woken(a));
-        // b leaves without a slot: the wake-up goes back to a.
-        q.leave(b, false);
+        // b cannot use it either: nobody is left to offer it to (it is not bounced
+        // back to a), until the next slot frees.
+        q.pass(b);
+        assert!(!woken(a) && !woken(b));
+        assert!(q.wake_next());
         assert!(woken(a));
-        q.leave(a, true);
+        // a leaves without a slot: the wake-up goes to b.
+        q.leave(a, false);
+        assert!(woken(b));
+        q.leave(b, true);
         assert!(!q.wake_next(), "nobody waits");
     }
 }

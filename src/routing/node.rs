@@ -525,6 +525,11 @@ impl QueuePlace {
         self.pool.queue.pass(self.id);
     }
 
+    /// It was woken but its slot was taken: it waits on, first in line.
+    pub fn rest(&self) {
+        self.pool.queue.rest(self.id);
+    }
+
     /// Whether it goes first of all waiters.
     pub fn is_first(&self) -> bool {
         self.pool.queue.is_first(self.id)
