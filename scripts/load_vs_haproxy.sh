@@ -42,8 +42,9 @@ need haproxy haproxy
 need wrk wrk
 if [ "$ENGINES" = nginx ]; then need nginx nginx-light; fi
 
-cargo build --release --quiet
-BIN=target/release/prefixlb
+# B=path/to/prefixlb measures another build (e.g. the one before a change).
+if [ -z "${B:-}" ]; then cargo build --release --quiet; fi
+BIN=${B:-target/release/prefixlb}
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
