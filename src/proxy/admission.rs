@@ -50,13 +50,16 @@ pub(super) async fn admit(
             .map(|c| (c, false))
             .ok_or_else(|| ProxyError::NoNode { pool: name() });
     }
-    let walk = if placement.joins_queue(routing.when_saturated, tried) {
+    // `tried` starts with the nodes that do not serve its adapter: what follows them
+    // are the nodes of its own failed attempts.
+    let failed = tried.get(placement.unserved().len()..).unwrap_or_default();
+    let walk = if placement.joins_queue(routing.when_saturated, failed) {
         Walk::Saturated
     } else {
         placement.choose(tried, now())
     };
     let walk = match walk {
-        Walk::Chosen(c) if c.distance > 0 && tried.is_empty() => {
+        Walk::Chosen(c) if c.distance > 0 && failed.is_empty() => {
             let Some((home, budget)) = placement.home_wait(c.index) else {
                 return Ok((c, false));
             };
