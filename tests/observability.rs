@@ -364,3 +364,61 @@ async fn the_admin_token_guards_the_admin_listener() {
     .await;
     assert_eq!(ok.status, 200);
 }
+
+/// The dashboard is one Grafana accepts (issue 27, in part): the fields its dashboard
+/// model requires, a datasource variable every target uses, unique panel ids and
+/// per-panel refIds, and panels that fit the 24-column grid without overlapping.
+#[test]
+fn the_dashboard_is_a_valid_grafana_dashboard() {
+    let d: Value = serde_json::from_str(include_str!("../grafana/prefixlb.json")).unwrap();
+    for field in [
+        "title",
+        "uid",
+        "schemaVersion",
+        "panels",
+        "time",
+        "templating",
+    ] {
+        assert!(!d[field].is_null(), "missing {field}");
+    }
+    assert!(d["schemaVersion"].as_u64().unwrap() >= 36);
+    let vars = d["templating"]["list"].as_array().unwrap();
+    let ds = vars
+        .iter()
+        .find(|v| v["type"] == "datasource")
+        .expect("a datasource variable");
+    assert_eq!(ds["query"], "prometheus");
+    let uid = format!("${{{}}}", ds["name"].as_str().unwrap());
+    let panels = d["panels"].as_array().unwrap();
+    let mut ids = HashSet::new();
+    let mut cells = HashSet::new();
+    for p in panels {
+        let id = p["id"].as_u64().unwrap();
+        assert!(ids.insert(id), "panel id {id} twice");
+        assert!(p["type"].is_string() && p["title"].is_string(), "{p}");
+        let g = &p["gridPos"];
+        let (x, y, w, h) = ["x", "y", "w", "h"].map(|k| g[k].as_u64().unwrap()).into();
+        assert!(
+            w > 0 && h > 0 && x + w <= 24,
+            "panel {id} does not fit: {g}"
+        );
+        for cx in x..x + w {
+            for cy in y..y + h {
+                assert!(
+                    cells.insert((cx, cy)),
+                    "panel {id} overlaps another at {cx},{cy}"
+                );
+            }
+        }
+        let mut refs = HashSet::new();
+        for t in p["targets"].as_array().unwrap() {
+            assert!(
+                refs.insert(t["refId"].as_str().unwrap().to_string()),
+                "panel {id}: refId twice"
+            );
+            assert_eq!(t["datasource"]["uid"], uid.as_str(), "panel {id}");
+            assert!(!t["expr"].as_str().unwrap().is_empty());
+        }
+        assert_eq!(p["datasource"]["uid"], uid.as_str(), "panel {id}");
+    }
+}
