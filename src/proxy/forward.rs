@@ -367,7 +367,8 @@ impl Exchange<'_> {
             } => {
                 label(&mut head, ticket.node(), &route, attempts);
                 let log = log(head.status, None, ticket);
-                (head, RelayBody::plain(held, body, log, idle))
+                let anthropic = self.placement.api.is_anthropic();
+                (head, RelayBody::plain(held, body, log, idle, anthropic))
             }
         };
         Response::from_parts(head, BoxBody::new(body))

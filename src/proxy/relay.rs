@@ -72,7 +72,7 @@ impl RequestLog {
             drop(self.ticket);
         }
         if let (Some(charge), Some(prompt)) = (&self.charge, usage.prompt_tokens()) {
-            charge.settle(prompt + usage.completion.or(usage.output).unwrap_or(0));
+            charge.settle(prompt + usage.completion.unwrap_or(0));
         }
         let (pool_name, node) = (pool.config.name.as_str(), pool.balancer.node(index).id());
         self.metrics
@@ -187,8 +187,14 @@ pub struct RelayBody {
 impl RelayBody {
     /// A body passed through as it is (`held`: its first bytes, read already), cut after
     /// `idle` of silence.
-    pub fn plain(held: Bytes, body: EngineBody, log: RequestLog, idle: Duration) -> Self {
-        let mut usage = UsageScan::default();
+    pub fn plain(
+        held: Bytes,
+        body: EngineBody,
+        log: RequestLog,
+        idle: Duration,
+        anthropic: bool,
+    ) -> Self {
+        let mut usage = UsageScan::of(anthropic);
         usage.feed(&held);
         RelayBody {
             held: Some(held),
@@ -210,7 +216,7 @@ impl RelayBody {
         strip_usage: bool,
         anthropic: bool,
     ) -> Self {
-        let mut usage = UsageScan::default();
+        let mut usage = UsageScan::of(anthropic);
         usage.feed(&held);
         let mut sse = SseRelay {
             scanner: SseScanner::default(),
@@ -411,7 +417,8 @@ pub struct UsageScan {
     pub cache_creation: Option<u64>,
     /// Output tokens: OpenAI's `completion_tokens`, Anthropic's `output_tokens`.
     pub completion: Option<u64>,
-    pub output: Option<u64>,
+    /// The answer is Anthropic's: its fields are read, not OpenAI's.
+    anthropic: bool,
     /// The last bytes of the previous frame, then the seam being scanned; reused, so
     /// scanning allocates nothing per frame.
     tail: Vec<u8>,
@@ -421,6 +428,14 @@ pub struct UsageScan {
 const OVERLAP: usize = 48;
 
 impl UsageScan {
+    /// A scan of an answer of Anthropic's API, or of OpenAI's.
+    pub fn of(anthropic: bool) -> UsageScan {
+        UsageScan {
+            anthropic,
+            ..UsageScan::default()
+        }
+    }
+
     pub fn feed(&mut self, chunk: &[u8]) {
         if !self.tail.is_empty() {
             let mut seam = std::mem::take(&mut self.seam);
@@ -451,18 +466,28 @@ impl UsageScan {
     }
 
     fn scan(&mut self, hay: &[u8]) {
-        let fields = [
-            (&*PROMPT_TOKENS, &mut self.prompt),
-            (&*CACHED_TOKENS, &mut self.cached),
-            (&*INPUT_TOKENS, &mut self.input),
-            (&*CACHE_READ, &mut self.cache_read),
-            (&*CACHE_CREATION, &mut self.cache_creation),
-            (&*COMPLETION_TOKENS, &mut self.completion),
-            (&*OUTPUT_TOKENS, &mut self.output),
-        ];
+        // Only the API's own fields: a stream's every frame is searched.
+        let fields: [_; 3] = if self.anthropic {
+            [
+                (&*INPUT_TOKENS, &mut self.input),
+                (&*CACHE_READ, &mut self.cache_read),
+                (&*OUTPUT_TOKENS, &mut self.completion),
+            ]
+        } else {
+            [
+                (&*PROMPT_TOKENS, &mut self.prompt),
+                (&*CACHED_TOKENS, &mut self.cached),
+                (&*COMPLETION_TOKENS, &mut self.completion),
+            ]
+        };
         for (field, value) in fields {
             if let Some(n) = last_number(field, hay) {
                 *value = Some(n);
+            }
+        }
+        if self.anthropic {
+            if let Some(n) = last_number(&CACHE_CREATION, hay) {
+                self.cache_creation = Some(n);
             }
         }
     }
@@ -501,7 +526,7 @@ mod tests {
         u.feed(b"4}}}\n\n");
         assert_eq!((u.prompt, u.cached), (Some(77), Some(64)));
         // Anthropic's: the input left uncached, the cache's reads and writes apart.
-        let mut u = UsageScan::default();
+        let mut u = UsageScan::of(true);
         u.feed(b"event: message_start\ndata: {\"usage\":{\"input_tokens\":10,\"cache_creation_input_tokens\":5,\"cache_read_input_tok");
         u.feed(b"ens\":85,\"output_tokens\":1}}\n\n");
         assert_eq!(

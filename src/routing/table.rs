@@ -62,7 +62,10 @@ impl Pool {
     /// models (and the pool's config does not name it).
     pub fn learned_adapter(&self, model: &str) -> bool {
         let c = &self.config;
-        if c.models.iter().any(|m| m == model) || c.aliased(model).is_some() {
+        // An adapter's parent must be one of the pool's models: a pool that names none
+        // (a catch-all) learns none, and its requests lock nothing here.
+        if c.models.is_empty() || c.models.iter().any(|m| m == model) || c.aliased(model).is_some()
+        {
             return false;
         }
         self.balancer.nodes().iter().any(|n| {
