@@ -127,6 +127,43 @@ fn routing_decision(c: &mut Criterion) {
     });
 }
 
+/// Every trace hook a proxied request passes through, with `[tracing]` off (no layer
+/// listens to the spans' target, as in `prefixlb serve` without the section): beside
+/// `routing_decision/18KB_31_messages`, what traces cost a request when they are off.
+fn traces_off(c: &mut Criterion) {
+    use prefixlb::telemetry::traces;
+    let t = table(8);
+    let body = chat_body(30, 520);
+    let placement = t
+        .place("/v1/chat/completions", None, &body, Mode::Route)
+        .unwrap();
+    let mut headers = http::HeaderMap::new();
+    headers.insert(
+        "content-type",
+        http::HeaderValue::from_static("application/json"),
+    );
+    let method = http::Method::POST;
+    c.bench_function("traces/off_all_hooks_of_one_request", |b| {
+        b.iter(|| {
+            let request = traces::request_span(&method, "/v1/chat/completions", &headers);
+            traces::record_placement(&request, black_box(&placement));
+            traces::record_asker(&request, "default", "default");
+            let attempt = traces::attempt_span(&request, "n0", 1);
+            traces::inject(&attempt, &mut headers);
+            drop(traces::probe_span(&attempt));
+            let end = traces::Ending {
+                status: 200,
+                outcome: "success",
+                ttft: None,
+                input_tokens: Some(100),
+                cached_tokens: Some(90),
+                output_tokens: Some(10),
+            };
+            traces::record_end(&[request, attempt], black_box(end));
+        })
+    });
+}
+
 fn key_extraction(c: &mut Criterion) {
     let mut group = c.benchmark_group("key_extraction");
     for (name, turns, chars) in [("1KB", 2, 100), ("18KB", 30, 520), ("128KB", 60, 2100)] {
@@ -232,5 +269,12 @@ fn contention(c: &mut Criterion) {
     other.join().unwrap();
 }
 
-criterion_group!(benches, routing_decision, key_extraction, ring, contention);
+criterion_group!(
+    benches,
+    routing_decision,
+    traces_off,
+    key_extraction,
+    ring,
+    contention
+);
 criterion_main!(benches);

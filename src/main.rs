@@ -123,9 +123,13 @@ struct RouteArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.log_format, default_log_level(&cli.command));
+    let format = cli.log_format;
+    // `serve` starts its logging once its config (and `[tracing]`) is read.
+    if !matches!(cli.command, Command::Serve(_)) {
+        let _ = init_logging(format, default_log_level(&cli.command), None);
+    }
     let result = match cli.command {
-        Command::Serve(a) => serve(a),
+        Command::Serve(a) => serve(a, format),
         Command::Check(a) => check(a),
         Command::Route(a) => route(a),
         Command::Agent(a) => agent(a),
@@ -157,15 +161,26 @@ fn default_log_level(command: &Command) -> &'static str {
     "info"
 }
 
-fn serve(a: ConfigArg) -> anyhow::Result<ExitCode> {
+fn serve(a: ConfigArg, format: LogFormat) -> anyhow::Result<ExitCode> {
     let Some(config) = load(&a.config) else {
         return Ok(ExitCode::from(2));
     };
-    runtime()?.block_on(prefixlb::server::serve::run(
+    let rt = runtime()?;
+    // The trace exporter's batches run on this runtime.
+    let exporter = {
+        let _entered = rt.enter();
+        init_logging(format, "info", config.tracing.as_ref())?
+    };
+    let served = rt.block_on(prefixlb::server::serve::run(
         config,
         a.config,
         prefixlb::server::listener::termination(),
-    ))?;
+    ));
+    // The last spans go out while the runtime still runs.
+    if let Some(exporter) = exporter {
+        exporter.shutdown();
+    }
+    served?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -368,16 +383,43 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .context("starting the tokio runtime")
 }
 
-fn init_logging(format: LogFormat, default_level: &str) {
+/// Logs to stderr (`RUST_LOG` or `default_level`), and with `traces`, OpenTelemetry
+/// spans to a collector; the exporter is returned to be flushed at exit.
+fn init_logging(
+    format: LogFormat,
+    default_level: &str,
+    traces: Option<&prefixlb::config::TracingConfig>,
+) -> anyhow::Result<Option<prefixlb::telemetry::traces::Exporter>> {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::Layer;
+
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level))
+        // Trace spans are for the exporter, not the log.
+        .add_directive(
+            format!("{}=off", prefixlb::telemetry::traces::TARGET)
+                .parse()
+                .context("the log filter")?,
+        );
+    let log = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let log = match format {
+        LogFormat::Text => log.boxed(),
+        LogFormat::Json => log.json().boxed(),
+    };
+    let (spans, exporter) = match traces {
+        Some(config) => {
+            let (layer, exporter) = prefixlb::telemetry::traces::layer(config)
+                .context("starting the OpenTelemetry exporter ([tracing])")?;
+            (Some(layer), Some(exporter))
+        }
+        None => (None, None),
+    };
+    tracing_subscriber::registry()
+        .with(log.with_filter(filter))
+        .with(spans)
+        .init();
+    Ok(exporter)
 }
 
 /// The subcommands of the `tools` feature.

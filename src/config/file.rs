@@ -30,6 +30,8 @@ pub struct FileConfig {
     /// Tenants' classes, weights and rate limits. Default: none.
     #[serde(default)]
     pub tenants: Vec<super::tenancy::TenantSection>,
+    /// OpenTelemetry traces sent to a collector. Default: none (no spans are made).
+    pub tracing: Option<TracingSection>,
     /// Dynamic membership from Redis heartbeats. Default: none (static nodes only).
     pub redis: Option<RedisSection>,
     /// Required: at least one pool.
@@ -316,6 +318,31 @@ pub struct TlsSection {
     pub client_cert_file: Option<Spanned<String>>,
     /// Its PEM private key. Default: none.
     pub client_key_file: Option<Spanned<String>>,
+}
+
+/// `[tracing]`: OpenTelemetry traces, exported as OTLP over HTTP (protobuf). Read at
+/// start: a reload does not change it.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TracingSection {
+    /// The collector's OTLP/HTTP URL, e.g. `"http://127.0.0.1:4318"` (a URL with no
+    /// path gets `/v1/traces`). Required.
+    pub otlp_endpoint: Spanned<String>,
+    /// The share of new traces kept, 0.0 to 1.0; a request whose `traceparent` says
+    /// sampled (or not) is kept (or not) as its caller decided. Default 1.0.
+    #[serde(default = "default_sample_ratio")]
+    pub sample_ratio: Spanned<f64>,
+    /// `service.name` of the spans. Default `"prefixlb"`.
+    #[serde(default = "default_service_name")]
+    pub service_name: String,
+}
+
+fn default_sample_ratio() -> Spanned<f64> {
+    Spanned::new(0..0, 1.0)
+}
+
+fn default_service_name() -> String {
+    "prefixlb".into()
 }
 
 /// `[auth]`: optional API keys for the client listener.

@@ -23,6 +23,16 @@ pub use tenancy::{ClassConfig, Tenancy, TenantConfig};
 pub use tls::TlsConfig;
 pub use validate::parse_node_url;
 
+/// `[tracing]`, validated: where spans go, which share of new traces is kept, and
+/// the service name they carry.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TracingConfig {
+    /// The OTLP/HTTP traces URL (with its path: `/v1/traces` when none was given).
+    pub otlp_endpoint: String,
+    pub sample_ratio: f64,
+    pub service_name: String,
+}
+
 /// A secret (a token or an API key): compared in constant time, never printed.
 #[derive(Clone, PartialEq, Eq, Deserialize)]
 #[serde(transparent)]
@@ -62,6 +72,8 @@ pub struct Config {
     pub auth: AuthConfig,
     /// How engines behind `https://` URLs are reached (`[tls]`).
     pub tls: std::sync::Arc<TlsConfig>,
+    /// OpenTelemetry traces (`[tracing]`); none: off.
+    pub tracing: Option<TracingConfig>,
     /// Tenants and priority classes (`[[tenants]]`, `[[priorities]]`).
     pub tenancy: Tenancy,
     /// Membership from Redis heartbeats, if configured.

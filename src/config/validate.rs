@@ -75,6 +75,7 @@ pub(super) fn config(raw: FileConfig, dir: &Path) -> Result<Config, Invalid> {
     let health = validate_health(raw.health)?;
     let auth = validate_auth(raw.auth, dir)?;
     let tls = super::tls::validate(raw.tls, dir)?;
+    let tracing = raw.tracing.map(validate_tracing).transpose()?;
     let redis = raw.redis.map(validate_redis).transpose()?;
     if raw.pools.is_empty() {
         return invalid(
@@ -99,9 +100,49 @@ pub(super) fn config(raw: FileConfig, dir: &Path) -> Result<Config, Invalid> {
         health,
         auth,
         tls,
+        tracing,
         tenancy,
         redis,
         pools,
+    })
+}
+
+fn validate_tracing(t: super::file::TracingSection) -> Result<super::TracingConfig, Invalid> {
+    let ratio = *t.sample_ratio.get_ref();
+    if !(0.0..=1.0).contains(&ratio) {
+        return invalid(
+            t.sample_ratio.span(),
+            format!("tracing.sample_ratio must be between 0.0 and 1.0 (got {ratio})"),
+        );
+    }
+    let span = t.otlp_endpoint.span();
+    let raw = t.otlp_endpoint.into_inner();
+    let url: http::Uri = match raw.trim().parse() {
+        Ok(u) => u,
+        Err(e) => return invalid(span, format!("tracing.otlp_endpoint {raw:?}: {e}")),
+    };
+    if url.scheme_str() != Some("http") || url.host().is_none() {
+        return invalid(
+            span,
+            format!("tracing.otlp_endpoint {raw:?} must be http://host[:port][/path] (OTLP over HTTP; https is not supported)"),
+        );
+    }
+    let path = url.path();
+    let endpoint = if path.is_empty() || path == "/" {
+        format!(
+            "http://{}/v1/traces",
+            url.authority().map_or("", |a| a.as_str())
+        )
+    } else {
+        url.to_string()
+    };
+    if t.service_name.trim().is_empty() {
+        return invalid(0..0, "tracing.service_name must not be empty");
+    }
+    Ok(super::TracingConfig {
+        otlp_endpoint: endpoint,
+        sample_ratio: ratio,
+        service_name: t.service_name,
     })
 }
 

@@ -29,6 +29,7 @@ use crate::routing::route::Route;
 use crate::routing::table::{Pool, Table};
 use crate::telemetry::metrics::RequestMetrics;
 use crate::telemetry::outcome::{FailoverReason, RequestOutcome};
+use crate::telemetry::traces;
 
 /// How much of a plain (not streamed) answer is read before it goes to the client: an
 /// answer that breaks within it is failed over instead of cut. Answers are usually a
@@ -64,6 +65,10 @@ pub(super) struct Exchange<'t> {
     pub started: Instant,
     /// Who is asking, if it must wait in a queue.
     pub asker: admission::Asker,
+    /// The request's trace span (disabled when traces are off).
+    pub span: tracing::Span,
+    /// Time spent in the queue so far, over all attempts.
+    pub queue_wait: std::time::Duration,
 }
 
 /// An engine's answer that goes to the client.
@@ -130,6 +135,7 @@ impl Exchange<'_> {
         let mut failures: Vec<Failure> = Vec::new();
         let mut attempt = 0;
         while attempt < max_attempts {
+            let asked = Instant::now();
             let admitted = admission::admit(
                 &self.placement,
                 self.routing(),
@@ -155,14 +161,25 @@ impl Exchange<'_> {
                 Err(e) if failures.is_empty() => return Err(e),
                 Err(_) => break, // nothing left to fail over to
             };
+            if queued {
+                self.queue_wait += asked.elapsed();
+                self.span
+                    .record("prefixlb.queue_wait_ms", traces::ms(self.queue_wait));
+            }
             attempt += 1;
             tried.push(choice.index);
             let route = route_of(&self.placement, queued, choice.distance, choice.shunted);
             let ticket = self.placement.ticket(choice, now());
-            let failure = match self.ask(ticket.pool(), ticket.node(), &body).await {
-                Ok(answer) => return Ok(self.commit(ticket, route, attempt, answer)),
+            let span = traces::attempt_span(&self.span, ticket.node().id(), attempt);
+            if !span.is_disabled() {
+                span.record("prefixlb.route", route.label().as_ref());
+            }
+            traces::inject(&span, &mut self.headers);
+            let failure = match self.ask(ticket.pool(), ticket.node(), &body, &span).await {
+                Ok(answer) => return Ok(self.commit(ticket, route, attempt, answer, span)),
                 Err(f) => f,
             };
+            traces::record_failed_attempt(&span, failure.reason.as_str(), &failure.text);
             let pool = &ticket.pool().config.name;
             self.metrics.count_failover(pool, failure.reason);
             if failure.reason == FailoverReason::Busy {
@@ -177,7 +194,13 @@ impl Exchange<'_> {
     }
 
     /// One attempt: sends the request to `node` and classifies what comes back.
-    async fn ask(&self, pool: &Pool, node: &Node, body: &Bytes) -> Result<Answer, Failure> {
+    async fn ask(
+        &self,
+        pool: &Pool,
+        node: &Node,
+        body: &Bytes,
+        span: &tracing::Span,
+    ) -> Result<Answer, Failure> {
         let bad_uri = |e: &dyn std::fmt::Display| {
             Failure::new(
                 FailoverReason::Error,
@@ -228,6 +251,7 @@ impl Exchange<'_> {
             Ok(Ok(resp)) => resp,
         };
         let status = resp.status();
+        span.record("http.response.status_code", status.as_u16());
         if status == StatusCode::TOO_MANY_REQUESTS {
             return Err(Failure::new(
                 FailoverReason::Busy,
@@ -280,7 +304,14 @@ impl Exchange<'_> {
         }
         let (head, body) = resp.into_parts();
         let deadline = sent + pool.config.first_token_timeout;
-        match probe::first_packet(body, sent, deadline).await {
+        let probe_span = traces::probe_span(span);
+        let probed = probe::first_packet(body, sent, deadline).await;
+        if let Ok(c) = &probed {
+            probe_span.record("prefixlb.ttft_ms", traces::ms(c.ttft));
+            probe_span.record("prefixlb.committed_by", c.by.as_str());
+        }
+        drop(probe_span);
+        match probed {
             Ok(committed) => Ok(Answer::Stream { head, committed }),
             Err(ProbeFailure::Timeout) => Err(Failure::new(
                 FailoverReason::Timeout,
@@ -314,9 +345,15 @@ impl Exchange<'_> {
         route: Route,
         attempts: u32,
         answer: Answer,
+        attempt_span: tracing::Span,
     ) -> Response<BoxBody> {
         let idle = self.table.config.server.idle_stream_timeout;
         let pool = ticket.pool().config.name.clone();
+        if !self.span.is_disabled() {
+            self.span.record("prefixlb.route", route.label().as_ref());
+            self.span.record("prefixlb.node", ticket.node().id());
+            self.span.record("prefixlb.attempts", attempts);
+        }
         self.metrics
             .count_decision(&pool, &route, ticket.distance());
         ticket.settle(now());
@@ -331,6 +368,7 @@ impl Exchange<'_> {
             ticket,
             teaches: self.placement.api.is_load(),
             charge: self.asker.charge.clone(),
+            spans: [self.span.clone(), attempt_span.clone()],
         };
         let (head, body) = match answer {
             Answer::Stream {

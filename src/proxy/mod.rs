@@ -37,6 +37,7 @@ use crate::routing::table::Table;
 use crate::routing::Mode;
 use crate::telemetry::metrics::RequestMetrics;
 use crate::telemetry::outcome::RequestOutcome;
+use crate::telemetry::traces;
 use body::{full, BoxBody};
 use ingress::{BodyLimits, ByteBudget};
 
@@ -189,9 +190,14 @@ impl Proxy {
         let mut pool = None;
         // Errors take the shape of the API asked.
         let api = Api::from_path(req.uri().path());
-        match self.route(&table, req, peer, started, &mut pool).await {
+        let span = traces::request_span(req.method(), req.uri().path(), req.headers());
+        match self
+            .route(&table, req, peer, started, &mut pool, &span)
+            .await
+        {
             Ok(resp) => resp,
             Err(e) => {
+                traces::record_refusal(&span, e.status().as_u16(), e.code());
                 let pool = pool.unwrap_or("none");
                 let outcome = RequestOutcome::of_status(e.status().as_u16());
                 self.metrics
@@ -216,6 +222,7 @@ impl Proxy {
         peer: SocketAddr,
         started: Instant,
         pool: &mut Option<&'t str>,
+        span: &tracing::Span,
     ) -> Result<Response<BoxBody>, ProxyError> {
         let path = req.uri().path();
         let method = req.method();
@@ -263,7 +270,9 @@ impl Proxy {
             .map(HeaderValue::as_bytes);
         let placement = table.place(parts.uri.path(), header_key, &body, Mode::Route)?;
         *pool = Some(&table.pools[placement.own_pool()].config.name);
+        traces::record_placement(span, &placement);
         let asker = self.ask(table, key_name, &parts.headers, &placement)?;
+        traces::record_asker(span, &asker.tenant_label, &asker.class_name);
         let exchange = forward::Exchange {
             upstream: &self.upstream,
             metrics: &self.metrics,
@@ -279,6 +288,8 @@ impl Proxy {
             body,
             started,
             asker,
+            span: span.clone(),
+            queue_wait: Duration::ZERO,
         };
         exchange.run().await
     }

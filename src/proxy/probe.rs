@@ -43,6 +43,16 @@ pub enum Commit {
     ClientError,
 }
 
+impl Commit {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Commit::Output => "output",
+            Commit::Finished => "finished",
+            Commit::ClientError => "client_error",
+        }
+    }
+}
+
 /// A stream that said something usable: every byte received so far (the held events)
 /// and the rest of the body.
 pub struct Committed {

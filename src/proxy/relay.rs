@@ -54,6 +54,8 @@ pub struct RequestLog {
     pub charge: Option<super::tenant::Charge>,
     /// The pool learns from it when it succeeds (not from a `count_tokens`).
     pub teaches: bool,
+    /// Its trace spans (the request's, the answering attempt's): they end with it.
+    pub spans: [tracing::Span; 2],
 }
 
 impl RequestLog {
@@ -81,6 +83,17 @@ impl RequestLog {
             self.metrics
                 .count_tokens(node, prompt, usage.cached_tokens().unwrap_or(0));
         }
+        crate::telemetry::traces::record_end(
+            &self.spans,
+            crate::telemetry::traces::Ending {
+                status: self.status,
+                outcome: outcome.as_str(),
+                ttft: self.ttft,
+                input_tokens: usage.prompt_tokens(),
+                cached_tokens: usage.cached_tokens(),
+                output_tokens: usage.completion,
+            },
+        );
         tracing::info!(
             pool = pool_name,
             node,

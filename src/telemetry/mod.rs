@@ -1,7 +1,8 @@
 //! What the balancer tells operators, below the data plane and the control plane that
 //! feed it: the Prometheus metrics ([`metrics`]: one registry, and the families each
-//! component updates, handed to it at construction) and the vocabulary of a request's
-//! end in logs and labels ([`outcome`]).
+//! component updates, handed to it at construction), the vocabulary of a request's
+//! end in logs and labels ([`outcome`]), and OpenTelemetry traces ([`traces`]).
 
 pub mod metrics;
 pub mod outcome;
+pub mod traces;

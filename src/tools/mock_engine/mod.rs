@@ -175,6 +175,9 @@ impl MockEngine {
 
     async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<BoxBody> {
         let path = req.uri().path().to_string();
+        // The W3C trace context it was sent, echoed (as `x-mock-traceparent`) so a
+        // test can see that a balancer passed one on.
+        let traceparent = req.headers().get("traceparent").cloned();
         if !matches!(
             path.as_str(),
             "/metrics" | "/health" | "/mock/fault" | "/v1/models"
@@ -204,6 +207,9 @@ impl MockEngine {
         };
         if let Ok(id) = header::HeaderValue::from_str(&self.config.id) {
             resp.headers_mut().insert("x-engine-id", id);
+        }
+        if let Some(tp) = traceparent {
+            resp.headers_mut().insert("x-mock-traceparent", tp);
         }
         resp
     }
