@@ -363,6 +363,33 @@ async fn the_admin_token_guards_the_admin_listener() {
     )
     .await;
     assert_eq!(ok.status, 200);
+    // The status page holds no data and is open; the summary it polls is not.
+    let page = call("GET", &lb.admin_url("/"), &[], "").await;
+    assert_eq!(page.status, 200);
+    assert!(page.header("content-type").starts_with("text/html"));
+    let html = page.text();
+    assert!(html.contains("/admin/summary") && html.contains("/admin/nodes"));
+    assert!(
+        !html.contains("src=\"http") && !html.contains("href=\"http"),
+        "the page loads nothing from elsewhere"
+    );
+    assert_eq!(
+        call("GET", &lb.admin_url("/admin/summary"), &[], "")
+            .await
+            .status,
+        401
+    );
+    let summary = call(
+        "GET",
+        &lb.admin_url("/admin/summary"),
+        &[("authorization", "Bearer s3cret")],
+        "",
+    )
+    .await
+    .json();
+    assert_eq!(summary["pools"][0]["name"], "mock");
+    assert_eq!(summary["pools"][0]["nodes"][0]["id"], "n0");
+    assert_eq!(summary["redis"]["configured"], false);
 }
 
 /// The dashboard is one Grafana accepts (issue 27, in part): the fields its dashboard

@@ -44,6 +44,15 @@ const SPREAD: f64 = 2.0;
 /// the band between growing and narrowing keeps widths from flapping.
 const SHRINK_AT: f64 = 1.5;
 
+/// One group as [`GroupHeat::hottest`] lists it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GroupSummary {
+    pub tag: u32,
+    pub recent: u32,
+    pub share: f64,
+    pub width: u32,
+}
+
 /// The recent request counts of a pool's groups, and each group's current width.
 pub struct GroupHeat {
     tags: Box<[AtomicU32]>,
@@ -106,6 +115,28 @@ impl GroupHeat {
         };
         let current = self.widths[slot].load(Ordering::Relaxed) as usize;
         next_width(current, self.target(slot, nodes, 1), nodes)
+    }
+
+    /// The `n` groups with the most recent requests: each one's hash tag (the low 32
+    /// bits of its hash, the lowest set), recent requests, share of the pool's recent
+    /// requests and width. Reads every slot (for the status page, not the data path).
+    pub fn hottest(&self, n: usize) -> Vec<GroupSummary> {
+        let total = self.total.load(Ordering::Relaxed).max(1);
+        let mut all: Vec<GroupSummary> = (0..SLOTS)
+            .filter_map(|s| {
+                let tag = self.tags[s].load(Ordering::Relaxed);
+                let recent = self.counts[s].load(Ordering::Relaxed);
+                (tag != 0 && recent > 0).then(|| GroupSummary {
+                    tag,
+                    recent,
+                    share: f64::from(recent) / f64::from(total),
+                    width: self.widths[s].load(Ordering::Relaxed),
+                })
+            })
+            .collect();
+        all.sort_unstable_by(|a, b| b.recent.cmp(&a.recent).then(a.tag.cmp(&b.tag)));
+        all.truncate(n);
+        all
     }
 
     /// The group's slot, if it has one.
@@ -208,6 +239,26 @@ mod tests {
         (0..nodes.len())
             .max_by_key(|&i| rendezvous(key, nodes[i]))
             .unwrap()
+    }
+
+    #[test]
+    fn the_hottest_groups_come_first_with_their_shares_and_widths() {
+        let heat = GroupHeat::default();
+        let (hot, warm) = (0xaaaa_0000_1234_5678_u64, 0x5555_0000_9abc_def0_u64);
+        for _ in 0..30 {
+            heat.width(hot, 8, Mode::Route);
+        }
+        for _ in 0..10 {
+            heat.width(warm, 8, Mode::Route);
+        }
+        heat.width(warm, 8, Mode::Explain);
+        let top = heat.hottest(5);
+        assert_eq!(top.len(), 2, "{top:?}");
+        assert_eq!((top[0].tag, top[0].recent), (0x1234_5679, 30));
+        assert_eq!((top[1].tag, top[1].recent), (0x9abc_def1, 10));
+        assert!((top[0].share - 0.75).abs() < 1e-9, "{top:?}");
+        assert!(top[0].width > top[1].width && top[1].width >= 1, "{top:?}");
+        assert_eq!(heat.hottest(1).len(), 1);
     }
 
     #[test]

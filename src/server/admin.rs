@@ -1,6 +1,7 @@
 //! The admin listener (default `127.0.0.1:9091`, optional bearer token): liveness and
-//! readiness (open without the token, for orchestrator probes), metrics, node state,
-//! routing explanations, drain/undrain and reload.
+//! readiness (open without the token, for orchestrator probes), the status page at `/`
+//! (open too: it holds no data), metrics, node state, the fleet summary, routing
+//! explanations, drain/undrain and reload.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -27,6 +28,8 @@ pub async fn handle(
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
     match (req.method(), segments.as_slice()) {
         (&Method::GET, ["healthz"]) => return json_ok(json!({"status": "ok"})),
+        // The page holds no data: it asks for the token and sends it on every call.
+        (&Method::GET, [""]) => return page(),
         (&Method::GET, ["readyz"]) => return readyz(&control),
         _ => {}
     }
@@ -56,6 +59,7 @@ pub async fn handle(
             Err(e) => error(StatusCode::BAD_REQUEST, &e.to_string()),
         },
         (&Method::GET, ["admin", "nodes"]) => json_ok(nodes(&table)),
+        (&Method::GET, ["admin", "summary"]) => json_ok(super::status::summary(&control)),
         (&Method::POST, ["admin", "explain"]) => explain_request(&table, req).await,
         (&Method::POST, ["admin", "nodes", id, action @ ("drain" | "undrain")]) => {
             drain(&table, id, *action == "drain")
@@ -65,6 +69,22 @@ pub async fn handle(
             &format!("no admin route {} {path}", req.method()),
         ),
     }
+}
+
+fn page() -> Response<BoxBody> {
+    let mut resp = Response::new(full(super::status::PAGE));
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/html; charset=utf-8"),
+    );
+    // Nothing from elsewhere: the page is whole as served.
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static("default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src 'self' data:"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    resp
 }
 
 fn readyz(control: &Control) -> Response<BoxBody> {

@@ -1,7 +1,7 @@
 //! The process and control plane: the control plane's state and the table rebuilds
 //! ([`control`]), the HTTP listener and its limits ([`listener`]), `prefixlb serve`
-//! ([`serve`]) with its reload triggers ([`reload`]), the admin API ([`admin`]) and
-//! active health checks ([`health`]).
+//! ([`serve`]) with its reload triggers ([`reload`]), the admin API ([`admin`]) with
+//! its status page ([`status`]), and active health checks ([`health`]).
 
 pub mod admin;
 pub mod control;
@@ -9,3 +9,4 @@ pub mod health;
 pub mod listener;
 pub mod reload;
 pub mod serve;
+pub mod status;

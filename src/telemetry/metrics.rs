@@ -399,6 +399,14 @@ impl RequestMetrics {
             .observe(waited.as_secs_f64());
     }
 
+    /// A node's prompt tokens and cached prompt tokens counted so far.
+    pub fn tokens_of(&self, node: &str) -> (u64, u64) {
+        (
+            self.prompt_tokens.with_label_values(&[node]).get(),
+            self.cached_prompt_tokens.with_label_values(&[node]).get(),
+        )
+    }
+
     /// Counts a request's prompt tokens and those its engine served from cache, as the
     /// engine reported them.
     pub fn count_tokens(&self, node: &str, prompt: u64, cached: u64) {

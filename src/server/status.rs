@@ -1,0 +1,87 @@
+//! The status page on the admin listener: `GET /` serves one self-contained HTML page
+//! (`status.html`: no external scripts, styles or fonts; it works offline), which polls
+//! `/admin/nodes` and `/admin/summary` and keeps the last minutes of each node in
+//! sparklines. The page itself holds no data, so it is served without the admin token;
+//! the page asks for the token and sends it on every call (drain and undrain too).
+//!
+//! `/admin/summary` is what the page needs beyond the nodes: each pool's queue and
+//! load, the realized cache hit rate per node (the engines' own usage counts), the
+//! hottest learned prefix groups (hash tags and widths, never text), and Redis.
+
+use serde_json::{json, Value};
+
+use super::control::Control;
+
+/// The page, compiled in.
+pub const PAGE: &str = include_str!("status.html");
+
+/// Groups listed per pool.
+const GROUPS_SHOWN: usize = 8;
+
+/// `GET /admin/summary`.
+pub fn summary(control: &Control) -> Value {
+    let table = control.table();
+    let metrics = control.metrics();
+    let pools: Vec<Value> = table
+        .pools
+        .iter()
+        .map(|pool| {
+            let b = &pool.balancer;
+            let load = b.load();
+            let classes: serde_json::Map<String, Value> = table
+                .config
+                .tenancy
+                .classes
+                .iter()
+                .enumerate()
+                .map(|(i, c)| (c.name.to_string(), json!(load.queued_in(i))))
+                .collect();
+            let nodes: Vec<Value> = b
+                .nodes()
+                .iter()
+                .map(|n| {
+                    let (prompt, cached) = metrics.requests.tokens_of(n.id());
+                    json!({"id": n.id(), "prompt_tokens": prompt, "cached_tokens": cached})
+                })
+                .collect();
+            let groups: Vec<Value> = load
+                .groups
+                .hottest(GROUPS_SHOWN)
+                .into_iter()
+                .map(|g| {
+                    json!({
+                        "tag": format!("{:08x}", g.tag),
+                        "recent_requests": g.recent,
+                        "share": g.share,
+                        "width": g.width,
+                    })
+                })
+                .collect();
+            json!({
+                "name": pool.config.name,
+                "models": pool.config.models,
+                "key": table.config.routing.key.as_str(),
+                "queued": load.queued(),
+                "queued_by_priority": classes,
+                "in_flight": b.nodes().iter().map(|n| n.state().in_flight()).sum::<u32>(),
+                "cap": b.nodes().iter().map(|n| b.cap_of(n)).sum::<u32>(),
+                "nodes": nodes,
+                "groups": groups,
+            })
+        })
+        .collect();
+    let fleet = &metrics.fleet;
+    json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "redis": {
+            "configured": table.config.redis.is_some(),
+            "up": table.config.redis.is_some().then(|| fleet.redis_up.get() == 1),
+            "replicas": fleet.balancer_replicas.get(),
+        },
+        "routing": {
+            "max_in_flight": table.config.routing.max_in_flight,
+            "when_saturated": table.config.routing.when_saturated.as_str(),
+        },
+        "pools": pools,
+    })
+}
