@@ -7,14 +7,21 @@
 # balancer, and its in-flight count after.
 #   scripts/streams_memory.sh                 # 1,000 streams of 100 tokens
 #   STREAMS=2000 TOKENS=100 scripts/streams_memory.sh
+#   B=path/to/prefixlb scripts/streams_memory.sh     # another build
+#   WRAP="heaptrack -o target/streams" B=… scripts/streams_memory.sh   # under a profiler
+#     (a build without mimalloc, which heaptrack cannot see; RSS lines then read the
+#     wrapper's, the profile has the balancer's)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STREAMS=${STREAMS:-1000}
 TOKENS=${TOKENS:-100}
 WORK=${WORK:-target/streams-memory}
 mkdir -p "$WORK"
-cargo build --release --quiet
-BIN=target/release/prefixlb
+if [ -z "${B:-}" ]; then
+    cargo build --release --quiet
+    B=target/release/prefixlb
+fi
+BIN=$B
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
@@ -42,10 +49,13 @@ name = "mock"
 models = ["mock"]
 $NODES
 EOF
-RUST_LOG=warn "$BIN" serve --config "$WORK/prefixlb.toml" >/dev/null 2>&1 &
+RUST_LOG=warn ${WRAP:-} "$BIN" serve --config "$WORK/prefixlb.toml" >/dev/null 2>&1 &
 LB=$!
 PIDS+=($LB)
-sleep 1
+for _ in $(seq 100); do
+    curl -sf http://127.0.0.1:19390/healthz >/dev/null && break
+    sleep 0.1
+done
 
 mem() { awk '/^(VmRSS|VmHWM):/ {printf "%s %.1f MB  ", $1, $2 / 1024}' "/proc/$LB/status"; echo; }
 echo "idle:        $(mem)"

@@ -329,6 +329,20 @@ async fn spans_follow_a_request_through_placement_attempts_and_the_engine() {
         h.await.unwrap();
     }
 
+    // The balancer's own health answer makes no trace (checked once later spans came).
+    let health_trace = "11111111111111111111111111111111";
+    let health = call(
+        "GET",
+        &lb.url("/health"),
+        &[(
+            "traceparent",
+            &format!("00-{health_trace}-2222222222222222-01"),
+        )],
+        "",
+    )
+    .await;
+    assert_eq!(health.status, 200);
+
     // 5. A refusal of the balancer's own: a span with the error, no attempt.
     let reply = post_json(
         &lb.url("/v1/chat/completions"),
@@ -345,6 +359,10 @@ async fn spans_follow_a_request_through_placement_attempts_and_the_engine() {
     assert_eq!(request.attr("http.response.status_code"), "404");
     assert_eq!(request.attr("prefixlb.outcome"), "model_not_found");
     assert!(got.iter().all(|s| s.name != "attempt"));
+    assert!(
+        spans.lock().iter().all(|s| s.trace != health_trace),
+        "GET /health is traced"
+    );
     drop(lb);
     let _ = std::fs::remove_file(log);
 }

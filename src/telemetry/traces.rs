@@ -94,8 +94,12 @@ where
 }
 
 /// The span of one client request, continuing the caller's trace when its headers
-/// carry one. Disabled (and free) when traces are off.
+/// carry one. Disabled (and free) when traces are off, and for the balancer's own
+/// `GET /health` (a load balancer's probe every few seconds is no trace).
 pub fn request_span(method: &Method, path: &str, headers: &HeaderMap) -> Span {
+    if method == Method::GET && path == "/health" {
+        return Span::none();
+    }
     let span = tracing::info_span!(
         target: TARGET,
         "request",
