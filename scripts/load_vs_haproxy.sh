@@ -9,6 +9,7 @@
 #   LOAD_FACTOR=off scripts/load_vs_haproxy.sh        # prefixlb without the relative bound
 #   BODIES=1k CONNS=32 ROUNDS=30 DURATION=3 scripts/load_vs_haproxy.sh   # one cell, many rounds
 #   ENGINES=nginx ROUNDS=12 DURATION=3 scripts/load_vs_haproxy.sh      # engines that cost nothing
+#   SGLANG=1 scripts/load_vs_haproxy.sh         # SGLang's router (cache_aware) as a third column
 # ENGINES=mock (the default): two zero-latency `mock-engine`s, which parse JSON and
 # build answers on the same cores (every ratio is squeezed toward 1). ENGINES=nginx:
 # two nginx servers (one worker each, no access log) answering every POST with a
@@ -26,6 +27,8 @@ DURATION=${DURATION:-10}
 THREADS=${THREADS:-2}
 LOAD_FACTOR=${LOAD_FACTOR:-1.25}
 ENGINES=${ENGINES:-mock}
+SGLANG=${SGLANG:-0}
+VENV=${VENV:-target/sglang-venv}
 BODIES=${BODIES:-1k 18k}
 CONNS=${CONNS:-32 256}
 WORK=${WORK:-target/load}
@@ -129,6 +132,23 @@ EOF
 haproxy -f "$WORK/haproxy.cfg" -db >/dev/null 2>&1 &
 HA_PID=$!
 PIDS+=($HA_PID)
+if [ "$SGLANG" = 1 ]; then
+    # SGLang's router (the sglang-router wheel, Rust) as its users run it for prefix
+    # affinity: policy cache_aware over the same two engines.
+    if ! [ -x "$VENV/bin/python" ]; then python3 -m venv "$VENV"; fi
+    "$VENV/bin/python" -c 'import sglang_router' 2>/dev/null ||
+        "$VENV/bin/pip" install -q --disable-pip-version-check sglang-router
+    "$VENV/bin/python" -m sglang_router.launch_router --host 127.0.0.1 --port 19182 \
+        --worker-urls http://127.0.0.1:19200 http://127.0.0.1:19201 --policy cache_aware \
+        --log-level warn >"$WORK/sglang.log" 2>&1 &
+    SG_PID=$!
+    PIDS+=($SG_PID)
+    for _ in $(seq 1 300); do
+        curl -fsS -o /dev/null http://127.0.0.1:19182/health 2>/dev/null && break
+        sleep 0.1
+    done
+    # The router's own process (python execs into its Rust extension: same pid).
+fi
 sleep 1
 
 # Two bodies: ~1 KB and ~18 KB of chat (a system prompt, turns), non-streaming.
@@ -178,7 +198,7 @@ EOF
 
 echo
 echo "engines: $ENGINES"
-echo "round body conns | prefixlb rps p50 p99 cpu/1k | haproxy rps p50 p99 cpu/1k"
+echo "round body conns | prefixlb rps p50 p99 cpu/1k | haproxy rps p50 p99 cpu/1k$([ "$SGLANG" = 1 ] && echo ' | sglang rps p50 p99 cpu/1k')"
 for round in $(seq "$ROUNDS"); do
     for body in $BODIES; do
         for conns in $CONNS; do
@@ -190,7 +210,12 @@ for round in $(seq "$ROUNDS"); do
                 b=$(run haproxy 19181 "$HA_PID" "$body" "$conns")
                 a=$(run prefixlb 19180 "$LB_PID" "$body" "$conns")
             fi
-            echo "$round $body $conns | $a | $b" | tee -a "$WORK/rows.txt"
+            if [ "$SGLANG" = 1 ]; then
+                c=$(run sglang 19182 "$SG_PID" "$body" "$conns")
+                echo "$round $body $conns | $a | $b | $c" | tee -a "$WORK/rows.txt"
+            else
+                echo "$round $body $conns | $a | $b" | tee -a "$WORK/rows.txt"
+            fi
         done
     done
 done
@@ -206,7 +231,8 @@ for r in rows:
     key = (r[1], int(r[2]))
     a = [float(x) for x in r[4:8]]
     b = [float(x) for x in r[10:14]]
-    cells.setdefault(key, []).append((a, b))
+    c = [float(x) for x in r[16:20]] if len(r) >= 20 else None
+    cells.setdefault(key, []).append((a, b, c))
 print(f"{'body':>5} {'conns':>5} | {'prefixlb rps':>12} {'p50':>7} {'p99':>7} {'cpu/1k':>7} | {'haproxy rps':>11} {'p50':>7} {'p99':>7} {'cpu/1k':>7} | {'rps x':>6} {'p99 x':>6} | {'paired':>6} {'won':>5}")
 for (body, conns), runs in sorted(cells.items()):
     med = lambda side, i: statistics.median(r[side][i] for r in runs)
@@ -218,6 +244,15 @@ for (body, conns), runs in sorted(cells.items()):
     won = sum(r[0][0] > r[1][0] for r in runs)
     print(f"{body:>5} {conns:>5} | {a[0]:>12.0f} {a[1]:>7.2f} {a[2]:>7.2f} {a[3]:>7.3f} | {b[0]:>11.0f} {b[1]:>7.2f} {b[2]:>7.2f} {b[3]:>7.3f} | {a[0] / b[0]:>6.2f} {a[2] / b[2]:>6.2f} | {paired:>6.2f} {won:>2}/{len(runs):<2}")
 print("paired: the median of the rounds' prefixlb/haproxy throughput ratios; won: rounds prefixlb was faster")
+if all(r[2] for runs in cells.values() for r in runs):
+    print()
+    print(f"{'body':>5} {'conns':>5} | {'sglang rps':>10} {'p50':>7} {'p99':>7} {'cpu/1k':>7} | {'prefixlb/sglang':>15} {'won':>5}")
+    for (body, conns), runs in sorted(cells.items()):
+        c = [statistics.median(r[2][i] for r in runs) for i in range(4)]
+        paired = statistics.median(r[0][0] / r[2][0] for r in runs)
+        won = sum(r[0][0] > r[2][0] for r in runs)
+        print(f"{body:>5} {conns:>5} | {c[0]:>10.0f} {c[1]:>7.2f} {c[2]:>7.2f} {c[3]:>7.3f} | {paired:>15.2f} {won:>2}/{len(runs):<2}")
+    print("sglang: SGLang's router, policy cache_aware; prefixlb/sglang: the median of the rounds' throughput ratios")
 EOF
 echo "prefixlb's requests per engine (HAProxy's split the same hot key by the same rule):"
 curl -s "http://127.0.0.1:19190/metrics" | awk -F'[{}" ]' '/^prefixlb_requests_total\{node="e/ {print "  " $3 ": " $NF}'

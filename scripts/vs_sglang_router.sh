@@ -119,8 +119,31 @@ for w in $WORKLOADS; do
 import json, sys
 r = json.loads(sys.argv[1])
 print("%-14s %-11s %5s %9d %8d %7.1f%% %8.0f %8.0f" % (sys.argv[2], sys.argv[3], sys.argv[4],
-      r["requests"], r["errors"], 100 * r["hit_rate"], r["ttft_p50_ms"], r["ttft_p99_ms"]))' \
-        "$out" "$w" "$r" "$seed"
+      r["requests"], r["errors"], 100 * r["hit_rate"], r["ttft_p50_ms"], r["ttft_p99_ms"]))
+with open(sys.argv[5], "a") as f:
+    f.write(json.dumps({"workload": sys.argv[2], "router": sys.argv[3], **r}) + "\n")' \
+        "$out" "$w" "$r" "$seed" "$WORK/runs.jsonl"
     done
   done
 done
+
+# The same, as the README's markdown table: means over the seeds.
+echo
+python3 - "$WORK/runs.jsonl" "$SEEDS" <<'EOF'
+import json, statistics, sys
+runs = [json.loads(l) for l in open(sys.argv[1])]
+seeds = sys.argv[2].split()
+print(f"| workload | router | hit rate | TTFT p50 ms | TTFT p99 ms | errors |")
+print("|---|---|---|---|---|---|")
+order = []
+for r in runs:
+    if (r["workload"], r["router"]) not in order:
+        order.append((r["workload"], r["router"]))
+for w, router in order:
+    mine = [r for r in runs if r["workload"] == w and r["router"] == router]
+    mean = lambda k: statistics.mean(r[k] for r in mine)
+    name = {"sglang": "SGLang router (cache_aware)", "round-robin": "round robin"}.get(router, router)
+    print(f"| {w} | {name} | {100 * mean('hit_rate'):.1f} % | {mean('ttft_p50_ms'):.0f} | "
+          f"{mean('ttft_p99_ms'):.0f} | {sum(r['errors'] for r in mine)} |")
+print(f"\nmeans over seeds {', '.join(seeds)}")
+EOF
