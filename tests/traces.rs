@@ -357,7 +357,8 @@ async fn spans_follow_a_request_through_placement_attempts_and_the_engine() {
     let got = trace_of(&spans, "0af7651916cd43dd8448eb211c80319c", 1).await;
     let request = one(&got, "POST /v1/chat/completions");
     assert_eq!(request.attr("http.response.status_code"), "404");
-    assert_eq!(request.attr("prefixlb.outcome"), "model_not_found");
+    assert_eq!(request.attr("prefixlb.outcome"), "client_error");
+    assert_eq!(request.attr("error.type"), "model_not_found");
     assert!(got.iter().all(|s| s.name != "attempt"));
     assert!(
         spans.lock().iter().all(|s| s.trace != health_trace),

@@ -197,9 +197,9 @@ impl Proxy {
         {
             Ok(resp) => resp,
             Err(e) => {
-                traces::record_refusal(&span, e.status().as_u16(), e.code());
                 let pool = pool.unwrap_or("none");
                 let outcome = RequestOutcome::of_status(e.status().as_u16());
+                traces::record_refusal(&span, e.status().as_u16(), outcome.as_str(), e.code());
                 self.metrics
                     .observe_request(pool, "none", outcome, started.elapsed());
                 tracing::info!(

@@ -168,13 +168,14 @@ pub fn record_asker(span: &Span, tenant: &str, priority: &str) {
     span.record("prefixlb.priority", priority);
 }
 
-/// How a request ended when it was answered with an error of the balancer's own.
-pub fn record_refusal(span: &Span, status: u16, code: &str) {
+/// How a request ended when it was answered with an error of the balancer's own: its
+/// outcome as metrics label it, and the error's code as `error.type`.
+pub fn record_refusal(span: &Span, status: u16, outcome: &str, code: &str) {
     if span.is_disabled() {
         return;
     }
     span.record("http.response.status_code", u64::from(status));
-    span.record("prefixlb.outcome", code);
+    span.record("prefixlb.outcome", outcome);
     span.record("error.type", code);
     if status >= 500 {
         span.record("otel.status_code", "ERROR");
