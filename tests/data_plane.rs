@@ -893,3 +893,68 @@ async fn a_queued_request_takes_a_node_that_comes_back_without_a_slot_freeing() 
     );
     drop(held);
 }
+
+/// `server.lanes`: the client port served by that many single-threaded runtimes, each
+/// its own thread with its own listener. Many streams at once all complete whole, the
+/// lanes' threads exist, every slot comes back, and SIGTERM lets an open stream finish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lanes_serve_the_client_port_from_their_own_threads() {
+    let engines = four_engines(&["--decode-ms-per-token", "5"]);
+    let mut lb = balancer(&config(&refs(&engines), "lanes = 2", "max_in_flight = 64"));
+    let pid = lb.pid();
+    let threads = move || -> Vec<String> {
+        std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+            .map(|c| c.trim().to_string())
+            .collect()
+    };
+    let started = eventually(Duration::from_secs(5), || async {
+        let names = threads();
+        ["prefixlb-lane-0", "prefixlb-lane-1"]
+            .iter()
+            .all(|lane| names.iter().any(|t| t == lane))
+    })
+    .await;
+    assert!(started, "{:?}", threads());
+    let sends = (0..64).map(|i| {
+        let url = lb.url("/v1/chat/completions");
+        tokio::spawn(async move {
+            let body = chat(&[("user", &format!("conversation {i}"))], true, 8);
+            post_json(&url, &body, &[]).await
+        })
+    });
+    for send in sends {
+        let reply = send.await.unwrap();
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        assert!(
+            reply.text().ends_with("data: [DONE]\n\n"),
+            "{}",
+            reply.text()
+        );
+    }
+    let idle = eventually(Duration::from_secs(5), || async {
+        in_flight(&lb).await.iter().all(|(_, n)| *n == 0)
+    })
+    .await;
+    assert!(idle, "{:?}", in_flight(&lb).await);
+    // A stream open at SIGTERM finishes; the process then exits cleanly.
+    let resp = post_stream(
+        &lb.url("/v1/chat/completions"),
+        &chat(&[("user", "the last one")], true, 100),
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    let pid = lb.pid().to_string();
+    std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    let mut body = resp.into_body();
+    let mut text = String::new();
+    while let Some(chunk) = next_chunk(&mut body).await {
+        text.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+    assert_eq!(lb.wait_exit(Duration::from_secs(10)), Some(0));
+}

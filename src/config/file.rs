@@ -75,6 +75,10 @@ pub struct ServerSection {
     /// Open client connections at most; past it, new ones wait in the kernel's backlog.
     /// Default 10000.
     pub max_connections: Spanned<usize>,
+    /// Serving lanes: that many threads, each a single-threaded runtime with its own
+    /// `SO_REUSEPORT` listener on `listen` and its own engine connections; 0 serves
+    /// every connection from one shared multi-threaded runtime. Default 0.
+    pub lanes: Spanned<usize>,
     /// Time a client has to send its whole request body (408 after). Default `"30s"`.
     pub body_read_timeout: Dur,
     /// Request bytes buffered at once across all connections (queued requests
@@ -99,6 +103,7 @@ impl Default for ServerSection {
             max_header_bytes: unspanned(64 * 1024),
             http2_keep_alive_interval: Dur::secs(20),
             max_connections: unspanned(10_000),
+            lanes: unspanned(0),
             body_read_timeout: Dur::secs(30),
             max_buffered_bytes: unspanned(1 << 30),
         }

@@ -154,6 +154,8 @@ pub struct ServerConfig {
     pub max_header_bytes: usize,
     pub http2_keep_alive_interval: Duration,
     pub max_connections: usize,
+    /// Serving lanes (0: one shared runtime).
+    pub lanes: usize,
     pub body_read_timeout: Duration,
     pub max_buffered_bytes: usize,
 }

@@ -535,6 +535,7 @@ fn validate_server(s: ServerSection) -> Result<ServerConfig, Invalid> {
         max_header_bytes: within(&s.max_header_bytes, 8192..=16 << 20, "max_header_bytes")?,
         http2_keep_alive_interval: s.http2_keep_alive_interval.0,
         max_connections: within(&s.max_connections, 1..=1_000_000, "max_connections")?,
+        lanes: within(&s.lanes, 0..=256, "lanes")?,
         body_read_timeout: s.body_read_timeout.0,
         max_buffered_bytes: max_buffered_bytes as usize,
     })

@@ -46,8 +46,10 @@ use ingress::{BodyLimits, ByteBudget};
 /// request-byte budget.
 pub struct Proxy {
     table: ArcSwap<Table>,
-    /// Keep-alive connections to the engines, handed back by the relayed body.
-    upstream: Arc<upstream::Upstream>,
+    /// Keep-alive connections to the engines, handed back by the relayed body: one
+    /// pool per serving lane (see [`set_lane`]), so a lane's requests reuse the
+    /// connections its own runtime drives.
+    upstreams: Box<[Arc<upstream::Upstream>]>,
     /// The health checks' own connections: a check never leaves the requests a
     /// connection the engine is about to close.
     checks: Arc<upstream::Upstream>,
@@ -63,11 +65,20 @@ impl Proxy {
     /// A data plane serving `table`, its engine connections bounded by the table's
     /// `connect_timeout`.
     pub fn new(table: Table, metrics: Arc<RequestMetrics>) -> Arc<Proxy> {
-        let upstream = upstream::Upstream::new(table.config.server.connect_timeout, UPSTREAM_IDLE);
-        let checks = upstream::Upstream::new(table.config.server.connect_timeout, UPSTREAM_IDLE);
+        Proxy::with_lanes(table, metrics, 1)
+    }
+
+    /// A data plane whose requests are served by `lanes` runtimes, each with its own
+    /// engine connections.
+    pub fn with_lanes(table: Table, metrics: Arc<RequestMetrics>, lanes: usize) -> Arc<Proxy> {
+        let timeout = table.config.server.connect_timeout;
+        let upstreams = (0..lanes.max(1))
+            .map(|_| upstream::Upstream::new(timeout, UPSTREAM_IDLE))
+            .collect();
+        let checks = upstream::Upstream::new(timeout, UPSTREAM_IDLE);
         Arc::new(Proxy {
             table: ArcSwap::from_pointee(table),
-            upstream,
+            upstreams,
             checks,
             metrics,
             budget: Arc::default(),
@@ -94,7 +105,9 @@ impl Proxy {
 
     /// Drops idle engine connections that expired or closed (see [`upstream::Upstream::sweep`]).
     pub fn sweep_idle_connections(&self) {
-        self.upstream.sweep();
+        for u in self.upstreams.iter() {
+            u.sweep();
+        }
         self.checks.sweep();
     }
 
@@ -273,8 +286,9 @@ impl Proxy {
         traces::record_placement(span, &placement);
         let asker = self.ask(table, key_name, &parts.headers, &placement)?;
         traces::record_asker(span, &asker.tenant_label, &asker.class_name);
+        let lane = LANE.with(std::cell::Cell::get) % self.upstreams.len();
         let exchange = forward::Exchange {
-            upstream: &self.upstream,
+            upstream: &self.upstreams[lane],
             metrics: &self.metrics,
             table,
             placement,
@@ -344,6 +358,17 @@ impl Proxy {
             },
         })
     }
+}
+
+thread_local! {
+    /// The serving lane of this thread (0 on the shared runtime).
+    static LANE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Marks this thread as serving lane `lane`: its requests use that lane's engine
+/// connections. Called once by each lane's thread.
+pub fn set_lane(lane: usize) {
+    LANE.with(|l| l.set(lane));
 }
 
 /// Output tokens assumed of a request that does not say (`max_tokens`), for its cost

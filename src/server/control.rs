@@ -41,11 +41,16 @@ pub struct Control {
 impl Control {
     /// A control plane and the data plane it feeds, serving `config`.
     pub fn new(config: Config, source: Option<PathBuf>) -> Arc<Control> {
+        Control::with_lanes(config, source, 1)
+    }
+
+    /// A control plane whose data plane serves from `lanes` runtimes.
+    pub fn with_lanes(config: Config, source: Option<PathBuf>, lanes: usize) -> Arc<Control> {
         let registry = Registry::default();
         let metrics = Arc::new(Metrics::new());
         let table = Table::build(config.clone(), &registry);
         Arc::new(Control {
-            proxy: Proxy::new(table, metrics.requests.clone()),
+            proxy: Proxy::with_lanes(table, metrics.requests.clone(), lanes),
             registry,
             metrics,
             source,

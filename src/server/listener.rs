@@ -103,9 +103,25 @@ pub async fn serve<H, F>(
     H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<BoxBody>> + Send + 'static,
 {
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    serve_with_slots(listener, handler, shutdown, grace, limits, slots).await;
+}
+
+/// [`serve`], counting open connections in `slots` (shared by the listeners of one
+/// port's serving lanes, so `max_connections` holds for the port).
+pub async fn serve_with_slots<H, F>(
+    listener: TcpListener,
+    handler: H,
+    shutdown: impl Future<Output = ()>,
+    grace: Duration,
+    limits: ConnLimits,
+    slots: Arc<Semaphore>,
+) where
+    H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Response<BoxBody>> + Send + 'static,
+{
     let builder = limits.builder();
     let graceful = GracefulShutdown::new();
-    let slots = Arc::new(Semaphore::new(limits.max_connections));
     let mut shutdown = std::pin::pin!(shutdown);
     let mut backoff = Duration::from_millis(5);
     loop {
