@@ -10,6 +10,7 @@
 #   BODIES=1k CONNS=32 ROUNDS=30 DURATION=3 scripts/load_vs_haproxy.sh   # one cell, many rounds
 #   ENGINES=nginx ROUNDS=12 DURATION=3 scripts/load_vs_haproxy.sh      # engines that cost nothing
 #   SGLANG=1 scripts/load_vs_haproxy.sh         # SGLang's router (cache_aware) as a third column
+#   LANES=2 scripts/load_vs_haproxy.sh          # prefixlb with server.lanes = 2
 # ENGINES=mock (the default): two zero-latency `mock-engine`s, which parse JSON and
 # build answers on the same cores (every ratio is squeezed toward 1). ENGINES=nginx:
 # two nginx servers (one worker each, no access log) answering every POST with a
@@ -28,6 +29,7 @@ THREADS=${THREADS:-2}
 LOAD_FACTOR=${LOAD_FACTOR:-1.25}
 ENGINES=${ENGINES:-mock}
 SGLANG=${SGLANG:-0}
+LANES=${LANES:-0}
 VENV=${VENV:-target/sglang-venv}
 BODIES=${BODIES:-1k 18k}
 CONNS=${CONNS:-32 256}
@@ -88,6 +90,7 @@ cat >"$WORK/prefixlb.toml" <<EOF
 [server]
 listen = "127.0.0.1:19180"
 admin_listen = "127.0.0.1:19190"
+lanes = $LANES
 [routing]
 # High enough never to bind: this measures the proxy, not bounded loads.
 max_in_flight = 100000
