@@ -7,6 +7,8 @@
 //! walk as slots free, so the key still lands on its nearest free node), refuse at
 //! once, or overcommit the least loaded node.
 
+use std::time::Duration;
+
 use tokio::time::Instant;
 
 use super::{now, ProxyError};
@@ -40,16 +42,18 @@ pub(super) async fn admit(
     tried: &[usize],
     metrics: &RequestMetrics,
     asker: &Asker,
-) -> Result<(Choice, bool), ProxyError> {
+) -> Result<(Choice, bool, Duration), ProxyError> {
     let pool = &placement.pool().config.name;
     let name = || pool.clone();
     if !placement.api.is_load() {
         // It only tokenizes: the least loaded willing node, at once.
         return placement
             .choose_least_loaded(tried)
-            .map(|c| (c, false))
+            .map(|c| (c, false, Duration::ZERO))
             .ok_or_else(|| ProxyError::NoNode { pool: name() });
     }
+    // Time spent waiting, at its home or in the queue (for its trace).
+    let mut waited_in_all = Duration::ZERO;
     // `tried` starts with the nodes that do not serve its adapter: what follows them
     // are the nodes of its own failed attempts.
     let failed = tried.get(placement.unserved().len()..).unwrap_or_default();
@@ -61,14 +65,15 @@ pub(super) async fn admit(
     let walk = match walk {
         Walk::Chosen(c) if c.distance > 0 && failed.is_empty() => {
             let Some((home, budget)) = placement.home_wait(c.index) else {
-                return Ok((c, false));
+                return Ok((c, false, Duration::ZERO));
             };
             drop(c);
             let waited = Instant::now();
             let at_home = wait_for_home(placement, home, budget).await;
-            metrics.observe_queue_wait(pool, waited.elapsed());
+            waited_in_all = waited.elapsed();
+            metrics.observe_queue_wait(pool, waited_in_all);
             if let Some(c) = at_home {
-                return Ok((c, true));
+                return Ok((c, true, waited_in_all));
             }
             // The budget ran out: what the walk offers now, as for any request (the
             // pool may have filled meanwhile: then `when_saturated` applies).
@@ -77,13 +82,13 @@ pub(super) async fn admit(
         walk => walk,
     };
     match walk {
-        Walk::Chosen(c) => Ok((c, false)),
+        Walk::Chosen(c) => Ok((c, false, waited_in_all)),
         Walk::Unavailable => Err(ProxyError::NoNode { pool: name() }),
         Walk::Saturated => match routing.when_saturated {
             WhenSaturated::Reject => Err(ProxyError::Saturated { pool: name() }),
             WhenSaturated::LeastLoaded => placement
                 .choose_least_loaded(tried)
-                .map(|c| (c, false))
+                .map(|c| (c, false, waited_in_all))
                 .ok_or_else(|| ProxyError::NoNode { pool: name() }),
             WhenSaturated::Queue => {
                 let waited = Instant::now();
@@ -102,7 +107,8 @@ pub(super) async fn admit(
                         metrics.observe_tenant_wait(class, &asker.tenant_label, waited.elapsed())
                     }
                 }
-                admitted.map(|c| (c, true))
+                let waited_in_all = waited_in_all + waited.elapsed();
+                admitted.map(|c| (c, true, waited_in_all))
             }
         },
     }

@@ -135,7 +135,6 @@ impl Exchange<'_> {
         let mut failures: Vec<Failure> = Vec::new();
         let mut attempt = 0;
         while attempt < max_attempts {
-            let asked = Instant::now();
             let admitted = admission::admit(
                 &self.placement,
                 self.routing(),
@@ -144,7 +143,7 @@ impl Exchange<'_> {
                 &self.asker,
             )
             .await;
-            let (choice, queued) = match admitted {
+            let (choice, queued, waited) = match admitted {
                 Ok(admitted) => admitted,
                 Err(e @ ProxyError::NoNode { .. }) => match self.placement.fallback(self.table) {
                     Some(next) => {
@@ -161,8 +160,8 @@ impl Exchange<'_> {
                 Err(e) if failures.is_empty() => return Err(e),
                 Err(_) => break, // nothing left to fail over to
             };
-            if queued {
-                self.queue_wait += asked.elapsed();
+            if !waited.is_zero() {
+                self.queue_wait += waited;
                 self.span
                     .record("prefixlb.queue_wait_ms", traces::ms(self.queue_wait));
             }
