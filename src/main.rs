@@ -18,6 +18,32 @@ use prefixlb::routing::table::{Registry, Table};
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// Turns transparent huge pages off for this process, unless `MIMALLOC_ALLOW_THP` is
+/// set (then mimalloc does what it says). Where the kernel has THP `always`, the
+/// allocator's 2 MiB-aligned arenas fault in whole huge pages: 1,000 open streams
+/// peaked at 73.9 MB resident with THP and 51.9 MB without, idle 19.9 MB against
+/// 10.8 MB, at no measurable CPU cost (docs/performance.md). A proxy's heap is small
+/// and scattered; huge pages buy it nothing.
+///
+/// It runs as a constructor ahead of mimalloc's own (priority 101), before anything is
+/// allocated: from `main` it would come after the first arena's first huge page.
+#[cfg(target_os = "linux")]
+#[used]
+#[link_section = ".init_array.00100"]
+static NO_TRANSPARENT_HUGE_PAGES: extern "C" fn() = no_transparent_huge_pages;
+
+#[cfg(target_os = "linux")]
+extern "C" fn no_transparent_huge_pages() {
+    // SAFETY: getenv reads the environment, which nothing writes this early (no other
+    // thread exists); PR_SET_THP_DISABLE takes integers and sets a flag on this
+    // process. Neither allocates. A kernel without it (before 3.15) keeps THP.
+    unsafe {
+        if libc::getenv(c"MIMALLOC_ALLOW_THP".as_ptr()).is_null() {
+            libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0);
+        }
+    }
+}
+
 #[derive(Parser)]
 #[command(
     name = "prefixlb",
