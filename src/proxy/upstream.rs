@@ -37,14 +37,16 @@ use tokio_rustls::client::TlsStream;
 
 use super::h1::{self, Chunked, Decoded, Framing, WireError};
 
-/// Read buffers start at, and grow by, this much when they run low. Streams read
-/// events of a few hundred bytes: at 16 KiB, 1,000 open streams held 12 MB more
-/// (`scripts/streams_memory.sh`: 82.9 against 71.0 MB), for no throughput measured
-/// (`load_vs_haproxy.sh`, 1 KB bodies, the two builds alternated: paired 1.00-1.02x
-/// HAProxy at 32 connections and 0.75-0.78x at 256 either way).
-const READ_CHUNK: usize = 4 * 1024;
+/// An engine connection's read buffer starts this small: streams read events of a few
+/// hundred bytes, and 1,000 open streams hold 1,000 of these buffers
+/// (`scripts/streams_memory.sh`: at a fixed 16 KiB, 12 MB more than at 4 KiB; at
+/// 4 KiB, 2 MB more than at 1 KiB). A read that fills the room doubles the next
+/// growth, up to [`MAX_READ_CHUNK`], so a large answer is still read in few calls.
+const FIRST_READ_CHUNK: usize = 1024;
+/// The most a read buffer grows by at once.
+const MAX_READ_CHUNK: usize = 64 * 1024;
 /// Below this much free room a read buffer grows first.
-const MIN_READ_ROOM: usize = 1024;
+const MIN_READ_ROOM: usize = 256;
 /// How long an engine that broke off reading a request has to have its answer read.
 const EARLY_ANSWER: Duration = Duration::from_secs(2);
 
@@ -163,6 +165,8 @@ type Origin = (Authority, bool);
 struct Conn {
     io: Io,
     buf: BytesMut,
+    /// How much the read buffer grows by next (doubles while reads fill it).
+    read_chunk: usize,
     /// It has carried a request before (a stale one may fail; a fresh one should not).
     reused: bool,
 }
@@ -192,9 +196,19 @@ impl Conn {
     /// Reads what the socket has into the buffer; `Ok(0)` at the engine's close.
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         if self.buf.capacity() - self.buf.len() < MIN_READ_ROOM {
-            self.buf.reserve(READ_CHUNK);
+            self.buf.reserve(self.read_chunk);
         }
-        tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.buf)
+        let room = self.buf.capacity() - self.buf.len();
+        let read = ready!(tokio_util::io::poll_read_buf(
+            Pin::new(&mut self.io),
+            cx,
+            &mut self.buf
+        ));
+        if matches!(read, Ok(n) if n == room) {
+            // The socket had at least as much as we had room for: more may be waiting.
+            self.read_chunk = (self.read_chunk * 2).min(MAX_READ_CHUNK);
+        }
+        Poll::Ready(read)
     }
 
     async fn write_request(&mut self, head: &[u8], body: &[u8]) -> io::Result<()> {
@@ -425,7 +439,8 @@ impl Upstream {
             .map_err(|_| UpstreamError::ConnectTimeout(self.connect_timeout))??;
         Ok(Conn {
             io,
-            buf: BytesMut::with_capacity(READ_CHUNK),
+            buf: BytesMut::with_capacity(FIRST_READ_CHUNK),
+            read_chunk: FIRST_READ_CHUNK,
             reused: false,
         })
     }

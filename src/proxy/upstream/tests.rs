@@ -177,3 +177,37 @@ async fn refused_connections_are_an_error_naming_the_cause() {
     let err = send(&up, &authority).await.err().unwrap();
     assert!(err.to_string().starts_with("tcp connect error"), "{err}");
 }
+
+/// The read buffer starts at 1 KiB: a head several times larger (one long header
+/// field), then a 512 KiB body, then a large chunked body, all come whole, twice on
+/// one connection.
+#[tokio::test]
+async fn a_head_and_bodies_far_larger_than_the_first_read_buffer_come_whole() {
+    let big = "x".repeat(6 * 1024);
+    let body: String = (0..512 * 1024)
+        .map(|i| (b'a' + (i % 26) as u8) as char)
+        .collect();
+    let chunk = "y".repeat(100 * 1024);
+    let answer = format!(
+        "HTTP/1.1 200 OK\r\nx-long: {big}\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let answer: &'static [u8] = Box::leak(answer.into_bytes().into_boxed_slice());
+    let (authority, accepted) = engine_answering(answer, false).await;
+    let up = Upstream::new(Duration::from_secs(1), Duration::from_secs(4));
+    for _ in 0..2 {
+        assert_eq!(round_trip(&up, &authority).await, body.as_bytes());
+    }
+    assert_eq!(accepted.load(SeqCst), 1);
+
+    let chunked = format!(
+        "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n{chunk}\r\n{:x}\r\n{chunk}\r\n0\r\n\r\n",
+        chunk.len(),
+        chunk.len()
+    );
+    let chunked: &'static [u8] = Box::leak(chunked.into_bytes().into_boxed_slice());
+    let (authority, _) = engine_answering(chunked, false).await;
+    for _ in 0..2 {
+        assert_eq!(round_trip(&up, &authority).await.len(), 2 * chunk.len());
+    }
+}
