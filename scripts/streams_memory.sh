@@ -7,6 +7,8 @@
 # balancer, and its in-flight count after.
 #   scripts/streams_memory.sh                 # 1,000 streams of 100 tokens
 #   STREAMS=2000 TOKENS=100 scripts/streams_memory.sh
+#   GOAL_MB=50 (the default): exits 1 if the peak is above it, a stream is cut short or
+#     a request is still in flight after
 #   B=path/to/prefixlb scripts/streams_memory.sh     # another build
 #   WRAP="heaptrack -o target/streams" B=… scripts/streams_memory.sh   # under a profiler
 #     (a build without mimalloc, which heaptrack cannot see; RSS lines then read the
@@ -15,6 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 STREAMS=${STREAMS:-1000}
 TOKENS=${TOKENS:-100}
+GOAL_MB=${GOAL_MB:-50}
 WORK=${WORK:-target/streams-memory}
 mkdir -p "$WORK"
 if [ -z "${B:-}" ]; then
@@ -89,8 +92,17 @@ async def main():
     ok = await asyncio.gather(*(one(i, opened, peak) for i in range(n)))
     print(f"all {n} streams open at once: RSS {peak[0] if peak else float('nan'):.1f} MB; "
           f"{sum(ok)} of {n} whole in {time.time() - t:.1f} s")
+    sys.exit(0 if sum(ok) == n else 1)
 asyncio.run(main())
 EOF
 sleep 1
 echo "after:       $(mem)"
-echo "in flight:   $(curl -s http://127.0.0.1:19390/metrics | awk '/^prefixlb_in_flight/ {s += $2} END {print s}')"
+IN_FLIGHT=$(curl -s http://127.0.0.1:19390/metrics | awk '/^prefixlb_in_flight/ {s += $2} END {print s}')
+echo "in flight:   $IN_FLIGHT"
+PEAK_KB=$(awk '/^VmHWM:/ {print $2}' "/proc/$LB/status")
+if [ "$IN_FLIGHT" != 0 ]; then echo "FAIL: $IN_FLIGHT still in flight"; exit 1; fi
+if [ "$PEAK_KB" -gt $((GOAL_MB * 1024)) ]; then
+    echo "FAIL: peak $((PEAK_KB / 1024)) MB is above the goal of $GOAL_MB MB"
+    exit 1
+fi
+echo "ok: peak $((PEAK_KB / 1024)) MB, at most $GOAL_MB MB"
