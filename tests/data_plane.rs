@@ -651,14 +651,38 @@ async fn an_adapter_goes_only_to_engines_that_serve_it_and_is_learned_from_them(
         "models = [\"mock\"]\nadapters = [\"chat-lora\"]\n",
     );
     let lb = balancer(&text);
-    // The engines' lists are read with the first health checks.
-    let learned = eventually(Duration::from_secs(5), || async {
-        listed_models(&lb)
-            .await
-            .contains(&("sql-lora".to_string(), Some("mock".to_string())))
+    // The engines' lists are read with the first health checks: every one of them
+    // (an engine whose list is not read yet is not known to lack an adapter).
+    let read = |nodes: &serde_json::Value| {
+        let listed = |n: &serde_json::Value| n["models"].as_array().map(Vec::len);
+        nodes["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(listed)
+            .collect::<Vec<_>>()
+    };
+    let all_read = eventually(Duration::from_secs(10), || async {
+        read(&get_json(&lb.admin_url("/admin/nodes")).await)
+            .iter()
+            .all(Option::is_some)
     })
     .await;
-    assert!(learned, "{:?}", listed_models(&lb).await);
+    let nodes = get_json(&lb.admin_url("/admin/nodes")).await;
+    assert!(all_read, "{nodes}");
+    // e0 lists the model and two adapters, e1 and e2 one each, e3 only the model.
+    assert_eq!(
+        read(&nodes),
+        [Some(3), Some(2), Some(2), Some(1)],
+        "{nodes}"
+    );
+    assert!(
+        listed_models(&lb)
+            .await
+            .contains(&("sql-lora".to_string(), Some("mock".to_string()))),
+        "{:?}",
+        listed_models(&lb).await
+    );
     let send = |model: &'static str, k: usize| {
         let url = lb.url("/v1/chat/completions");
         async move {

@@ -136,6 +136,10 @@ fn nodes(table: &Table) -> Value {
                     "prefill_backlog_tokens": state.prefill_backlog(),
                     "engine_load": state.engine_load(),
                     "source": n.source().as_str(),
+                    // The ids its engine's `/v1/models` last listed; null until read.
+                    "models": state.served().map(|s| {
+                        s.models.iter().map(|(id, _)| id.clone()).collect::<Vec<_>>()
+                    }),
                 })
             })
         })
