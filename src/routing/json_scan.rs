@@ -298,12 +298,12 @@ impl<'a> Scanner<'a> {
 /// with a single backslash before it is escaped; only a quote after two or more
 /// backslashes needs the run counted.
 fn closing_quote(b: &[u8], from: usize) -> Option<usize> {
-    // Keys and roles are short and plain: settle them before setting up blocks.
-    for (at, &c) in b.iter().enumerate().skip(from).take(16) {
-        match c {
-            b'"' => return Some(at),
-            b'\\' => break,
-            _ => {}
+    // Keys and roles are short and plain: one 16-byte compare settles them (a quote
+    // with no backslash before it in the string closes it) before blocks are set up.
+    if let Some(window) = b.get(from..from + 16) {
+        let (quotes, backslashes) = (lane_mask(window, b'"'), lane_mask(window, b'\\'));
+        if quotes != 0 && quotes.trailing_zeros() < backslashes.trailing_zeros() {
+            return Some(from + quotes.trailing_zeros() as usize);
         }
     }
     let mut tail = [0u8; 64];
@@ -350,14 +350,18 @@ fn closing_quote(b: &[u8], from: usize) -> Option<usize> {
 
 /// The bit mask of the bytes of a 64-byte block that equal `byte`.
 fn mask(block: &[u8], byte: u8) -> u64 {
-    let needle = u8x16::splat(byte);
     let mut bits = 0u64;
     for (k, lane) in block.chunks_exact(16).enumerate() {
-        let mut bytes = [0u8; 16];
-        bytes.copy_from_slice(lane);
-        bits |= (u8x16::new(bytes).simd_eq(needle).to_bitmask() as u64) << (16 * k);
+        bits |= u64::from(lane_mask(lane, byte)) << (16 * k);
     }
     bits
+}
+
+/// The bit mask of the bytes of a 16-byte lane that equal `byte`.
+fn lane_mask(lane: &[u8], byte: u8) -> u16 {
+    let mut bytes = [0u8; 16];
+    bytes.copy_from_slice(lane);
+    u8x16::new(bytes).simd_eq(u8x16::splat(byte)).to_bitmask() as u16
 }
 
 /// Decodes a whole string literal (quotes included).
@@ -535,6 +539,30 @@ mod tests {
                 let lit = serde_json::to_string(&v).unwrap();
                 prop_assert_eq!(decode(&lit), s.as_str());
             }
+        }
+
+        #[test]
+        fn closing_quote_agrees_with_counting_backslashes(
+            text in "[ab\"\\\\]{0,40}|[a \"\\\\]{60,300}",
+            from in 0usize..8,
+        ) {
+            let b = text.as_bytes();
+            let from = from.min(b.len());
+            // The reference: the first quote after an even run of backslashes.
+            let mut escaped = false;
+            let mut expected = None;
+            for (at, &c) in b.iter().enumerate().skip(from) {
+                match (c, escaped) {
+                    (_, true) => escaped = false,
+                    (b'\\', false) => escaped = true,
+                    (b'"', false) => {
+                        expected = Some(at);
+                        break;
+                    }
+                    _ => {}
+                }
+            }
+            prop_assert_eq!(closing_quote(b, from), expected, "{:?} from {}", text, from);
         }
 
         #[test]
