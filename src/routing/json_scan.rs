@@ -135,7 +135,7 @@ impl<'a> Scanner<'a> {
             if self.peek() != Some(b'"') {
                 return Err(self.error("expected a string key"));
             }
-            let key = decode(self.raw_string()?);
+            let key = self.string()?;
             self.cache_marks |= key == "cache_control";
             self.expect(b':', "expected ':'")?;
             member(self, key)?;
@@ -187,12 +187,25 @@ impl<'a> Scanner<'a> {
 
     /// A string literal, quotes included, not decoded.
     pub fn raw_string(&mut self) -> Result<&'a str, ScanError> {
+        self.literal_string().map(|(lit, _)| lit)
+    }
+
+    /// A string, decoded.
+    fn string(&mut self) -> Result<Cow<'a, str>, ScanError> {
+        match self.literal_string()? {
+            (lit, Escapes::None) => Ok(Cow::Borrowed(&lit[1..lit.len() - 1])),
+            (lit, Escapes::Maybe) => Ok(decode(lit)),
+        }
+    }
+
+    /// A string literal, quotes included, and whether it may hold escapes.
+    fn literal_string(&mut self) -> Result<(&'a str, Escapes), ScanError> {
         self.expect(b'"', "expected a string")?;
         let start = self.pos - 1;
         match closing_quote(self.bytes(), self.pos) {
-            Some(at) => {
+            Some((at, escapes)) => {
                 self.pos = at + 1;
-                Ok(&self.text[start..self.pos])
+                Ok((&self.text[start..self.pos], escapes))
             }
             None => {
                 self.pos = self.text.len();
@@ -204,7 +217,7 @@ impl<'a> Scanner<'a> {
     /// A string (decoded) or `null`.
     pub fn opt_string(&mut self, msg: &'static str) -> Result<Option<Cow<'a, str>>, ScanError> {
         match self.peek() {
-            Some(b'"') => Ok(Some(decode(self.raw_string()?))),
+            Some(b'"') => Ok(Some(self.string()?)),
             Some(b'n') => self.literal("null").map(|_| None),
             _ => Err(self.error(msg)),
         }
@@ -297,13 +310,13 @@ impl<'a> Scanner<'a> {
 /// (`wide`, safe code): a quote with no backslash before it closes the string; one
 /// with a single backslash before it is escaped; only a quote after two or more
 /// backslashes needs the run counted.
-fn closing_quote(b: &[u8], from: usize) -> Option<usize> {
+fn closing_quote(b: &[u8], from: usize) -> Option<(usize, Escapes)> {
     // Keys and roles are short and plain: one 16-byte compare settles them (a quote
     // with no backslash before it in the string closes it) before blocks are set up.
     if let Some(window) = b.get(from..from + 16) {
         let (quotes, backslashes) = (lane_mask(window, b'"'), lane_mask(window, b'\\'));
         if quotes != 0 && quotes.trailing_zeros() < backslashes.trailing_zeros() {
-            return Some(from + quotes.trailing_zeros() as usize);
+            return Some((from + quotes.trailing_zeros() as usize, Escapes::None));
         }
     }
     let mut tail = [0u8; 64];
@@ -338,7 +351,7 @@ fn closing_quote(b: &[u8], from: usize) -> Option<usize> {
                 .take_while(|&&c| c == b'\\')
                 .count();
             if run % 2 == 0 {
-                return Some(at);
+                return Some((at, Escapes::Maybe));
             }
             candidates &= candidates - 1;
         }
@@ -346,6 +359,14 @@ fn closing_quote(b: &[u8], from: usize) -> Option<usize> {
         i += 64;
     }
     None
+}
+
+/// Whether a string literal may hold escapes (`None`: known to hold none, so its text
+/// is its value).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Escapes {
+    None,
+    Maybe,
 }
 
 /// The bit mask of the bytes of a 64-byte block that equal `byte`.
@@ -562,7 +583,12 @@ mod tests {
                     _ => {}
                 }
             }
-            prop_assert_eq!(closing_quote(b, from), expected, "{:?} from {}", text, from);
+            let found = closing_quote(b, from);
+            prop_assert_eq!(found.map(|(at, _)| at), expected, "{:?} from {}", text, from);
+            // "No escapes" is said only of strings that hold no backslash.
+            if let (Some((at, Escapes::None)), Some(_)) = (found, expected) {
+                prop_assert!(!b[from..at].contains(&b'\\'), "{:?} from {}", text, from);
+            }
         }
 
         #[test]
