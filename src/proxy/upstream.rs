@@ -40,7 +40,7 @@ use super::h1::{self, Chunked, Decoded, Framing, WireError};
 /// An engine connection's read buffer starts this small: streams read events of a few
 /// hundred bytes, and 1,000 open streams hold 1,000 of these buffers
 /// (`scripts/streams_memory.sh`: at a fixed 16 KiB, 12 MB more than at 4 KiB; at
-/// 4 KiB, 2 MB more than at 1 KiB). A read that fills the room doubles the next
+/// 4 KiB, about 4 MB more than at 1 KiB). A read that fills the room doubles the next
 /// growth, up to [`MAX_READ_CHUNK`], so a large answer is still read in few calls.
 const FIRST_READ_CHUNK: usize = 1024;
 /// The most a read buffer grows by at once.

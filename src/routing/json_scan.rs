@@ -303,9 +303,10 @@ impl<'a> Scanner<'a> {
     }
 }
 
-/// The index of the quote that closes a string whose contents start at `from`.
+/// The index of the quote that closes a string whose contents start at `from`, and
+/// whether the string may hold escapes.
 ///
-/// Prompts are dense with escaped quotes (code, JSON, dialogue), so instead of
+/// Short strings (keys, roles) are settled by one 16-byte compare. Prompts are dense with escaped quotes (code, JSON, dialogue), so instead of
 /// stopping at every quote this classifies 64 bytes at a time with SIMD compares
 /// (`wide`, safe code): a quote with no backslash before it closes the string; one
 /// with a single backslash before it is escaped; only a quote after two or more
