@@ -151,7 +151,12 @@ pub async fn serve_with_slots<H, F>(
             let asked = asked.clone();
             service_fn(move |req| {
                 asked.store(true, Ordering::Relaxed);
-                let response = handler(req, peer);
+                // Boxed: a request's future is ~6.6 KB (its routing, attempts and
+                // relay; `-Zprint-type-sizes`). Unboxed, every connection's task
+                // carried that space while idle, and each request copied it twice
+                // (into hyper's slot, then into this block's await); boxed, it lives
+                // only while the request does and is copied once.
+                let response = Box::pin(handler(req, peer));
                 async move { Ok::<_, Infallible>(response.await) }
             })
         };
