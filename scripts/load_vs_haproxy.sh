@@ -10,6 +10,8 @@
 #   BODIES=1k CONNS=32 ROUNDS=30 DURATION=3 scripts/load_vs_haproxy.sh   # one cell, many rounds
 #   ENGINES=nginx ROUNDS=12 DURATION=3 scripts/load_vs_haproxy.sh      # engines that cost nothing
 #   SGLANG=1 scripts/load_vs_haproxy.sh         # SGLang's router (cache_aware) as a third column
+#   BARE=1 scripts/load_vs_haproxy.sh           # the floor as a third column: hyper's server
+#     and client with nothing of ours between them (examples/bare_proxy.rs, two lanes)
 #   LANES=2 scripts/load_vs_haproxy.sh          # prefixlb with server.lanes = 2
 # ENGINES=mock (the default): two zero-latency `mock-engine`s, which parse JSON and
 # build answers on the same cores (every ratio is squeezed toward 1). ENGINES=nginx:
@@ -29,6 +31,13 @@ THREADS=${THREADS:-2}
 LOAD_FACTOR=${LOAD_FACTOR:-1.25}
 ENGINES=${ENGINES:-mock}
 SGLANG=${SGLANG:-0}
+BARE=${BARE:-0}
+THIRD=""
+if [ "$SGLANG" = 1 ]; then THIRD=sglang; fi
+if [ "$BARE" = 1 ]; then
+    if [ -n "$THIRD" ]; then echo "SGLANG=1 and BARE=1: one third column at a time" >&2; exit 2; fi
+    THIRD=bare
+fi
 LANES=${LANES:-0}
 VENV=${VENV:-target/sglang-venv}
 BODIES=${BODIES:-1k 18k}
@@ -49,6 +58,7 @@ if [ "$ENGINES" = nginx ]; then need nginx nginx-light; fi
 
 # B=path/to/prefixlb measures another build (e.g. the one before a change).
 if [ -z "${B:-}" ]; then cargo build --release --quiet; fi
+if [ "$THIRD" = bare ]; then cargo build --release --quiet --example bare_proxy; fi
 BIN=${B:-target/release/prefixlb}
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
@@ -144,13 +154,17 @@ if [ "$SGLANG" = 1 ]; then
     "$VENV/bin/python" -m sglang_router.launch_router --host 127.0.0.1 --port 19182 \
         --worker-urls http://127.0.0.1:19200 http://127.0.0.1:19201 --policy cache_aware \
         --log-level warn >"$WORK/sglang.log" 2>&1 &
-    SG_PID=$!
-    PIDS+=($SG_PID)
+    THIRD_PID=$!
+    PIDS+=($THIRD_PID)
     for _ in $(seq 1 300); do
         curl -fsS -o /dev/null http://127.0.0.1:19182/health 2>/dev/null && break
         sleep 0.1
     done
     # The router's own process (python execs into its Rust extension: same pid).
+elif [ "$THIRD" = bare ]; then
+    target/release/examples/bare_proxy 127.0.0.1:19182 127.0.0.1:19200 127.0.0.1:19201 &
+    THIRD_PID=$!
+    PIDS+=($THIRD_PID)
 fi
 sleep 1
 
@@ -201,7 +215,7 @@ EOF
 
 echo
 echo "engines: $ENGINES"
-echo "round body conns | prefixlb rps p50 p99 cpu/1k | haproxy rps p50 p99 cpu/1k$([ "$SGLANG" = 1 ] && echo ' | sglang rps p50 p99 cpu/1k')"
+echo "round body conns | prefixlb rps p50 p99 cpu/1k | haproxy rps p50 p99 cpu/1k$([ -n "$THIRD" ] && echo " | $THIRD rps p50 p99 cpu/1k")"
 for round in $(seq "$ROUNDS"); do
     for body in $BODIES; do
         for conns in $CONNS; do
@@ -213,8 +227,8 @@ for round in $(seq "$ROUNDS"); do
                 b=$(run haproxy 19181 "$HA_PID" "$body" "$conns")
                 a=$(run prefixlb 19180 "$LB_PID" "$body" "$conns")
             fi
-            if [ "$SGLANG" = 1 ]; then
-                c=$(run sglang 19182 "$SG_PID" "$body" "$conns")
+            if [ -n "$THIRD" ]; then
+                c=$(run "$THIRD" 19182 "$THIRD_PID" "$body" "$conns")
                 echo "$round $body $conns | $a | $b | $c" | tee -a "$WORK/rows.txt"
             else
                 echo "$round $body $conns | $a | $b" | tee -a "$WORK/rows.txt"
@@ -226,7 +240,7 @@ done
 echo
 echo "== medians over $ROUNDS rounds (rps, p50 ms, p99 ms, CPU s per 1,000 requests; ratio = prefixlb / haproxy)"
 CELLS=$(( ROUNDS * $(echo $BODIES | wc -w) * $(echo $CONNS | wc -w) ))
-python3 - "$WORK/rows.txt" "$CELLS" <<'EOF'
+python3 - "$WORK/rows.txt" "$CELLS" "$THIRD" <<'EOF'
 import statistics, sys
 rows = [l.split() for l in open(sys.argv[1]).read().splitlines()][-int(sys.argv[2]):]
 cells = {}
@@ -249,13 +263,18 @@ for (body, conns), runs in sorted(cells.items()):
 print("paired: the median of the rounds' prefixlb/haproxy throughput ratios; won: rounds prefixlb was faster")
 if all(r[2] for runs in cells.values() for r in runs):
     print()
-    print(f"{'body':>5} {'conns':>5} | {'sglang rps':>10} {'p50':>7} {'p99':>7} {'cpu/1k':>7} | {'prefixlb/sglang':>15} {'won':>5}")
+    third = sys.argv[3]
+    print(f"{'body':>5} {'conns':>5} | {third + ' rps':>10} {'p50':>7} {'p99':>7} {'cpu/1k':>7} | {'prefixlb/' + third:>15} {'won':>5}")
     for (body, conns), runs in sorted(cells.items()):
         c = [statistics.median(r[2][i] for r in runs) for i in range(4)]
         paired = statistics.median(r[0][0] / r[2][0] for r in runs)
         won = sum(r[0][0] > r[2][0] for r in runs)
         print(f"{body:>5} {conns:>5} | {c[0]:>10.0f} {c[1]:>7.2f} {c[2]:>7.2f} {c[3]:>7.3f} | {paired:>15.2f} {won:>2}/{len(runs):<2}")
-    print("sglang: SGLang's router, policy cache_aware; prefixlb/sglang: the median of the rounds' throughput ratios")
+    what = {
+        "sglang": "SGLang's router, policy cache_aware",
+        "bare": "hyper's server and client with nothing of prefixlb's between them (examples/bare_proxy.rs)",
+    }[third]
+    print(f"{third}: {what}; prefixlb/{third}: the median of the rounds' throughput ratios")
 EOF
 echo "prefixlb's requests per engine (HAProxy's split the same hot key by the same rule):"
 curl -s "http://127.0.0.1:19190/metrics" | awk -F'[{}" ]' '/^prefixlb_requests_total\{node="e/ {print "  " $3 ": " $NF}'
