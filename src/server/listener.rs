@@ -152,10 +152,11 @@ pub async fn serve_with_slots<H, F>(
             service_fn(move |req| {
                 asked.store(true, Ordering::Relaxed);
                 // Boxed: a request's future is ~6.6 KB (its routing, attempts and
-                // relay; `-Zprint-type-sizes`). Unboxed, every connection's task
-                // carried that space while idle, and each request copied it twice
-                // (into hyper's slot, then into this block's await); boxed, it lives
-                // only while the request does and is copied once.
+                // relay; `-Zprint-type-sizes`). hyper keeps a slot of the service
+                // future's size for each connection's whole life, idle or not, and
+                // each request copied it twice (into that slot, then into this
+                // block's await); boxed, the slot holds a pointer, the future lives
+                // only while its request does and is copied once.
                 let response = Box::pin(handler(req, peer));
                 async move { Ok::<_, Infallible>(response.await) }
             })
