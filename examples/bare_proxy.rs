@@ -32,12 +32,11 @@ const LANES: usize = 2;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let (Some(listen), engines) = (args.first(), &args[1.min(args.len())..]) else {
-        eprintln!("usage: bare_proxy LISTEN ENGINE [ENGINE ...]");
+    let Some((listen, engines)) = args.split_first().filter(|(_, e)| !e.is_empty()) else {
+        eprintln!("usage: bare_proxy LISTEN ENGINE [ENGINE ...] (each host:port)");
         std::process::exit(2);
     };
     let listen: SocketAddr = listen.parse().expect("LISTEN is host:port");
-    assert!(!engines.is_empty(), "name at least one engine (host:port)");
     let engines: Arc<Vec<String>> = Arc::new(engines.to_vec());
     let lanes: Vec<_> = (0..LANES)
         .map(|_| {
