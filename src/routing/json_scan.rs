@@ -88,8 +88,13 @@ impl<'a> Scanner<'a> {
         }
     }
 
+    #[inline(always)]
     fn skip_ws(&mut self) {
         let b = self.bytes();
+        // Compact JSON has none: one compare settles the usual case.
+        if b.get(self.pos).is_some_and(|&c| c > b' ') {
+            return;
+        }
         while self.pos < b.len() && matches!(b[self.pos], b' ' | b'\t' | b'\n' | b'\r') {
             self.pos += 1;
         }
@@ -312,52 +317,61 @@ impl<'a> Scanner<'a> {
 /// with a single backslash before it is escaped; only a quote after two or more
 /// backslashes needs the run counted.
 fn closing_quote(b: &[u8], from: usize) -> Option<(usize, Escapes)> {
+    let rest = b.get(from..)?;
     // Keys and roles are short and plain: one 16-byte compare settles them (a quote
     // with no backslash before it in the string closes it) before blocks are set up.
-    if let Some(window) = b.get(from..from + 16) {
+    if let Some(window) = rest.first_chunk::<16>() {
         let (quotes, backslashes) = (lane_mask(window, b'"'), lane_mask(window, b'\\'));
         if quotes != 0 && quotes.trailing_zeros() < backslashes.trailing_zeros() {
             return Some((from + quotes.trailing_zeros() as usize, Escapes::None));
         }
     }
-    let mut tail = [0u8; 64];
-    let mut prev_backslashes = 0u64; // the previous block's backslash mask
-    let mut i = from;
-    while i < b.len() {
-        let block = match b.get(i..i + 64) {
-            Some(full) => full,
-            None => {
-                // The last partial block, padded with zeros (neither quote nor backslash).
-                tail[..b.len() - i].copy_from_slice(&b[i..]);
-                &tail[..]
+    // Whole 64-byte blocks (fixed-size arrays: no bounds checks in the loop), then the
+    // last partial one padded with zeros (neither quote nor backslash).
+    let blocks = rest.chunks_exact(64);
+    let partial = blocks.remainder();
+    let whole = blocks.len();
+    for (n, block) in blocks
+        .filter_map(|c| <&[u8; 64]>::try_from(c).ok())
+        .enumerate()
+    {
+        // Most blocks of prose hold no quote: one test of all four lanes passes them.
+        if holds(block, b'"') {
+            if let Some(found) = block_quote(b, from, 64 * n, block) {
+                return Some(found);
             }
-        };
-        let quotes = mask(block, b'"');
-        if quotes == 0 {
-            // Most blocks of prose hold no quote: only their last two bytes matter next.
-            prev_backslashes =
-                u64::from(block[62] == b'\\') << 62 | u64::from(block[63] == b'\\') << 63;
-            i += 64;
-            continue;
         }
-        let backslashes = mask(block, b'\\');
-        let after_one = backslashes << 1 | prev_backslashes >> 63;
-        let after_two = backslashes << 2 | prev_backslashes >> 62;
-        let mut candidates = quotes & !(after_one & !after_two);
-        while candidates != 0 {
-            let at = i + candidates.trailing_zeros() as usize;
-            let run = b[from..at]
-                .iter()
-                .rev()
-                .take_while(|&&c| c == b'\\')
-                .count();
-            if run % 2 == 0 {
-                return Some((at, Escapes::Maybe));
-            }
-            candidates &= candidates - 1;
+    }
+    let mut padded = [0u8; 64];
+    padded[..partial.len()].copy_from_slice(partial);
+    block_quote(b, from, 64 * whole, &padded)
+}
+
+/// The closing quote in one 64-byte block of a string whose contents start at `from`
+/// (the block starts `offset` bytes in), if the block holds it.
+fn block_quote(b: &[u8], from: usize, offset: usize, block: &[u8; 64]) -> Option<(usize, Escapes)> {
+    let quotes = mask(block, b'"');
+    if quotes == 0 {
+        return None;
+    }
+    // The two bytes before the block, if they are the string's, as bits 62 and 63.
+    let before = |back: usize| offset >= back && b[from + offset - back] == b'\\';
+    let prev_backslashes = u64::from(before(2)) << 62 | u64::from(before(1)) << 63;
+    let backslashes = mask(block, b'\\');
+    let after_one = backslashes << 1 | prev_backslashes >> 63;
+    let after_two = backslashes << 2 | prev_backslashes >> 62;
+    let mut candidates = quotes & !(after_one & !after_two);
+    while candidates != 0 {
+        let at = from + offset + candidates.trailing_zeros() as usize;
+        let run = b[from..at]
+            .iter()
+            .rev()
+            .take_while(|&&c| c == b'\\')
+            .count();
+        if run % 2 == 0 {
+            return Some((at, Escapes::Maybe));
         }
-        prev_backslashes = backslashes;
-        i += 64;
+        candidates &= candidates - 1;
     }
     None
 }
@@ -371,19 +385,33 @@ enum Escapes {
 }
 
 /// The bit mask of the bytes of a 64-byte block that equal `byte`.
-fn mask(block: &[u8], byte: u8) -> u64 {
-    let mut bits = 0u64;
-    for (k, lane) in block.chunks_exact(16).enumerate() {
-        bits |= u64::from(lane_mask(lane, byte)) << (16 * k);
-    }
-    bits
+fn mask(block: &[u8; 64], byte: u8) -> u64 {
+    lanes(block).enumerate().fold(0, |bits, (k, lane)| {
+        bits | u64::from(lane_mask(lane, byte)) << (16 * k)
+    })
+}
+
+/// Whether any byte of a 64-byte block equals `byte`: four compares ORed, one mask.
+#[inline(always)]
+fn holds(block: &[u8; 64], byte: u8) -> bool {
+    let splat = u8x16::splat(byte);
+    let any = lanes(block).fold(u8x16::splat(0), |any, lane| {
+        any | u8x16::new(*lane).simd_eq(splat)
+    });
+    any.to_bitmask() != 0
+}
+
+/// A block's four 16-byte lanes (the conversions cannot fail, and compile away).
+#[inline(always)]
+fn lanes(block: &[u8; 64]) -> impl Iterator<Item = &[u8; 16]> {
+    block
+        .chunks_exact(16)
+        .filter_map(|lane| lane.try_into().ok())
 }
 
 /// The bit mask of the bytes of a 16-byte lane that equal `byte`.
-fn lane_mask(lane: &[u8], byte: u8) -> u16 {
-    let mut bytes = [0u8; 16];
-    bytes.copy_from_slice(lane);
-    u8x16::new(bytes).simd_eq(u8x16::splat(byte)).to_bitmask() as u16
+fn lane_mask(lane: &[u8; 16], byte: u8) -> u16 {
+    u8x16::new(*lane).simd_eq(u8x16::splat(byte)).to_bitmask() as u16
 }
 
 /// Decodes a whole string literal (quotes included).
@@ -552,6 +580,21 @@ mod tests {
         assert_eq!(out, "\u{fffd}x");
     }
 
+    /// The reference: the first quote after an even run of backslashes, counted byte by
+    /// byte.
+    fn counted_closing_quote(b: &[u8], from: usize) -> Option<usize> {
+        let mut escaped = false;
+        for (at, &c) in b.iter().enumerate().skip(from) {
+            match (c, escaped) {
+                (_, true) => escaped = false,
+                (b'\\', false) => escaped = true,
+                (b'"', false) => return Some(at),
+                _ => {}
+            }
+        }
+        None
+    }
+
     proptest! {
         #[test]
         fn agrees_with_serde_on_valid_json(v in arb_json()) {
@@ -570,26 +613,31 @@ mod tests {
         ) {
             let b = text.as_bytes();
             let from = from.min(b.len());
-            // The reference: the first quote after an even run of backslashes.
-            let mut escaped = false;
-            let mut expected = None;
-            for (at, &c) in b.iter().enumerate().skip(from) {
-                match (c, escaped) {
-                    (_, true) => escaped = false,
-                    (b'\\', false) => escaped = true,
-                    (b'"', false) => {
-                        expected = Some(at);
-                        break;
-                    }
-                    _ => {}
-                }
-            }
+            let expected = counted_closing_quote(b, from);
             let found = closing_quote(b, from);
             prop_assert_eq!(found.map(|(at, _)| at), expected, "{:?} from {}", text, from);
             // "No escapes" is said only of strings that hold no backslash.
             if let (Some((at, Escapes::None)), Some(_)) = (found, expected) {
                 prop_assert!(!b[from..at].contains(&b'\\'), "{:?} from {}", text, from);
             }
+        }
+
+        /// Quotes after runs of backslashes that straddle the edges of the 64-byte
+        /// blocks (the runs the block's carried bits must get right).
+        #[test]
+        fn closing_quote_after_backslashes_at_a_block_edge(
+            plain in 0usize..200,
+            run in 0usize..6,
+            after in "[a\"\\\\]{0,8}",
+            from in 0usize..3,
+        ) {
+            let text = format!("{}{}\"{after}", "a".repeat(plain), "\\".repeat(run));
+            let b = text.as_bytes();
+            prop_assert_eq!(
+                closing_quote(b, from).map(|(at, _)| at),
+                counted_closing_quote(b, from),
+                "{:?} from {}", text, from
+            );
         }
 
         #[test]
