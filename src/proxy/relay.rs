@@ -399,21 +399,12 @@ fn is_usage_only(block: &Block) -> bool {
     v["usage"].is_object() && v["choices"].as_array().is_none_or(Vec::is_empty)
 }
 
-static PROMPT_TOKENS: LazyLock<Finder<'static>> =
-    LazyLock::new(|| Finder::new(b"\"prompt_tokens\":"));
-static CACHED_TOKENS: LazyLock<Finder<'static>> =
-    LazyLock::new(|| Finder::new(b"\"cached_tokens\":"));
 static USAGE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"usage\""));
-static INPUT_TOKENS: LazyLock<Finder<'static>> =
-    LazyLock::new(|| Finder::new(b"\"input_tokens\":"));
-static CACHE_READ: LazyLock<Finder<'static>> =
-    LazyLock::new(|| Finder::new(b"\"cache_read_input_tokens\":"));
-static CACHE_CREATION: LazyLock<Finder<'static>> =
-    LazyLock::new(|| Finder::new(b"\"cache_creation_input_tokens\":"));
-static COMPLETION_TOKENS: LazyLock<Finder<'static>> =
-    LazyLock::new(|| Finder::new(b"\"completion_tokens\":"));
-static OUTPUT_TOKENS: LazyLock<Finder<'static>> =
-    LazyLock::new(|| Finder::new(b"\"output_tokens\":"));
+/// The end every usage field's name shares: one search finds them all, and the name
+/// before it says which one it is.
+static TOKENS_FIELD: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"_tokens\":"));
+/// The longest name part before `_tokens` (`cache_creation_input`), and its quote.
+const LONGEST_FIELD: usize = 21;
 
 /// Picks the engine's usage out of response bytes without parsing them: OpenAI's
 /// `usage.prompt_tokens` and `usage.prompt_tokens_details.cached_tokens`, or
@@ -479,36 +470,35 @@ impl UsageScan {
     }
 
     fn scan(&mut self, hay: &[u8]) {
-        // Only the API's own fields: a stream's every frame is searched.
-        let fields: [_; 3] = if self.anthropic {
-            [
-                (&*INPUT_TOKENS, &mut self.input),
-                (&*CACHE_READ, &mut self.cache_read),
-                (&*OUTPUT_TOKENS, &mut self.completion),
-            ]
-        } else {
-            [
-                (&*PROMPT_TOKENS, &mut self.prompt),
-                (&*CACHED_TOKENS, &mut self.cached),
-                (&*COMPLETION_TOKENS, &mut self.completion),
-            ]
-        };
-        for (field, value) in fields {
-            if let Some(n) = last_number(field, hay) {
-                *value = Some(n);
-            }
-        }
-        if self.anthropic {
-            if let Some(n) = last_number(&CACHE_CREATION, hay) {
-                self.cache_creation = Some(n);
+        // Only the API's own fields: a stream's every frame is searched, once.
+        for at in TOKENS_FIELD.find_iter(hay) {
+            let name_start = hay[at.saturating_sub(LONGEST_FIELD)..at]
+                .iter()
+                .rposition(|&b| b == b'"')
+                .map(|q| at.saturating_sub(LONGEST_FIELD) + q + 1);
+            let Some(name_start) = name_start else {
+                continue; // cut by the frame's start: the seam has it whole
+            };
+            let field = match (self.anthropic, &hay[name_start..at]) {
+                (false, b"prompt") => &mut self.prompt,
+                (false, b"cached") => &mut self.cached,
+                (false, b"completion") => &mut self.completion,
+                (true, b"input") => &mut self.input,
+                (true, b"cache_read_input") => &mut self.cache_read,
+                (true, b"cache_creation_input") => &mut self.cache_creation,
+                (true, b"output") => &mut self.completion,
+                _ => continue,
+            };
+            if let Some(n) = number_at(&hay[at + TOKENS_FIELD.needle().len()..]) {
+                *field = Some(n);
             }
         }
     }
 }
 
-fn last_number(field: &Finder<'_>, hay: &[u8]) -> Option<u64> {
-    let at = field.find_iter(hay).last()? + field.needle().len();
-    let rest = &hay[at..];
+/// The whole number at the start of `rest` (after any whitespace); `None` if there is
+/// none, or if the end of `rest` may have cut it.
+fn number_at(rest: &[u8]) -> Option<u64> {
     let start = rest.iter().position(|b| !b.is_ascii_whitespace())?;
     let len = rest[start..]
         .iter()
