@@ -174,8 +174,11 @@ pub fn parse_response(
             .headers
             .iter()
             .map(|h| {
-                let name = HeaderName::from_bytes(h.name.as_bytes())
-                    .map_err(|_| WireError::Head(format!("header name {:?}", h.name)))?;
+                let name = match usual_name(h.name) {
+                    Some(name) => name,
+                    None => HeaderName::from_bytes(h.name.as_bytes())
+                        .map_err(|_| WireError::Head(format!("header name {:?}", h.name)))?,
+                };
                 let start = h.value.as_ptr() as usize - buf.as_ptr() as usize;
                 Ok((name, start..start + h.value.len()))
             })
@@ -202,6 +205,24 @@ pub fn parse_response(
             reusable,
         }));
     }
+}
+
+/// The names engines answer with, as they spell them (uvicorn in lowercase, nginx
+/// and most others capitalized): matched as text, they skip `HeaderName::from_bytes`'s
+/// byte-by-byte lowercasing and lookup, about 250 instructions a name. Any other
+/// spelling takes that path and gets the same name.
+fn usual_name(name: &str) -> Option<HeaderName> {
+    Some(match name {
+        "content-type" | "Content-Type" => header::CONTENT_TYPE,
+        "content-length" | "Content-Length" => header::CONTENT_LENGTH,
+        "date" | "Date" => header::DATE,
+        "server" | "Server" => header::SERVER,
+        "connection" | "Connection" => header::CONNECTION,
+        "transfer-encoding" | "Transfer-Encoding" => header::TRANSFER_ENCODING,
+        "cache-control" | "Cache-Control" => header::CACHE_CONTROL,
+        "keep-alive" | "Keep-Alive" => HeaderName::from_static("keep-alive"),
+        _ => return None,
+    })
 }
 
 /// The body's framing (RFC 9112 §6.3), and whether the head framed it cleanly (one

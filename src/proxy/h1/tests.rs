@@ -339,3 +339,45 @@ fn chunk_lines_and_trailers_are_read_strictly() {
         (Vec::new(), true)
     );
 }
+
+#[test]
+fn usual_names_are_the_names_from_bytes_gives() {
+    for name in [
+        "content-type",
+        "Content-Type",
+        "content-length",
+        "Content-Length",
+        "date",
+        "Date",
+        "server",
+        "Server",
+        "connection",
+        "Connection",
+        "transfer-encoding",
+        "Transfer-Encoding",
+        "cache-control",
+        "Cache-Control",
+        "keep-alive",
+        "Keep-Alive",
+    ] {
+        assert_eq!(
+            usual_name(name),
+            Some(HeaderName::from_bytes(name.as_bytes()).unwrap()),
+            "{name}"
+        );
+    }
+    assert_eq!(
+        usual_name("CONTENT-TYPE"),
+        None,
+        "other spellings go the long way"
+    );
+    // Either way the map is the same.
+    let mut buf = BytesMut::from(
+        &b"HTTP/1.1 200 OK\r\nCONTENT-LENGTH: 2\r\nContent-Type: a/b\r\nx-Other: 1\r\n\r\nhi"[..],
+    );
+    let head = parse_response(&mut buf, &Method::POST).unwrap().unwrap();
+    assert_eq!(head.parts.headers[header::CONTENT_LENGTH], "2");
+    assert_eq!(head.parts.headers[header::CONTENT_TYPE], "a/b");
+    assert_eq!(head.parts.headers["x-other"], "1");
+    assert_eq!(head.framing, Framing::Length(2));
+}
