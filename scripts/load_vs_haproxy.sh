@@ -44,14 +44,9 @@ BODIES=${BODIES:-1k 18k}
 CONNS=${CONNS:-32 256}
 WORK=${WORK:-target/load}
 mkdir -p "$WORK"
+# shellcheck source=scripts/lib/proxies.sh
+. scripts/lib/proxies.sh
 
-need() {
-    command -v "$1" >/dev/null && return
-    SUDO=""
-    if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "$2" >/dev/null
-}
 need haproxy haproxy
 need wrk wrk
 if [ "$ENGINES" = nginx ]; then need nginx nginx-light; fi
@@ -64,84 +59,14 @@ PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
 
-for i in 0 1; do
-    if [ "$ENGINES" = nginx ]; then
-        mkdir -p "$WORK/nginx$i"
-        cat >"$WORK/nginx$i/nginx.conf" <<EOF
-worker_processes 1;
-daemon off;
-pid $PWD/$WORK/nginx$i/nginx.pid;
-error_log /dev/null crit;
-events { worker_connections 4096; }
-http {
-    access_log off;
-    client_body_temp_path $PWD/$WORK/nginx$i;
-    client_max_body_size 64m;
-    keepalive_requests 1000000;
-    server {
-        listen 127.0.0.1:1920$i;
-        location / {
-            default_type application/json;
-            return 200 '{"id":"cmpl-$i","object":"chat.completion","model":"mock","choices":[{"index":0,"message":{"role":"assistant","content":" the"},"finish_reason":"length"}],"usage":{"prompt_tokens":9,"completion_tokens":1,"total_tokens":10,"prompt_tokens_details":{"cached_tokens":0}}}';
-        }
-    }
-}
-EOF
-        nginx -p "$PWD/$WORK/nginx$i" -c "$PWD/$WORK/nginx$i/nginx.conf" >/dev/null 2>&1 &
-    else
-        "$BIN" mock-engine --listen "127.0.0.1:1920$i" --id "e$i" \
-            --decode-ms-per-token 0 --prefill-us-per-token 0 >/dev/null 2>&1 &
-    fi
-    PIDS+=($!)
-done
+start_engines
 
-if [ "$LOAD_FACTOR" = off ]; then RELATIVE=""; else RELATIVE="load_factor = $LOAD_FACTOR"; fi
-cat >"$WORK/prefixlb.toml" <<EOF
-[server]
-listen = "127.0.0.1:19180"
-admin_listen = "127.0.0.1:19190"
-lanes = $LANES
-[routing]
-# High enough never to bind: this measures the proxy, not bounded loads.
-max_in_flight = 100000
-# HAProxy's hash-balance-factor 125 (unless LOAD_FACTOR=off).
-$RELATIVE
-[[pools]]
-name = "mock"
-models = ["mock"]
-[[pools.nodes]]
-id = "e0"
-url = "http://127.0.0.1:19200"
-[[pools.nodes]]
-id = "e1"
-url = "http://127.0.0.1:19201"
-EOF
+write_configs
+write_bodies
 RUST_LOG=warn "$BIN" serve --config "$WORK/prefixlb.toml" >/dev/null 2>&1 &
 LB_PID=$!
 PIDS+=($LB_PID)
 
-cat >"$WORK/haproxy.cfg" <<'EOF'
-global
-    maxconn 4096
-    nbthread 2
-defaults
-    mode http
-    timeout connect 5s
-    timeout client 60s
-    timeout server 60s
-    option http-keep-alive
-frontend fe
-    bind 127.0.0.1:19181
-    option http-buffer-request
-    default_backend engines
-backend engines
-    balance hash req.body,bytes(0,1024)
-    hash-type consistent
-    hash-balance-factor 125
-    http-reuse always
-    server e0 127.0.0.1:19200 maxconn 10000
-    server e1 127.0.0.1:19201 maxconn 10000
-EOF
 haproxy -f "$WORK/haproxy.cfg" -db >/dev/null 2>&1 &
 HA_PID=$!
 PIDS+=($HA_PID)
@@ -167,25 +92,6 @@ elif [ "$THIRD" = bare ]; then
     PIDS+=($THIRD_PID)
 fi
 sleep 1
-
-# Two bodies: ~1 KB and ~18 KB of chat (a system prompt, turns), non-streaming.
-python3 - "$WORK" <<'EOF'
-import json, sys
-work = sys.argv[1]
-def body(n_turns, words):
-    msgs = [{"role": "system", "content": "You are a helpful assistant for GPU operators. " * 4}]
-    for i in range(n_turns):
-        msgs.append({"role": "user", "content": f"turn {i}: " + "tell me about prefix caching " * words})
-        msgs.append({"role": "assistant", "content": "It keeps the KV blocks of shared prefixes. " * words})
-    msgs.append({"role": "user", "content": "and then?"})
-    return json.dumps({"model": "mock", "messages": msgs, "max_tokens": 1})
-for name, (turns, words) in {"1k": (1, 8), "18k": (13, 18)}.items():
-    b = body(turns, words)
-    with open(f"{work}/{name}.lua", "w") as f:
-        f.write('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n')
-        f.write("wrk.body = " + json.dumps(b) + "\n")
-    print(f"{name}: {len(b)} bytes", file=sys.stderr)
-EOF
 
 cpu_s() { # utime + stime of a pid, in seconds
     awk -v hz="$(getconf CLK_TCK)" '{print ($14 + $15) / hz}' "/proc/$1/stat"
