@@ -23,8 +23,16 @@ When a conversation returns to the same instance, its cached blocks are reused a
 to first token drops from seconds to milliseconds.\n\nA \"hot\" prefix, such as a shared \
 system prompt, must not pin every request to one GPU; bounded loads spill the overflow.\n";
 
+/// Escape-dense text (code, JSON, quoted dialogue): an escape every ~20 characters
+/// (the second argument `dense` uses it for the turns, as the criterion bench does).
+const DENSE: &str = "The quick brown fox jumps over the lazy dog; \"quoted\" text.\n";
+
 fn text(n: usize) -> String {
-    PROSE.repeat(n / PROSE.len() + 1)[..n].to_string()
+    of(PROSE, n)
+}
+
+fn of(sentence: &str, n: usize) -> String {
+    sentence.repeat(n / sentence.len() + 1)[..n].to_string()
 }
 
 fn main() {
@@ -32,6 +40,10 @@ fn main() {
         .nth(1)
         .and_then(|a| a.parse().ok())
         .unwrap_or(1000);
+    let turns = match std::env::args().nth(2).as_deref() {
+        Some("dense") => DENSE,
+        _ => PROSE,
+    };
     let mut config = String::from("[[pools]]\nname = \"llama\"\n");
     for i in 0..8 {
         config.push_str(&format!(
@@ -48,7 +60,7 @@ fn main() {
             let mut messages = vec![serde_json::json!({"role": "system", "content": system})];
             for i in 0..31 {
                 let role = if i % 2 == 0 { "user" } else { "assistant" };
-                messages.push(serde_json::json!({"role": role, "content": format!("conversation {c} turn {i}: {}", text(520))}));
+                messages.push(serde_json::json!({"role": role, "content": format!("conversation {c} turn {i}: {}", of(turns, 520))}));
             }
             serde_json::to_vec(&serde_json::json!({"messages": messages, "temperature": 0.7, "model": "llama", "stream": true})).unwrap()
         })

@@ -335,22 +335,30 @@ fn closing_quote(b: &[u8], from: usize) -> Option<(usize, Escapes)> {
         .filter_map(|c| <&[u8; 64]>::try_from(c).ok())
         .enumerate()
     {
-        // Most blocks of prose hold no quote: one test of all four lanes passes them.
-        if holds(block, b'"') {
-            if let Some(found) = block_quote(b, from, 64 * n, block) {
+        // Most blocks of prose hold no quote: their mask is 0 and nothing more is done.
+        let quotes = mask(block, b'"');
+        if quotes != 0 {
+            if let Some(found) = block_quote(b, from, 64 * n, block, quotes) {
                 return Some(found);
             }
         }
     }
     let mut padded = [0u8; 64];
     padded[..partial.len()].copy_from_slice(partial);
-    block_quote(b, from, 64 * whole, &padded)
+    block_quote(b, from, 64 * whole, &padded, mask(&padded, b'"'))
 }
 
 /// The closing quote in one 64-byte block of a string whose contents start at `from`
-/// (the block starts `offset` bytes in), if the block holds it.
-fn block_quote(b: &[u8], from: usize, offset: usize, block: &[u8; 64]) -> Option<(usize, Escapes)> {
-    let quotes = mask(block, b'"');
+/// (the block starts `offset` bytes in), if the block holds it; `quotes` is the
+/// block's quote mask.
+#[inline(always)]
+fn block_quote(
+    b: &[u8],
+    from: usize,
+    offset: usize,
+    block: &[u8; 64],
+    quotes: u64,
+) -> Option<(usize, Escapes)> {
     if quotes == 0 {
         return None;
     }
@@ -389,16 +397,6 @@ fn mask(block: &[u8; 64], byte: u8) -> u64 {
     lanes(block).enumerate().fold(0, |bits, (k, lane)| {
         bits | u64::from(lane_mask(lane, byte)) << (16 * k)
     })
-}
-
-/// Whether any byte of a 64-byte block equals `byte`: four compares ORed, one mask.
-#[inline(always)]
-fn holds(block: &[u8; 64], byte: u8) -> bool {
-    let splat = u8x16::splat(byte);
-    let any = lanes(block).fold(u8x16::splat(0), |any, lane| {
-        any | u8x16::new(*lane).simd_eq(splat)
-    });
-    any.to_bitmask() != 0
 }
 
 /// A block's four 16-byte lanes (the conversions cannot fail, and compile away).
