@@ -30,14 +30,10 @@ mkdir -p "$WORK"
 . scripts/lib/proxies.sh
 
 need valgrind valgrind
-need haproxy haproxy
-if [ "$ENGINES" = nginx ]; then need nginx nginx-light; fi
+need_proxies
 if [ -z "${B:-}" ]; then cargo build --release --quiet; fi
 cargo build --release --quiet --example bare_proxy
 BIN=${B:-target/release/prefixlb}
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
-trap cleanup EXIT
 start_engines
 write_configs
 write_bodies 2>/dev/null

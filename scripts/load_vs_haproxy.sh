@@ -47,17 +47,13 @@ mkdir -p "$WORK"
 # shellcheck source=scripts/lib/proxies.sh
 . scripts/lib/proxies.sh
 
-need haproxy haproxy
+need_proxies
 need wrk wrk
-if [ "$ENGINES" = nginx ]; then need nginx nginx-light; fi
 
 # B=path/to/prefixlb measures another build (e.g. the one before a change).
 if [ -z "${B:-}" ]; then cargo build --release --quiet; fi
 if [ "$THIRD" = bare ]; then cargo build --release --quiet --example bare_proxy; fi
 BIN=${B:-target/release/prefixlb}
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
-trap cleanup EXIT
 
 start_engines
 

@@ -1,7 +1,12 @@
 # Shared by the scripts that put prefixlb beside HAProxy (load_vs_haproxy.sh,
 # instructions_per_request.sh): the engines, both proxies' configurations and the
 # chat bodies, so that every comparison measures the same setup. Sourced; expects
-# WORK, ENGINES (nginx|mock), BIN, LANES and LOAD_FACTOR set, and a PIDS array.
+# WORK, ENGINES (nginx|mock), BIN, LANES and LOAD_FACTOR set. Every process started
+# is put in PIDS and stopped on exit.
+
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT
 
 # Installs a Debian package for a missing command.
 need() {
@@ -10,6 +15,12 @@ need() {
     if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "$2" >/dev/null
+}
+
+# HAProxy, and nginx when the engines are nginx.
+need_proxies() {
+    need haproxy haproxy
+    if [ "$ENGINES" = nginx ]; then need nginx nginx-light; fi
 }
 
 # Two engines on 127.0.0.1:19200 and :19201 (their pids appended to PIDS).
