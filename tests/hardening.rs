@@ -463,6 +463,24 @@ async fn status_of(s: &mut TcpStream) -> Option<u16> {
     }
 }
 
+/// The default `max_headers` (100, which the listener leaves to hyper's own default
+/// rather than setting) still holds: 99 fields are served, 100 get a 431 (as with
+/// any limit hyper is given: the parser needs one slot to spare).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_header_limit_is_one_hundred_fields() {
+    let e = engine("e0", &FAST);
+    let lb = balancer(&config(&[&e], "", ""));
+    let body = chat(&[("user", "hello")], false, 1).to_string();
+    // raw_request writes three fields of its own.
+    let fields = |n: usize| -> String { (0..n).map(|i| format!("x-h{i}: v\r\n")).collect() };
+    let mut s = raw_request(&lb, &fields(96), body.len()).await;
+    s.write_all(body.as_bytes()).await.unwrap();
+    assert_eq!(status_of(&mut s).await, Some(200));
+    let mut s = raw_request(&lb, &fields(97), body.len()).await;
+    s.write_all(body.as_bytes()).await.unwrap();
+    assert_eq!(status_of(&mut s).await, Some(431));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_heads_and_bodies_are_bounded() {
     let e = engine("e0", &FAST);

@@ -34,7 +34,7 @@ pub struct ConnLimits {
     /// (before the protocol is known) and, on a kept-alive HTTP/1.1 connection, the
     /// idle wait for the next request (hyper starts the timer when it goes idle).
     pub header_read_timeout: Duration,
-    /// Most HTTP/1.1 header fields (beyond: 431).
+    /// HTTP/1.1 header fields: a head with this many or more gets 431.
     pub max_headers: usize,
     /// Largest request head: HTTP/1.1 read buffer, HTTP/2 header list.
     pub max_header_bytes: usize,
@@ -60,6 +60,9 @@ impl Default for ConnLimits {
     }
 }
 
+/// The most header fields hyper's HTTP/1.1 server takes when not told otherwise.
+const HYPER_MAX_HEADERS: usize = 100;
+
 impl ConnLimits {
     /// The balancer listener's limits from `[server]`.
     pub fn of(s: &ServerConfig) -> ConnLimits {
@@ -75,12 +78,17 @@ impl ConnLimits {
 
     fn builder(&self) -> auto::Builder<TokioExecutor> {
         let mut builder = auto::Builder::new(TokioExecutor::new());
-        builder
-            .http1()
+        let mut http1 = builder.http1();
+        http1
             .timer(TokioTimer::new())
             .header_read_timeout(self.header_read_timeout)
-            .max_headers(self.max_headers)
             .max_buf_size(self.max_header_bytes.max(8192));
+        // hyper's own limit is 100 header fields, kept on the stack uninitialized; set
+        // explicitly (even to 100), it builds a 100-entry array per request head, about
+        // 1,500 instructions. So only a different limit is handed to it.
+        if self.max_headers != HYPER_MAX_HEADERS {
+            http1.max_headers(self.max_headers);
+        }
         builder
             .http2()
             .timer(TokioTimer::new())
