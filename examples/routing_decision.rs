@@ -9,7 +9,9 @@
 //!
 //! The difference of the two totals over 2,000 is the instructions of one decision
 //! (`Table::place` and the walk's reservation, released) on 18 KB, 31-message chat
-//! bodies of 1,024 conversations sharing a 2 KB system prompt, 8 nodes.
+//! bodies of 1,024 conversations sharing a 2 KB system prompt, 8 nodes. A second
+//! argument `dense` makes the turns escape-dense; `@path` places that one body every
+//! time instead (e.g. the load scripts' 1 KB body).
 
 use std::time::Instant;
 
@@ -44,7 +46,7 @@ fn main() {
         Some("dense") => DENSE,
         _ => PROSE,
     };
-    let mut config = String::from("[[pools]]\nname = \"llama\"\n");
+    let mut config = String::from("[[pools]]\nname = \"llama\"\nmodels = [\"llama\", \"mock\"]\n");
     for i in 0..8 {
         config.push_str(&format!(
             "[[pools.nodes]]\nid = \"gpu-{i}\"\nurl = \"http://10.0.0.{i}:8000\"\n"
@@ -55,7 +57,14 @@ fn main() {
         &Registry::default(),
     );
     let system = text(2000);
-    let bodies: Vec<Vec<u8>> = (0..1024)
+    // `@path`: that one body every time (as the load scripts send theirs).
+    let file = std::env::args().nth(2).and_then(|a| {
+        a.strip_prefix('@')
+            .map(|p| std::fs::read(p).expect("a body file"))
+    });
+    let bodies: Vec<Vec<u8>> = match file {
+        Some(body) => vec![body],
+        None => (0..1024)
         .map(|c| {
             let mut messages = vec![serde_json::json!({"role": "system", "content": system})];
             for i in 0..31 {
@@ -64,7 +73,8 @@ fn main() {
             }
             serde_json::to_vec(&serde_json::json!({"messages": messages, "temperature": 0.7, "model": "llama", "stream": true})).unwrap()
         })
-        .collect();
+        .collect(),
+    };
     let mut chosen = 0usize;
     for i in 0..n {
         let placement = table
