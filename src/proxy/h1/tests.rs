@@ -42,6 +42,24 @@ fn a_request_head_carries_host_headers_and_length() {
     assert!(!String::from_utf8(out).unwrap().contains("content-length"));
 }
 
+proptest! {
+    #[test]
+    fn lengths_are_written_as_the_formatter_writes_them(n in any::<usize>()) {
+        let mut out = b"x".to_vec();
+        push_decimal(&mut out, n);
+        prop_assert_eq!(out, format!("x{n}").into_bytes());
+    }
+}
+
+#[test]
+fn length_edges_are_written_as_the_formatter_writes_them() {
+    for n in [0, 9, 10, 99, 100, usize::MAX] {
+        let mut out = Vec::new();
+        push_decimal(&mut out, n);
+        assert_eq!(out, n.to_string().into_bytes());
+    }
+}
+
 #[test]
 fn a_head_is_parsed_with_its_framing_and_the_rest_left() {
     let mut buf = BytesMut::from(
