@@ -13,7 +13,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, StatusCode, Version};
 
-use super::headers::list_items;
+use super::headers::{is_hop_by_hop, is_hop_by_hop_text};
 
 /// The most header fields a response head may carry.
 const MAX_HEADERS: usize = 128;
@@ -185,20 +185,24 @@ pub fn parse_response(
             Some(0) => Version::HTTP_10,
             _ => Version::HTTP_11,
         };
-        // The header values are slices of the head, shared rather than copied.
-        let offsets: Vec<(HeaderName, std::ops::Range<usize>)> = resp
-            .headers
-            .iter()
-            .map(|h| {
-                let name = match usual_name(h.name) {
-                    Some(name) => name,
-                    None => HeaderName::from_bytes(h.name.as_bytes())
-                        .map_err(|_| WireError::Head(format!("header name {:?}", h.name)))?,
-                };
-                let start = h.value.as_ptr() as usize - buf.as_ptr() as usize;
-                Ok((name, start..start + h.value.len()))
-            })
-            .collect::<Result<_, WireError>>()?;
+        // The header values are slices of the head, shared rather than copied. The
+        // hop-by-hop fields are read for framing and reuse, and not kept: they are
+        // this connection's, and the client's has its own.
+        let mut hop = HopFields::default();
+        let mut offsets: Vec<(HeaderName, std::ops::Range<usize>)> =
+            Vec::with_capacity(resp.headers.len());
+        for h in resp.headers.iter() {
+            let name = match usual_name(h.name) {
+                Some(name) => name,
+                None => HeaderName::from_bytes(h.name.as_bytes())
+                    .map_err(|_| WireError::Head(format!("header name {:?}", h.name)))?,
+            };
+            if hop.read(&name, h.value) {
+                continue;
+            }
+            let start = h.value.as_ptr() as usize - buf.as_ptr() as usize;
+            offsets.push((name, start..start + h.value.len()));
+        }
         let head = buf.split_to(len).freeze();
         let mut headers = HeaderMap::with_capacity(offsets.len() + ADDED_HEADERS);
         for (name, range) in offsets {
@@ -206,11 +210,12 @@ pub fn parse_response(
                 .map_err(|_| WireError::Head(format!("value of {name}")))?;
             headers.append(name, value);
         }
-        let (framing, clean) = framing(method, status, version, &mut headers)?;
-        let reusable = clean
-            && version == Version::HTTP_11
-            && framing != Framing::UntilClose
-            && !list_items(&headers, &header::CONNECTION).any(|t| t.eq_ignore_ascii_case("close"));
+        for name in &hop.nominated {
+            headers.remove(name);
+        }
+        let (framing, clean) = hop.framing(method, status, version, &mut headers)?;
+        let reusable =
+            clean && version == Version::HTTP_11 && framing != Framing::UntilClose && !hop.close;
         let mut parts = http::Response::new(()).into_parts().0;
         parts.status = status;
         parts.version = version;
@@ -241,78 +246,172 @@ fn usual_name(name: &str) -> Option<HeaderName> {
     })
 }
 
-/// The body's framing (RFC 9112 §6.3), and whether the head framed it cleanly (one
-/// that had to be mended, `Content-Length` beside `Transfer-Encoding`, may be a
-/// smuggling attempt: its connection is not reused). `headers` are mended to say what
-/// the framing is.
-fn framing(
-    method: &Method,
-    status: StatusCode,
-    version: Version,
-    headers: &mut HeaderMap,
-) -> Result<(Framing, bool), WireError> {
-    if *method == Method::HEAD {
-        return Ok((Framing::Empty, true));
+/// What a response head's framing and connection fields say, read as its map is
+/// built: `Content-Length` (kept in the map), and the hop-by-hop fields
+/// (`Transfer-Encoding`, `Connection` and the rest, left out: they are this
+/// connection's, and the client's has its own). Reading them here saves the map
+/// lookups and removals a second pass would make.
+#[derive(Default)]
+struct HopFields {
+    /// `Transfer-Encoding` lines.
+    codings: usize,
+    /// Whether the last coding named is `chunked`.
+    chunked: Option<bool>,
+    /// Why a `Transfer-Encoding` line cannot be read, the first one.
+    bad_coding: Option<&'static str>,
+    /// `Content-Length` lines, the values they give, and the value they agree on.
+    length_lines: usize,
+    lengths: usize,
+    length: Option<u64>,
+    /// A `Content-Length` value that is not digits, or differs from another.
+    bad_length: bool,
+    /// `Connection: close`.
+    close: bool,
+    /// Other names `Connection` lists (hop-by-hop too: removed from the map).
+    nominated: Vec<HeaderName>,
+}
+
+impl HopFields {
+    /// Reads one field; `true` for a hop-by-hop one, which the map does not keep.
+    fn read(&mut self, name: &HeaderName, value: &[u8]) -> bool {
+        if *name == header::CONTENT_LENGTH {
+            self.content_length(value);
+            return false;
+        }
+        if !is_hop_by_hop(name) {
+            return false;
+        }
+        if *name == header::TRANSFER_ENCODING {
+            self.transfer_encoding(value);
+        } else if *name == header::CONNECTION {
+            self.connection(value);
+        }
+        true
     }
-    if status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
-        // No body follows, so none may be announced to the client: a length here
-        // would have it wait for bytes that never come (a 204 may not carry one at
-        // all; a 304's is the size of a body not sent). Bytes sent anyway are left
-        // over, and the connection is not reused.
-        let announced = headers.remove(header::CONTENT_LENGTH).is_some()
-            | headers.remove(header::TRANSFER_ENCODING).is_some();
-        return Ok((Framing::Empty, !announced));
-    }
-    if headers.contains_key(header::TRANSFER_ENCODING) {
-        if version == Version::HTTP_10 {
-            return Err(WireError::BadTransferEncoding("in an HTTP/1.0 response"));
+
+    fn transfer_encoding(&mut self, value: &[u8]) {
+        self.codings += 1;
+        if self.bad_coding.is_some() {
+            return;
         }
         // Every line must be text: a coding that cannot be read cannot be skipped.
-        let mut last = None;
-        for value in headers.get_all(header::TRANSFER_ENCODING) {
-            let text = value
-                .to_str()
-                .map_err(|_| WireError::BadTransferEncoding("not visible ASCII"))?;
-            if text.trim().is_empty() {
-                return Err(WireError::BadTransferEncoding("empty"));
-            }
-            let coding = text.split(',').map(str::trim).rfind(|t| !t.is_empty());
-            last = coding.map(|c| c.eq_ignore_ascii_case("chunked")).or(last);
-        }
-        let clean = headers.remove(header::CONTENT_LENGTH).is_none();
-        // Chunked must be the last coding; anything else is read until close.
-        let framing = match last {
-            Some(true) => Framing::Chunked,
-            _ => Framing::UntilClose,
+        let Some(text) = visible_text(value) else {
+            self.bad_coding = Some("not visible ASCII");
+            return;
         };
-        return Ok((framing, clean));
+        if text.trim().is_empty() {
+            self.bad_coding = Some("empty");
+            return;
+        }
+        let coding = text.split(',').map(str::trim).rfind(|t| !t.is_empty());
+        self.chunked = coding
+            .map(|c| c.eq_ignore_ascii_case("chunked"))
+            .or(self.chunked);
     }
-    let mut length = None;
-    let mut values = 0;
-    for value in headers.get_all(header::CONTENT_LENGTH) {
-        for part in value.as_bytes().split(|&b| b == b',') {
+
+    fn content_length(&mut self, value: &[u8]) {
+        self.length_lines += 1;
+        if self.bad_length {
+            return;
+        }
+        for part in value.split(|&b| b == b',') {
             let digits = part.trim_ascii();
-            if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
-                return Err(WireError::BadLength);
+            let n = (!digits.is_empty() && digits.iter().all(u8::is_ascii_digit))
+                .then(|| std::str::from_utf8(digits).ok()?.parse::<u64>().ok())
+                .flatten();
+            match n {
+                Some(n) if self.length.is_none_or(|l| l == n) => {
+                    self.length = Some(n);
+                    self.lengths += 1;
+                }
+                _ => {
+                    self.bad_length = true;
+                    return;
+                }
             }
-            let n = std::str::from_utf8(digits)
-                .ok()
-                .and_then(|d| d.parse::<u64>().ok())
-                .ok_or(WireError::BadLength)?;
-            if length.is_some_and(|l| l != n) {
-                return Err(WireError::BadLength);
-            }
-            length = Some(n);
-            values += 1;
         }
     }
-    let Some(n) = length else {
-        return Ok((Framing::UntilClose, true));
-    };
-    if values > 1 {
-        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(n));
+
+    /// `Connection`'s items (a line that is not text is passed over).
+    fn connection(&mut self, value: &[u8]) {
+        let Some(text) = visible_text(value) else {
+            return;
+        };
+        for item in text.split(',').map(str::trim).filter(|t| !t.is_empty()) {
+            if item.eq_ignore_ascii_case("close") {
+                self.close = true;
+            } else if !is_hop_by_hop_text(item) {
+                if let Ok(name) = HeaderName::from_bytes(item.as_bytes()) {
+                    self.nominated.push(name);
+                }
+            }
+        }
     }
-    Ok((Framing::Length(n), true))
+
+    /// The body's framing (RFC 9112 §6.3), and whether the head framed it cleanly (one
+    /// that had to be mended, `Content-Length` beside `Transfer-Encoding`, may be a
+    /// smuggling attempt: its connection is not reused). `headers` are mended to say
+    /// what the framing is.
+    fn framing(
+        &self,
+        method: &Method,
+        status: StatusCode,
+        version: Version,
+        headers: &mut HeaderMap,
+    ) -> Result<(Framing, bool), WireError> {
+        if *method == Method::HEAD {
+            return Ok((Framing::Empty, true));
+        }
+        if status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
+            // No body follows, so none may be announced to the client: a length here
+            // would have it wait for bytes that never come (a 204 may not carry one at
+            // all; a 304's is the size of a body not sent). Bytes sent anyway are left
+            // over, and the connection is not reused.
+            if self.length_lines > 0 {
+                headers.remove(header::CONTENT_LENGTH);
+            }
+            return Ok((Framing::Empty, self.length_lines == 0 && self.codings == 0));
+        }
+        if self.codings > 0 {
+            if version == Version::HTTP_10 {
+                return Err(WireError::BadTransferEncoding("in an HTTP/1.0 response"));
+            }
+            if let Some(why) = self.bad_coding {
+                return Err(WireError::BadTransferEncoding(why));
+            }
+            // A length beside a coding is dropped (RFC 9112 §6.3), and the head was
+            // not clean.
+            if self.length_lines > 0 {
+                headers.remove(header::CONTENT_LENGTH);
+            }
+            // Chunked must be the last coding; anything else is read until close.
+            let framing = match self.chunked {
+                Some(true) => Framing::Chunked,
+                _ => Framing::UntilClose,
+            };
+            return Ok((framing, self.length_lines == 0));
+        }
+        if self.bad_length {
+            return Err(WireError::BadLength);
+        }
+        let Some(n) = self.length else {
+            return Ok((Framing::UntilClose, true));
+        };
+        if self.lengths > 1 {
+            headers.insert(header::CONTENT_LENGTH, HeaderValue::from(n));
+        }
+        Ok((Framing::Length(n), true))
+    }
+}
+
+/// A value as text, if every byte is visible ASCII or a tab (as `HeaderValue::to_str`
+/// requires).
+fn visible_text(value: &[u8]) -> Option<&str> {
+    value
+        .iter()
+        .all(|&b| b == b'\t' || (32..127).contains(&b))
+        .then(|| std::str::from_utf8(value).ok())
+        .flatten()
 }
 
 /// What [`Chunked::decode`] made of the bytes it had.

@@ -70,11 +70,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // the usual one, is): most often none, and then nothing is allocated.
     let named: Vec<HeaderName> = if present & 1 != 0 {
         list_items(headers, &header::CONNECTION)
-            .filter(|item| {
-                !HOP_BY_HOP
-                    .iter()
-                    .any(|h| h.as_str().eq_ignore_ascii_case(item))
-            })
+            .filter(|item| !is_hop_by_hop_text(item))
             .filter_map(|item| HeaderName::from_bytes(item.as_bytes()).ok())
             .collect()
     } else {
@@ -88,6 +84,18 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     for name in &named {
         headers.remove(name);
     }
+}
+
+/// Whether a header is hop-by-hop (one of the nine; not those `Connection` names).
+pub fn is_hop_by_hop(name: &HeaderName) -> bool {
+    hop_by_hop_index(name.as_str()).is_some()
+}
+
+/// Whether a name, in any case, is one of the nine hop-by-hop headers.
+pub fn is_hop_by_hop_text(name: &str) -> bool {
+    HOP_BY_HOP
+        .iter()
+        .any(|h| h.as_str().eq_ignore_ascii_case(name))
 }
 
 /// The index in [`HOP_BY_HOP`] of a lowercase header name (a `match` on the text:

@@ -399,3 +399,24 @@ fn usual_names_are_the_names_from_bytes_gives() {
     assert_eq!(head.parts.headers["x-other"], "1");
     assert_eq!(head.framing, Framing::Length(2));
 }
+
+#[test]
+fn hop_by_hop_fields_frame_the_body_and_are_not_kept() {
+    let mut buf = BytesMut::from(
+        "HTTP/1.1 200 OK\r\nConnection: keep-alive, X-Private\r\nKeep-Alive: timeout=5\r\n\
+         Transfer-Encoding: chunked\r\nX-Private: 1\r\nContent-Type: a/b\r\n\r\n",
+    );
+    let head = parse_response(&mut buf, &Method::POST).unwrap().unwrap();
+    assert_eq!(head.framing, Framing::Chunked);
+    assert!(head.reusable);
+    let names: Vec<&str> = head.parts.headers.keys().map(|n| n.as_str()).collect();
+    assert_eq!(names, ["content-type"], "only end-to-end fields are kept");
+    // `close` among other items still closes; a line that is not text is passed over.
+    let mut buf = BytesMut::from(
+        &b"HTTP/1.1 200 OK\r\nconnection: \xff\r\nConnection: x, Close\r\ncontent-length: 0\r\n\r\n"[..],
+    );
+    let head = parse_response(&mut buf, &Method::POST).unwrap().unwrap();
+    assert!(!head.reusable);
+    assert_eq!(head.framing, Framing::Length(0));
+    assert_eq!(head.parts.headers[header::CONTENT_LENGTH], "0");
+}
