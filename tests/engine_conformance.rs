@@ -398,3 +398,113 @@ fn show(g: &Got) -> String {
         other => format!("{other:?}"),
     }
 }
+
+/// What an engine is sent: the client's end-to-end fields; none of the hop-by-hop
+/// ones nor those the client's `Connection` names; `host` from the engine URL; the
+/// body's own length; and `x-forwarded-for` with the client's address after its
+/// list. With `auth.strip`, no credentials.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_is_sent_end_to_end_fields_and_the_client_address() {
+    for strip in [false, true] {
+        let heads = Arc::new(Mutex::new(Vec::<String>::new()));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let seen = heads.clone();
+        tokio::spawn(async move {
+            while let Ok((mut sock, _)) = listener.accept().await {
+                let seen = seen.clone();
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 16 * 1024];
+                    while let Ok(n @ 1..) = sock.read(&mut chunk).await {
+                        buf.extend_from_slice(&chunk[..n]);
+                        let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                            continue;
+                        };
+                        let head = String::from_utf8_lossy(&buf[..end + 4]).into_owned();
+                        let length: usize = head
+                            .to_ascii_lowercase()
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse().ok())
+                            .unwrap_or(0);
+                        if buf.len() < end + 4 + length {
+                            continue;
+                        }
+                        buf.drain(..end + 4 + length);
+                        if head.starts_with("POST") {
+                            seen.lock().push(head);
+                        }
+                        let answer = format!(
+                            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{SECOND}",
+                            SECOND.len()
+                        );
+                        if sock.write_all(answer.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        let auth = if strip {
+            let keys = write_config("k\n");
+            format!(
+                "[auth]\napi_keys_file = \"{}\"\nstrip = true\n",
+                keys.display()
+            )
+        } else {
+            String::new()
+        };
+        let lb = balancer(&config_at(&[addr], &auth));
+        let body = chat(&[("user", "who sent this?")], false, 1).to_string();
+        let mut s = tokio::net::TcpStream::connect(lb.addr).await.unwrap();
+        let request = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: lb.example\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n\
+             Connection: keep-alive, X-Secret\r\nKeep-Alive: timeout=5\r\nTE: trailers\r\n\
+             X-Secret: 1\r\nAuthorization: Bearer k\r\nX-Forwarded-For: 10.0.0.1\r\n\
+             X-Request-Tag: kept\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(request.as_bytes()).await.unwrap();
+        let mut got = Vec::new();
+        let mut chunk = [0u8; 4096];
+        while !String::from_utf8_lossy(&got).contains(SECOND) {
+            let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut chunk))
+                .await
+                .expect("an answer")
+                .unwrap();
+            assert!(n > 0, "{}", String::from_utf8_lossy(&got));
+            got.extend_from_slice(&chunk[..n]);
+        }
+        assert!(
+            got.starts_with(b"HTTP/1.1 200"),
+            "{}",
+            String::from_utf8_lossy(&got)
+        );
+        let head = heads.lock().pop().expect("the engine saw the request");
+        let fields: Vec<(String, String)> = head
+            .lines()
+            .skip(1)
+            .filter_map(|l| l.split_once(": "))
+            .map(|(n, v)| (n.to_ascii_lowercase(), v.to_string()))
+            .collect();
+        let value = |name: &str| {
+            fields
+                .iter()
+                .filter(|(n, _)| n == name)
+                .map(|(_, v)| v.as_str())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(value("host"), [addr.to_string()], "{head}");
+        assert_eq!(value("content-length"), [body.len().to_string()], "{head}");
+        assert_eq!(value("x-forwarded-for"), ["10.0.0.1, 127.0.0.1"], "{head}");
+        assert_eq!(value("x-request-tag"), ["kept"], "{head}");
+        assert_eq!(value("content-type"), ["application/json"], "{head}");
+        for gone in ["connection", "keep-alive", "te", "x-secret"] {
+            assert_eq!(value(gone), Vec::<&str>::new(), "{gone} in {head}");
+        }
+        let credentials: &[&str] = if strip { &[] } else { &["Bearer k"] };
+        assert_eq!(value("authorization"), credentials, "{head}");
+    }
+}

@@ -58,8 +58,8 @@ pub(super) struct Exchange<'t> {
     pub method: Method,
     /// Path and query, as the client sent them.
     pub path: PathAndQuery,
-    /// The headers for the engines (see [`headers::upstream_headers`]).
-    pub headers: HeaderMap,
+    /// The headers for the engines.
+    pub headers: headers::UpstreamHeaders,
     /// The body as the client sent it; every pool edits these bytes afresh.
     pub body: Bytes,
     pub started: Instant,
@@ -173,7 +173,7 @@ impl Exchange<'_> {
             if !span.is_disabled() {
                 span.record("prefixlb.route", route.label().as_ref());
             }
-            traces::inject(&span, &mut self.headers);
+            traces::inject(&span, &mut self.headers.map);
             let failure = match self.ask(ticket.pool(), ticket.node(), &body, &span).await {
                 Ok(answer) => return Ok(self.commit(ticket, route, attempt, answer, span)),
                 Err(f) => f,

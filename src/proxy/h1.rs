@@ -13,7 +13,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, StatusCode, Version};
 
-use super::headers::{is_hop_by_hop, is_hop_by_hop_text};
+use super::headers::{is_hop_by_hop, is_hop_by_hop_text, UpstreamHeaders};
 
 /// The most header fields a response head may carry.
 const MAX_HEADERS: usize = 128;
@@ -70,15 +70,14 @@ impl fmt::Display for WireError {
 
 impl std::error::Error for WireError {}
 
-/// Appends a request head for `body_len` bytes of body to `out`. `headers` must hold
-/// neither `host` nor `content-length` nor hop-by-hop fields (see
-/// [`super::headers::upstream_headers`]); the values are valid by construction
-/// (`HeaderValue` refuses CR and LF).
+/// Appends a request head for `body_len` bytes of body to `out`: `host`, the fields
+/// [`UpstreamHeaders`] lets through, `x-forwarded-for`, the length. The values are
+/// valid by construction (`HeaderValue` refuses CR and LF).
 pub fn encode_request(
     method: &Method,
     target: &str,
     host: &HeaderValue,
-    headers: &HeaderMap,
+    headers: &UpstreamHeaders,
     body_len: usize,
     out: &mut Vec<u8>,
 ) {
@@ -88,12 +87,13 @@ pub fn encode_request(
     out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
     out.extend_from_slice(host.as_bytes());
     out.extend_from_slice(b"\r\n");
-    for (name, value) in headers {
+    for (name, value) in headers.fields() {
         out.extend_from_slice(name.as_str().as_bytes());
         out.extend_from_slice(b": ");
         out.extend_from_slice(value.as_bytes());
         out.extend_from_slice(b"\r\n");
     }
+    headers.write_forwarded_for(out);
     // A request without a body says so only where one is expected.
     if body_len > 0 || !matches!(*method, Method::GET | Method::HEAD | Method::DELETE) {
         out.extend_from_slice(b"content-length: ");

@@ -115,52 +115,105 @@ fn hop_by_hop_index(name: &str) -> Option<usize> {
     })
 }
 
-/// The headers sent to an engine: the client's, minus hop-by-hop, `host` (set from
-/// the engine URL), `content-length` (set from the body) and, with `strip_auth`
-/// (`auth.strip`), `authorization` and `x-api-key`; plus the client's address in `x-forwarded-for`.
-/// Edited in place: the client's map is not needed after.
-pub fn upstream_headers(mut headers: HeaderMap, peer: SocketAddr, strip_auth: bool) -> HeaderMap {
-    strip_hop_by_hop(&mut headers);
-    headers.remove(header::HOST);
-    headers.remove(header::CONTENT_LENGTH);
-    if strip_auth {
-        headers.remove(header::AUTHORIZATION);
-        headers.remove(&X_API_KEY);
+/// The headers sent to an engine: the client's, minus hop-by-hop ones (and any its
+/// `Connection` names), `host` (set from the engine URL), `content-length` (set from
+/// the body) and, with `strip_auth` (`auth.strip`), `authorization` and `x-api-key`;
+/// plus the client's address in `x-forwarded-for`. The client's map is kept as it
+/// came and the rules are applied as the head is written ([`UpstreamHeaders::fields`]):
+/// each removal from a `HeaderMap` would hash its name, on every request.
+#[derive(Debug, Default)]
+pub struct UpstreamHeaders {
+    /// The client's fields, and any the balancer adds (`traceparent`).
+    pub map: HeaderMap,
+    strip_auth: bool,
+    /// Names the client's `Connection` lists (beyond the nine).
+    named: Vec<HeaderName>,
+    /// The client's address, for `x-forwarded-for` (none for the balancer's own
+    /// requests).
+    peer: Option<IpAddr>,
+}
+
+impl UpstreamHeaders {
+    pub fn new(map: HeaderMap, peer: SocketAddr, strip_auth: bool) -> UpstreamHeaders {
+        let named = if map.contains_key(header::CONNECTION) {
+            list_items(&map, &header::CONNECTION)
+                .filter(|item| !is_hop_by_hop_text(item))
+                .filter_map(|item| HeaderName::from_bytes(item.as_bytes()).ok())
+                .collect()
+        } else {
+            Vec::new()
+        };
+        UpstreamHeaders {
+            map,
+            strip_auth,
+            named,
+            peer: Some(peer.ip()),
+        }
     }
-    let prior = headers
-        .get(&X_FORWARDED_FOR)
-        .and_then(|v| v.to_str().ok())
-        .filter(|v| !v.is_empty());
-    // Room for the prior list, ", " and the longest IPv6 address (39 characters).
-    let mut forwarded = String::with_capacity(prior.map_or(0, |p| p.len() + 2) + 39);
-    if let Some(prior) = prior {
-        forwarded.push_str(prior);
-        forwarded.push_str(", ");
+
+    /// The fields that go, in the client's order (`x-forwarded-for` excepted: see
+    /// [`UpstreamHeaders::write_forwarded_for`]).
+    pub fn fields(&self) -> impl Iterator<Item = (&HeaderName, &HeaderValue)> {
+        self.map.iter().filter(|(name, _)| self.forwards(name))
     }
-    push_ip(&mut forwarded, peer.ip());
-    if let Ok(v) = HeaderValue::try_from(forwarded) {
-        headers.insert(X_FORWARDED_FOR.clone(), v);
+
+    fn forwards(&self, name: &HeaderName) -> bool {
+        let left_out = is_hop_by_hop(name)
+            || name == header::HOST
+            || name == header::CONTENT_LENGTH
+            || name == X_FORWARDED_FOR
+            || self.strip_auth && (name == header::AUTHORIZATION || name == X_API_KEY)
+            || !self.named.is_empty() && self.named.contains(name);
+        !left_out
     }
-    headers
+
+    /// Writes the `x-forwarded-for` field: the client's list (its first line, when it
+    /// is text and not empty), then the client's address.
+    pub fn write_forwarded_for(&self, out: &mut Vec<u8>) {
+        let Some(peer) = self.peer else {
+            return;
+        };
+        out.extend_from_slice(b"x-forwarded-for: ");
+        let prior = self
+            .map
+            .get(&X_FORWARDED_FOR)
+            .filter(|v| v.to_str().is_ok_and(|v| !v.is_empty()));
+        if let Some(prior) = prior {
+            out.extend_from_slice(prior.as_bytes());
+            out.extend_from_slice(b", ");
+        }
+        push_ip(out, peer);
+        out.extend_from_slice(b"\r\n");
+    }
+
+    /// About how many bytes the fields take written.
+    pub fn written_len(&self) -> usize {
+        let fields: usize = self
+            .map
+            .iter()
+            .map(|(n, v)| n.as_str().len() + v.len() + 4)
+            .sum();
+        fields + 64
+    }
 }
 
 /// Writes an address as `Display` does; an IPv4 one digit by digit, which costs a
 /// tenth of going through the formatter (it is written on every request).
-fn push_ip(out: &mut String, ip: IpAddr) {
-    use std::fmt::Write as _;
+fn push_ip(out: &mut Vec<u8>, ip: IpAddr) {
+    use std::io::Write as _;
     match ip {
         IpAddr::V4(v4) => {
             for (i, octet) in v4.octets().into_iter().enumerate() {
                 if i > 0 {
-                    out.push('.');
+                    out.push(b'.');
                 }
                 if octet >= 100 {
-                    out.push(char::from(b'0' + octet / 100));
+                    out.push(b'0' + octet / 100);
                 }
                 if octet >= 10 {
-                    out.push(char::from(b'0' + octet / 10 % 10));
+                    out.push(b'0' + octet / 10 % 10);
                 }
-                out.push(char::from(b'0' + octet % 10));
+                out.push(b'0' + octet % 10);
             }
         }
         IpAddr::V6(_) => {
@@ -197,18 +250,44 @@ mod tests {
         h.insert(header::HOST, HeaderValue::from_static("lb"));
         h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("5"));
         h.insert("x-forwarded-for", HeaderValue::from_static("10.0.0.1"));
-        let out = upstream_headers(h.clone(), "127.0.0.1:5000".parse().unwrap(), false);
-        assert!(out.get(header::CONNECTION).is_none());
-        assert!(out.get("x-secret").is_none());
-        assert!(out.get(header::TRANSFER_ENCODING).is_none());
-        assert!(out.get(header::HOST).is_none());
-        assert!(out.get(header::CONTENT_LENGTH).is_none());
-        assert_eq!(out[header::AUTHORIZATION], "Bearer k");
-        assert_eq!(out["x-forwarded-for"], "10.0.0.1, 127.0.0.1");
-        let stripped = upstream_headers(h, "127.0.0.1:5000".parse().unwrap(), true);
-        assert!(stripped.get(header::AUTHORIZATION).is_none());
-        assert!(stripped.get("x-api-key").is_none());
-        assert_eq!(out["x-api-key"], "k", "kept without auth.strip");
+        let peer = "127.0.0.1:5000".parse().unwrap();
+        let out = sent(&UpstreamHeaders::new(h.clone(), peer, false));
+        let names: Vec<&str> = out.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["authorization", "x-api-key", "x-forwarded-for"]);
+        assert_eq!(out[0].1, "Bearer k");
+        assert_eq!(out[2].1, "10.0.0.1, 127.0.0.1");
+        let stripped = sent(&UpstreamHeaders::new(h, peer, true));
+        assert_eq!(
+            stripped,
+            [("x-forwarded-for".into(), "10.0.0.1, 127.0.0.1".into())]
+        );
+        // Without a prior list (or with an empty one), the address alone.
+        let mut h = HeaderMap::new();
+        h.insert("x-forwarded-for", HeaderValue::from_static(""));
+        let peer = "[2001:db8::1]:5000".parse().unwrap();
+        let out = sent(&UpstreamHeaders::new(h, peer, false));
+        assert_eq!(out, [("x-forwarded-for".into(), "2001:db8::1".into())]);
+        // The balancer's own requests carry nothing.
+        assert_eq!(sent(&UpstreamHeaders::default()), []);
+    }
+
+    /// The fields an engine is sent, as (name, value) text.
+    fn sent(h: &UpstreamHeaders) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        for (name, value) in h.fields() {
+            out.extend_from_slice(format!("{name}: ").as_bytes());
+            out.extend_from_slice(value.as_bytes());
+            out.extend_from_slice(b"\r\n");
+        }
+        h.write_forwarded_for(&mut out);
+        String::from_utf8(out)
+            .unwrap()
+            .lines()
+            .map(|line| {
+                let (n, v) = line.split_once(": ").unwrap();
+                (n.to_string(), v.to_string())
+            })
+            .collect()
     }
 
     #[test]
@@ -216,9 +295,9 @@ mod tests {
         let octets = (0..=255u8).map(|o| IpAddr::from([o, 255 - o, o / 7, 10]));
         let named = ["127.0.0.1", "::1", "2001:db8::ff00:42:8329"].map(|ip| ip.parse().unwrap());
         for ip in octets.chain(named) {
-            let mut out = String::new();
+            let mut out = Vec::new();
             push_ip(&mut out, ip);
-            assert_eq!(out, ip.to_string());
+            assert_eq!(out, ip.to_string().into_bytes());
         }
     }
 

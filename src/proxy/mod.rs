@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use http::uri::PathAndQuery;
-use http::{header, HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
+use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde_json::json;
 use tokio::time::Instant;
@@ -155,7 +155,7 @@ impl Proxy {
             false => None,
             true => Some(self.table().config.tls.client()?),
         };
-        let empty = (HeaderMap::new(), bytes::Bytes::new());
+        let empty = (headers::UpstreamHeaders::default(), bytes::Bytes::new());
         let req = upstream::Outgoing {
             method: &Method::GET,
             target: target.path_and_query().map_or("/", |p| p.as_str()),
@@ -298,7 +298,7 @@ impl Proxy {
                 .path_and_query()
                 .cloned()
                 .unwrap_or_else(|| PathAndQuery::from_static("/")),
-            headers: headers::upstream_headers(parts.headers, peer, auth.strip),
+            headers: headers::UpstreamHeaders::new(parts.headers, peer, auth.strip),
             body,
             started,
             asker,

@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http::uri::Authority;
-use http::{HeaderMap, HeaderValue, Method, Response};
+use http::{HeaderValue, Method, Response};
 use http_body::{Body, Frame, SizeHint};
 use parking_lot::Mutex;
 use rustls::pki_types::ServerName;
@@ -36,6 +36,7 @@ use tokio::time::Instant;
 use tokio_rustls::client::TlsStream;
 
 use super::h1::{self, Chunked, Decoded, Framing, WireError};
+use super::headers::UpstreamHeaders;
 
 /// An engine connection's read buffer starts this small: streams read events of a few
 /// hundred bytes, and 1,000 open streams hold 1,000 of these buffers
@@ -300,8 +301,7 @@ pub struct Outgoing<'r> {
     /// Origin-form path and query.
     pub target: &'r str,
     pub host: &'r HeaderValue,
-    /// Neither `host`, `content-length` nor hop-by-hop fields.
-    pub headers: &'r HeaderMap,
+    pub headers: &'r UpstreamHeaders,
     pub body: &'r Bytes,
     /// The TLS client, for an engine behind `https://`.
     pub tls: Option<&'r Arc<ClientConfig>>,
@@ -331,7 +331,7 @@ impl Upstream {
         authority: &Authority,
         req: Outgoing<'_>,
     ) -> Result<Response<EngineBody>, UpstreamError> {
-        let mut head = Vec::with_capacity(128 + req.target.len() + header_bytes(req.headers));
+        let mut head = Vec::with_capacity(128 + req.target.len() + req.headers.written_len());
         h1::encode_request(
             req.method,
             req.target,
@@ -476,13 +476,6 @@ impl Upstream {
 }
 
 /// The bytes the header fields take on the wire, roughly.
-fn header_bytes(headers: &HeaderMap) -> usize {
-    headers
-        .iter()
-        .map(|(n, v)| n.as_str().len() + v.len() + 4)
-        .sum()
-}
-
 /// Where a body is in its framing.
 #[derive(Debug)]
 enum Decoding {

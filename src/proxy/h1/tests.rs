@@ -15,6 +15,10 @@ fn a_request_head_carries_host_headers_and_length() {
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
+    headers.insert(header::HOST, HeaderValue::from_static("lb"));
+    headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("99"));
+    headers.insert(header::CONNECTION, HeaderValue::from_static("keep-alive"));
+    let headers = UpstreamHeaders::new(headers, "10.1.2.3:4000".parse().unwrap(), false);
     let mut out = Vec::new();
     let host = HeaderValue::from_static("10.0.0.7:8000");
     encode_request(
@@ -28,18 +32,22 @@ fn a_request_head_carries_host_headers_and_length() {
     assert_eq!(
         String::from_utf8(out).unwrap(),
         "POST /v1/chat/completions HTTP/1.1\r\nhost: 10.0.0.7:8000\r\n\
-         content-type: application/json\r\ncontent-length: 17\r\n\r\n"
+         content-type: application/json\r\nx-forwarded-for: 10.1.2.3\r\n\
+         content-length: 17\r\n\r\n"
     );
     let mut out = Vec::new();
     encode_request(
         &Method::GET,
         "/v1/models",
         &host,
-        &HeaderMap::new(),
+        &UpstreamHeaders::default(),
         0,
         &mut out,
     );
-    assert!(!String::from_utf8(out).unwrap().contains("content-length"));
+    assert_eq!(
+        String::from_utf8(out).unwrap(),
+        "GET /v1/models HTTP/1.1\r\nhost: 10.0.0.7:8000\r\n\r\n"
+    );
 }
 
 proptest! {

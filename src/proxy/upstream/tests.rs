@@ -46,7 +46,7 @@ async fn send(
     up: &Arc<Upstream>,
     authority: &Authority,
 ) -> Result<Response<EngineBody>, UpstreamError> {
-    let headers = HeaderMap::new();
+    let headers = UpstreamHeaders::default();
     let req = Outgoing {
         method: &Method::POST,
         target: "/x",
