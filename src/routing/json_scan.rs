@@ -13,7 +13,7 @@
 use std::borrow::Cow;
 use std::fmt;
 
-use wide::u8x16;
+use wide::{u8x16, u8x32};
 
 /// Deepest nesting accepted (tool schemas nest a handful of levels).
 const MAX_DEPTH: usize = 128;
@@ -392,19 +392,27 @@ enum Escapes {
     Maybe,
 }
 
-/// The bit mask of the bytes of a 64-byte block that equal `byte`.
+/// The bit mask of the bytes of a 64-byte block that equal `byte`: two 32-byte
+/// compares, each one AVX2 instruction in a build for a CPU that has it (`-C
+/// target-cpu=x86-64-v3` or `native`) and two SSE2 ones otherwise.
 fn mask(block: &[u8; 64], byte: u8) -> u64 {
-    lanes(block).enumerate().fold(0, |bits, (k, lane)| {
-        bits | u64::from(lane_mask(lane, byte)) << (16 * k)
+    halves(block).enumerate().fold(0, |bits, (k, half)| {
+        bits | u64::from(half_mask(half, byte)) << (32 * k)
     })
 }
 
-/// A block's four 16-byte lanes (the conversions cannot fail, and compile away).
+/// A block's two 32-byte halves (the conversions cannot fail, and compile away).
 #[inline(always)]
-fn lanes(block: &[u8; 64]) -> impl Iterator<Item = &[u8; 16]> {
+fn halves(block: &[u8; 64]) -> impl Iterator<Item = &[u8; 32]> {
     block
-        .chunks_exact(16)
-        .filter_map(|lane| lane.try_into().ok())
+        .chunks_exact(32)
+        .filter_map(|half| half.try_into().ok())
+}
+
+/// The bit mask of the bytes of a 32-byte half block that equal `byte`.
+#[inline(always)]
+fn half_mask(half: &[u8; 32], byte: u8) -> u32 {
+    u8x32::new(*half).simd_eq(u8x32::splat(byte)).to_bitmask()
 }
 
 /// The bit mask of the bytes of a 16-byte lane that equal `byte`.
