@@ -126,27 +126,27 @@ pub struct UpstreamHeaders {
     /// The client's fields, and any the balancer adds (`traceparent`).
     pub map: HeaderMap,
     strip_auth: bool,
-    /// Names the client's `Connection` lists (beyond the nine).
-    named: Vec<HeaderName>,
     /// The client's address, for `x-forwarded-for` (none for the balancer's own
     /// requests).
     peer: Option<IpAddr>,
 }
 
 impl UpstreamHeaders {
-    pub fn new(map: HeaderMap, peer: SocketAddr, strip_auth: bool) -> UpstreamHeaders {
-        let named = if map.contains_key(header::CONNECTION) {
-            list_items(&map, &header::CONNECTION)
+    pub fn new(mut map: HeaderMap, peer: SocketAddr, strip_auth: bool) -> UpstreamHeaders {
+        // Names the client's `Connection` lists beyond the nine (rare) go at once, so
+        // that nothing read or added later (`x-forwarded-for`, `traceparent`) sees them.
+        if map.contains_key(header::CONNECTION) {
+            let named: Vec<HeaderName> = list_items(&map, &header::CONNECTION)
                 .filter(|item| !is_hop_by_hop_text(item))
                 .filter_map(|item| HeaderName::from_bytes(item.as_bytes()).ok())
-                .collect()
-        } else {
-            Vec::new()
-        };
+                .collect();
+            for name in &named {
+                map.remove(name);
+            }
+        }
         UpstreamHeaders {
             map,
             strip_auth,
-            named,
             peer: Some(peer.ip()),
         }
     }
@@ -162,8 +162,7 @@ impl UpstreamHeaders {
             || name == header::HOST
             || name == header::CONTENT_LENGTH
             || name == X_FORWARDED_FOR
-            || self.strip_auth && (name == header::AUTHORIZATION || name == X_API_KEY)
-            || !self.named.is_empty() && self.named.contains(name);
+            || self.strip_auth && (name == header::AUTHORIZATION || name == X_API_KEY);
         !left_out
     }
 
@@ -267,6 +266,16 @@ mod tests {
         let peer = "[2001:db8::1]:5000".parse().unwrap();
         let out = sent(&UpstreamHeaders::new(h, peer, false));
         assert_eq!(out, [("x-forwarded-for".into(), "2001:db8::1".into())]);
+        // A list the client's `Connection` names is its hop's: the address alone.
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("X-Forwarded-For"),
+        );
+        h.insert("x-forwarded-for", HeaderValue::from_static("10.0.0.1"));
+        let peer = "127.0.0.1:5000".parse().unwrap();
+        let out = sent(&UpstreamHeaders::new(h, peer, false));
+        assert_eq!(out, [("x-forwarded-for".into(), "127.0.0.1".into())]);
         // The balancer's own requests carry nothing.
         assert_eq!(sent(&UpstreamHeaders::default()), []);
     }
