@@ -429,9 +429,9 @@ fn is_event_stream(headers: &HeaderMap) -> bool {
         .is_some_and(|ct| ct.starts_with("text/event-stream"))
 }
 
-/// The engine's response head, cleaned and labelled with where it went.
+/// The engine's response head (its hop-by-hop fields already left out by
+/// [`super::h1::parse_response`]), labelled with where it went.
 fn label(head: &mut http::response::Parts, node: &Node, route: &Route, attempts: u32) {
-    headers::strip_hop_by_hop(&mut head.headers);
     let h = &mut head.headers;
     h.reserve(3);
     if let Some(v) = node.id_header() {

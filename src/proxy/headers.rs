@@ -53,39 +53,6 @@ pub fn list_items<'h>(
         .filter(|item| !item.is_empty())
 }
 
-/// Removes hop-by-hop headers, including any named in `Connection`. One pass over the
-/// names finds which of the nine are present (most heads carry none, or only
-/// `Connection`), and only those are removed: each removal hashes its name.
-pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let mut present = 0u16; // bit i: HOP_BY_HOP[i]
-    for name in headers.keys() {
-        if let Some(i) = hop_by_hop_index(name.as_str()) {
-            present |= 1 << i;
-        }
-    }
-    if present == 0 {
-        return;
-    }
-    // Named by `Connection` (HOP_BY_HOP[0]) and not among the nine (`keep-alive`,
-    // the usual one, is): most often none, and then nothing is allocated.
-    let named: Vec<HeaderName> = if present & 1 != 0 {
-        list_items(headers, &header::CONNECTION)
-            .filter(|item| !is_hop_by_hop_text(item))
-            .filter_map(|item| HeaderName::from_bytes(item.as_bytes()).ok())
-            .collect()
-    } else {
-        Vec::new()
-    };
-    for (i, name) in HOP_BY_HOP.iter().enumerate() {
-        if present & 1 << i != 0 {
-            headers.remove(name);
-        }
-    }
-    for name in &named {
-        headers.remove(name);
-    }
-}
-
 /// Whether a header is hop-by-hop (one of the nine; not those `Connection` names).
 pub fn is_hop_by_hop(name: &HeaderName) -> bool {
     hop_by_hop_index(name.as_str()).is_some()
@@ -316,26 +283,5 @@ mod tests {
             assert_eq!(hop_by_hop_index(name.as_str()), Some(i));
         }
         assert_eq!(hop_by_hop_index("x-connection"), None);
-    }
-
-    #[test]
-    fn only_the_present_hop_by_hop_headers_go_and_the_rest_stay() {
-        // No `Connection`: a lone `te` and `upgrade` still go.
-        let mut h = HeaderMap::new();
-        h.insert(header::TE, HeaderValue::from_static("trailers"));
-        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
-        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
-        strip_hop_by_hop(&mut h);
-        assert_eq!(h.len(), 1);
-        assert_eq!(h[header::CONTENT_TYPE], "text/plain");
-        // `Connection` naming one of the nine and a header of its own, on two lines.
-        let mut h = HeaderMap::new();
-        h.append(header::CONNECTION, HeaderValue::from_static("Keep-Alive"));
-        h.append(header::CONNECTION, HeaderValue::from_static(" x-hop ,"));
-        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
-        h.insert("x-hop", HeaderValue::from_static("1"));
-        h.insert("x-stay", HeaderValue::from_static("1"));
-        strip_hop_by_hop(&mut h);
-        assert_eq!(h.keys().collect::<Vec<_>>(), ["x-stay"]);
     }
 }

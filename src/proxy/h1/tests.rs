@@ -427,4 +427,23 @@ fn hop_by_hop_fields_frame_the_body_and_are_not_kept() {
     assert!(!head.reusable);
     assert_eq!(head.framing, Framing::Length(0));
     assert_eq!(head.parts.headers[header::CONTENT_LENGTH], "0");
+    // No `Connection`: a lone `te` and `upgrade` still go.
+    let mut buf = BytesMut::from(
+        "HTTP/1.1 200 OK\r\nTE: trailers\r\nUpgrade: websocket\r\n\
+         Content-Type: text/plain\r\ncontent-length: 0\r\n\r\n",
+    );
+    let head = parse_response(&mut buf, &Method::POST).unwrap().unwrap();
+    let mut names: Vec<&str> = head.parts.headers.keys().map(|n| n.as_str()).collect();
+    names.sort_unstable();
+    assert_eq!(names, ["content-length", "content-type"]);
+    // `Connection` naming one of the nine and a header of its own, on two lines.
+    let mut buf = BytesMut::from(
+        "HTTP/1.1 200 OK\r\nConnection: Keep-Alive\r\nConnection:  x-hop ,\r\n\
+         Keep-Alive: timeout=5\r\nx-hop: 1\r\nx-stay: 1\r\ncontent-length: 0\r\n\r\n",
+    );
+    let head = parse_response(&mut buf, &Method::POST).unwrap().unwrap();
+    assert!(head.reusable);
+    let mut names: Vec<&str> = head.parts.headers.keys().map(|n| n.as_str()).collect();
+    names.sort_unstable();
+    assert_eq!(names, ["content-length", "x-stay"]);
 }
