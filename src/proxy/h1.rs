@@ -87,13 +87,7 @@ pub fn encode_request(
     out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
     out.extend_from_slice(host.as_bytes());
     out.extend_from_slice(b"\r\n");
-    for (name, value) in headers.fields() {
-        out.extend_from_slice(name.as_str().as_bytes());
-        out.extend_from_slice(b": ");
-        out.extend_from_slice(value.as_bytes());
-        out.extend_from_slice(b"\r\n");
-    }
-    headers.write_forwarded_for(out);
+    headers.write(out);
     // A request without a body says so only where one is expected.
     if body_len > 0 || !matches!(*method, Method::GET | Method::HEAD | Method::DELETE) {
         out.extend_from_slice(b"content-length: ");

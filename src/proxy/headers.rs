@@ -86,7 +86,7 @@ fn hop_by_hop_index(name: &str) -> Option<usize> {
 /// `Connection` names), `host` (set from the engine URL), `content-length` (set from
 /// the body) and, with `strip_auth` (`auth.strip`), `authorization` and `x-api-key`;
 /// plus the client's address in `x-forwarded-for`. The client's map is kept as it
-/// came and the rules are applied as the head is written ([`UpstreamHeaders::fields`]):
+/// came and the rules are applied as the head is written ([`UpstreamHeaders::write`]):
 /// each removal from a `HeaderMap` would hash its name, on every request.
 #[derive(Debug, Default)]
 pub struct UpstreamHeaders {
@@ -118,10 +118,16 @@ impl UpstreamHeaders {
         }
     }
 
-    /// The fields that go, in the client's order (`x-forwarded-for` excepted: see
-    /// [`UpstreamHeaders::write_forwarded_for`]).
-    pub fn fields(&self) -> impl Iterator<Item = (&HeaderName, &HeaderValue)> {
-        self.map.iter().filter(|(name, _)| self.forwards(name))
+    /// Writes the fields that go, as head lines: the client's, in its order, then
+    /// `x-forwarded-for`.
+    pub fn write(&self, out: &mut Vec<u8>) {
+        for (name, value) in self.map.iter().filter(|(name, _)| self.forwards(name)) {
+            out.extend_from_slice(name.as_str().as_bytes());
+            out.extend_from_slice(b": ");
+            out.extend_from_slice(value.as_bytes());
+            out.extend_from_slice(b"\r\n");
+        }
+        self.write_forwarded_for(out);
     }
 
     fn forwards(&self, name: &HeaderName) -> bool {
@@ -135,7 +141,7 @@ impl UpstreamHeaders {
 
     /// Writes the `x-forwarded-for` field: the client's list (its first line, when it
     /// is text and not empty), then the client's address.
-    pub fn write_forwarded_for(&self, out: &mut Vec<u8>) {
+    fn write_forwarded_for(&self, out: &mut Vec<u8>) {
         let Some(peer) = self.peer else {
             return;
         };
@@ -250,12 +256,7 @@ mod tests {
     /// The fields an engine is sent, as (name, value) text.
     fn sent(h: &UpstreamHeaders) -> Vec<(String, String)> {
         let mut out = Vec::new();
-        for (name, value) in h.fields() {
-            out.extend_from_slice(format!("{name}: ").as_bytes());
-            out.extend_from_slice(value.as_bytes());
-            out.extend_from_slice(b"\r\n");
-        }
-        h.write_forwarded_for(&mut out);
+        h.write(&mut out);
         String::from_utf8(out)
             .unwrap()
             .lines()
