@@ -56,24 +56,14 @@ fn main() {
         Config::parse(&config, "example").unwrap(),
         &Registry::default(),
     );
-    let system = text(2000);
     // `@path`: that one body every time (as the load scripts send theirs).
     let file = std::env::args().nth(2).and_then(|a| {
         a.strip_prefix('@')
             .map(|p| std::fs::read(p).expect("a body file"))
     });
-    let bodies: Vec<Vec<u8>> = match file {
+    let bodies = match file {
         Some(body) => vec![body],
-        None => (0..1024)
-        .map(|c| {
-            let mut messages = vec![serde_json::json!({"role": "system", "content": system})];
-            for i in 0..31 {
-                let role = if i % 2 == 0 { "user" } else { "assistant" };
-                messages.push(serde_json::json!({"role": role, "content": format!("conversation {c} turn {i}: {}", of(turns, 520))}));
-            }
-            serde_json::to_vec(&serde_json::json!({"messages": messages, "temperature": 0.7, "model": "llama", "stream": true})).unwrap()
-        })
-        .collect(),
+        None => conversations(turns),
     };
     let mut chosen = 0usize;
     for i in 0..n {
@@ -90,4 +80,19 @@ fn main() {
         }
     }
     println!("{n} decisions ({chosen})");
+}
+
+/// 1,024 conversations of 31 turns (`turns` text) behind a shared 2 KB system prompt.
+fn conversations(turns: &str) -> Vec<Vec<u8>> {
+    let system = text(2000);
+    (0..1024)
+        .map(|c| {
+            let mut messages = vec![serde_json::json!({"role": "system", "content": system})];
+            for i in 0..31 {
+                let role = if i % 2 == 0 { "user" } else { "assistant" };
+                messages.push(serde_json::json!({"role": role, "content": format!("conversation {c} turn {i}: {}", of(turns, 520))}));
+            }
+            serde_json::to_vec(&serde_json::json!({"messages": messages, "temperature": 0.7, "model": "llama", "stream": true})).unwrap()
+        })
+        .collect()
 }
