@@ -176,6 +176,77 @@ async fn an_idle_kept_alive_connection_is_closed() {
     assert!(started.elapsed() >= Duration::from_millis(500));
 }
 
+/// Reads one chunked response whole (until its last chunk); the time it took.
+async fn read_chunked_response(s: &mut TcpStream) -> (String, Duration) {
+    let started = Instant::now();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !got.ends_with(b"0\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(15), s.read(&mut buf))
+            .await
+            .expect("the response went on")
+            .expect("the connection stayed open");
+        assert!(
+            n > 0,
+            "closed mid-response: {}",
+            String::from_utf8_lossy(&got)
+        );
+        got.extend_from_slice(&buf[..n]);
+    }
+    (
+        String::from_utf8_lossy(&got).into_owned(),
+        started.elapsed(),
+    )
+}
+
+/// `header_read_timeout` bounds the wait for a request head, not a request: a stream
+/// that runs for longer is relayed whole, and on its kept-alive connection the idle
+/// wait for the next head runs from the end of the stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_outlasting_the_head_timeout_is_whole_and_the_idle_wait_follows_it() {
+    let e = engine("e0", &["--decode-ms-per-token", "100"]);
+    let lb = balancer(&config(&[&e], "header_read_timeout = \"1s\"", ""));
+    let body = serde_json::to_vec(&chat(&[("user", "a long answer")], true, 25)).unwrap();
+    let mut s = raw_request(&lb, "", body.len()).await;
+    s.write_all(&body).await.unwrap();
+    let (text, took) = read_chunked_response(&mut s).await;
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(text.contains("data: [DONE]"), "{text}");
+    assert!(
+        took >= Duration::from_secs(2),
+        "25 tokens at 100 ms took {took:?}"
+    );
+    // Half the limit after the stream ended, the connection still takes a request.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let second = serde_json::to_vec(&chat(&[("user", "again")], true, 1)).unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: lb\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        second.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(&second).await.unwrap();
+    let (text, _) = read_chunked_response(&mut s).await;
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    // Then, idle, it is closed about a limit later.
+    let idle = Instant::now();
+    let mut rest = [0u8; 512];
+    let closed = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match s.read(&mut rest).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "an idle connection stayed open");
+    assert!(
+        idle.elapsed() >= Duration::from_millis(700),
+        "closed after {:?}",
+        idle.elapsed()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_the_apis_we_serve_reach_the_engines() {
     let e = engine("e0", &FAST);

@@ -8,7 +8,6 @@ use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -24,6 +23,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio::time::Sleep;
 
+use super::head_timer::{Activity, Answer, HeadWatch};
 use crate::config::ServerConfig;
 use crate::proxy::body::BoxBody;
 
@@ -32,7 +32,8 @@ use crate::proxy::body::BoxBody;
 pub struct ConnLimits {
     /// Time to receive a request head. It also bounds a new connection's first bytes
     /// (before the protocol is known) and, on a kept-alive HTTP/1.1 connection, the
-    /// idle wait for the next request (hyper starts the timer when it goes idle).
+    /// idle wait for the next request (from the end of the last response; see
+    /// [`super::head_timer`]).
     pub header_read_timeout: Duration,
     /// HTTP/1.1 header fields: a head with this many or more gets 431.
     pub max_headers: usize,
@@ -79,9 +80,11 @@ impl ConnLimits {
     fn builder(&self) -> auto::Builder<TokioExecutor> {
         let mut builder = auto::Builder::new(TokioExecutor::new());
         let mut http1 = builder.http1();
+        // `header_read_timeout` is not hyper's to keep: hyper would set a timer for
+        // every request head; each connection keeps one of its own ([`head_timer`]).
         http1
             .timer(TokioTimer::new())
-            .header_read_timeout(self.header_read_timeout)
+            .header_read_timeout(None)
             .max_buf_size(self.max_header_bytes.max(8192));
         // hyper's own limit is 100 header fields, kept on the stack uninitialized; set
         // explicitly (even to 100), it builds a 100-entry array per request head, about
@@ -154,11 +157,11 @@ pub async fn serve_with_slots<H, F>(
         backoff = Duration::from_millis(5);
         let _ = stream.set_nodelay(true);
         let handler = handler.clone();
-        let asked = Arc::new(AtomicBool::new(false));
+        let activity = Activity::new();
         let service = {
-            let asked = asked.clone();
-            service_fn(move |req| {
-                asked.store(true, Ordering::Relaxed);
+            let activity = activity.clone();
+            service_fn(move |req: Request<Incoming>| {
+                let answering = activity.answering(req.version());
                 // Boxed: a request's future is ~6.6 KB (its routing, attempts and
                 // relay; `-Zprint-type-sizes`). hyper keeps a slot of the service
                 // future's size for each connection's whole life, idle or not, and
@@ -166,32 +169,20 @@ pub async fn serve_with_slots<H, F>(
                 // block's await); boxed, the slot holds a pointer, the future lives
                 // only while its request does and is copied once.
                 let response = Box::pin(handler(req, peer));
-                async move { Ok::<_, Infallible>(response.await) }
+                async move {
+                    let response = response.await;
+                    Ok::<_, Infallible>(response.map(|body| Answer::new(body, answering)))
+                }
             })
         };
-        let io = WriteWatch::new(TokioIo::new(stream), limits.write_stall_timeout);
+        let head = HeadWatch::new(activity, limits.header_read_timeout);
+        let io = WriteWatch::new(TokioIo::new(stream), head, limits.write_stall_timeout);
         let conn = builder.serve_connection(io, service).into_owned();
         let conn = graceful.watch(conn);
-        let first_request = limits.header_read_timeout;
         tokio::spawn(async move {
             let _slot = slot;
-            let mut conn = std::pin::pin!(conn);
-            // hyper's header timer starts only once it knows the protocol; bound the
-            // bytes before that (and an h2 client that never asks) here.
-            let ended = tokio::select! {
-                ended = conn.as_mut() => Some(ended),
-                _ = tokio::time::sleep(first_request) => None,
-            };
-            let ended = match ended {
-                Some(ended) => ended,
-                None if !asked.load(Ordering::Relaxed) => {
-                    tracing::debug!(%peer, "no request within header_read_timeout; closing");
-                    return;
-                }
-                None => conn.await,
-            };
-            if let Err(e) = ended {
-                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            if let Err(e) = conn.await {
+                tracing::debug!(%peer, error = %e, "connection ended");
             }
         });
     }
@@ -206,18 +197,21 @@ pub async fn serve_with_slots<H, F>(
 
 /// A client connection whose writes fail once the client has taken nothing for
 /// `stall` while we had bytes to send: hyper then closes the connection, which drops
-/// the response body (and so the upstream exchange and the node's slot).
+/// the response body (and so the upstream exchange and the node's slot). Its reads
+/// fail once it has waited `header_read_timeout` for a request head ([`HeadWatch`]).
 struct WriteWatch {
     inner: TokioIo<TcpStream>,
+    head: HeadWatch,
     stall: Duration,
     /// Armed when a write first has to wait.
     waiting: Option<Pin<Box<Sleep>>>,
 }
 
 impl WriteWatch {
-    fn new(inner: TokioIo<TcpStream>, stall: Duration) -> Self {
+    fn new(inner: TokioIo<TcpStream>, head: HeadWatch, stall: Duration) -> Self {
         WriteWatch {
             inner,
+            head,
             stall,
             waiting: None,
         }
@@ -249,7 +243,14 @@ impl Read for WriteWatch {
         cx: &mut Context<'_>,
         buf: ReadBufCursor<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_read(cx, buf)
+        let poll = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if poll.is_pending() && self.head.poll_lapsed(cx).is_ready() {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "no request head within header_read_timeout",
+            )));
+        }
+        poll
     }
 }
 
