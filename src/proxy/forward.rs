@@ -353,11 +353,11 @@ impl Exchange<'_> {
             self.span.record("prefixlb.node", ticket.node().id());
             self.span.record("prefixlb.attempts", attempts);
         }
-        self.metrics
-            .count_decision(&pool, &route, ticket.distance());
+        let series = self.metrics.series(&pool, ticket.node().id());
+        series.count_decision(&route, ticket.distance());
         ticket.settle(now());
         let log = |status: StatusCode, ttft, ticket| RequestLog {
-            metrics: self.metrics.clone(),
+            series: series.clone(),
             route: route.clone(),
             attempts,
             status: status.as_u16(),
@@ -379,7 +379,7 @@ impl Exchange<'_> {
                 let client_error = committed.by == Commit::ClientError;
                 let ttft = (!client_error).then_some(committed.ttft);
                 if let Some(t) = ttft {
-                    self.metrics.observe_ttft(&pool, ticket.node().id(), t);
+                    series.observe_ttft(t);
                 }
                 head.headers.remove(header::CONTENT_LENGTH);
                 label(&mut head, ticket.node(), &route, attempts);

@@ -213,8 +213,7 @@ impl Proxy {
                 let pool = pool.unwrap_or("none");
                 let outcome = RequestOutcome::of_status(e.status().as_u16());
                 traces::record_refusal(&span, e.status().as_u16(), outcome.as_str(), e.code());
-                self.metrics
-                    .observe_request(pool, "none", outcome, started.elapsed());
+                self.metrics.count_unanswered(pool, outcome);
                 tracing::info!(
                     pool,
                     status = e.status().as_u16(),

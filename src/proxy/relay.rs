@@ -33,13 +33,14 @@ use super::sse::{Block, SseScanner};
 use super::upstream::EngineBody;
 use crate::routing::decision::{Ticket, Usage};
 use crate::routing::route::Route;
-use crate::telemetry::metrics::RequestMetrics;
+use crate::telemetry::metrics::NodeSeries;
 use crate::telemetry::outcome::RequestOutcome;
 
 /// What is known of a request when its response body ends: counted and logged once,
 /// and its ticket finished (the pool learns from it when it succeeded).
 pub struct RequestLog {
-    pub metrics: Arc<RequestMetrics>,
+    /// The metric series of its pool and node.
+    pub series: Arc<NodeSeries>,
     pub route: Route,
     pub attempts: u32,
     pub status: u16,
@@ -77,11 +78,10 @@ impl RequestLog {
             charge.settle(prompt + usage.completion.unwrap_or(0));
         }
         let (pool_name, node) = (pool.config.name.as_str(), pool.balancer.node(index).id());
-        self.metrics
-            .observe_request(pool_name, node, outcome, duration);
+        self.series.observe_request(outcome, duration);
         if let Some(prompt) = usage.prompt_tokens() {
-            self.metrics
-                .count_tokens(node, prompt, usage.cached_tokens().unwrap_or(0));
+            self.series
+                .count_tokens(prompt, usage.cached_tokens().unwrap_or(0));
         }
         crate::telemetry::traces::record_end(
             &self.spans,

@@ -19,8 +19,10 @@ use prometheus::{
 };
 
 use super::outcome::{FailoverReason, RequestOutcome};
+pub use super::series::NodeSeries;
+use super::series::{Families, SeriesCache};
 use crate::routing::breaker::BreakerState;
-use crate::routing::route::{Route, RouteKind};
+use crate::routing::route::RouteKind;
 use crate::routing::table::Table;
 
 /// TTFT buckets: a prefix-cache hit answers in tens of milliseconds, a cold prefill of
@@ -55,10 +57,8 @@ pub struct Metrics {
 /// What requests did: the families the data plane updates.
 pub struct RequestMetrics {
     requests: IntCounterVec,
-    request_duration: HistogramVec,
     ttft: HistogramVec,
     routing_decisions: IntCounterVec,
-    spill_distance: Histogram,
     failovers: IntCounterVec,
     queue_wait: HistogramVec,
     prompt_tokens: IntCounterVec,
@@ -66,6 +66,8 @@ pub struct RequestMetrics {
     queue_wait_by_tenant: HistogramVec,
     queue_sheds: IntCounterVec,
     rate_limited: IntCounterVec,
+    /// The per-node series the data plane updates (see [`NodeSeries`]).
+    series: SeriesCache,
 }
 
 /// What the membership watcher sees of Redis.
@@ -118,7 +120,7 @@ impl Metrics {
                 m
             }};
         }
-        let requests = RequestMetrics {
+        let families = Families {
             requests: reg!(IntCounterVec::new(
                 opts("requests_total", "Requests finished, by pool, final node and outcome."),
                 &["pool", "node", "outcome"]
@@ -140,14 +142,6 @@ impl Metrics {
                 "Position of the serving node in the key's walk (0 = primary).",
                 &[0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0]
             ))),
-            failovers: reg!(IntCounterVec::new(
-                opts("failovers_total", "Attempts abandoned before commit, by reason."),
-                &["pool", "reason"]
-            )),
-            queue_wait: reg!(HistogramVec::new(
-                hist("queue_wait_seconds", "Time queued requests waited for a slot.", QUEUE_BUCKETS),
-                &["pool"]
-            )),
             prompt_tokens: reg!(IntCounterVec::new(
                 opts("prompt_tokens_total", "Prompt tokens, from the engines' usage reports."),
                 &["node"]
@@ -155,6 +149,21 @@ impl Metrics {
             cached_prompt_tokens: reg!(IntCounterVec::new(
                 opts("cached_prompt_tokens_total", "Prompt tokens served from the engines' prefix caches (usage.prompt_tokens_details.cached_tokens, or Anthropic's usage.cache_read_input_tokens)."),
                 &["node"]
+            )),
+        };
+        let requests = RequestMetrics {
+            requests: families.requests.clone(),
+            ttft: families.ttft.clone(),
+            routing_decisions: families.routing_decisions.clone(),
+            prompt_tokens: families.prompt_tokens.clone(),
+            cached_prompt_tokens: families.cached_prompt_tokens.clone(),
+            failovers: reg!(IntCounterVec::new(
+                opts("failovers_total", "Attempts abandoned before commit, by reason."),
+                &["pool", "reason"]
+            )),
+            queue_wait: reg!(HistogramVec::new(
+                hist("queue_wait_seconds", "Time queued requests waited for a slot.", QUEUE_BUCKETS),
+                &["pool"]
             )),
             queue_wait_by_tenant: reg!(HistogramVec::new(
                 hist("queue_wait_by_tenant_seconds", "Time queued requests waited for a slot, by priority class and tenant (configured tenants and key names; any other is `other`).", QUEUE_BUCKETS),
@@ -168,6 +177,7 @@ impl Metrics {
                 opts("rate_limited_total", "Requests refused with 429 for their tenant's rate limit, by limit."),
                 &["tenant", "limit"]
             )),
+            series: SeriesCache::new(families),
         };
         let snapshot = SnapshotGauges {
             in_flight: reg!(IntGaugeVec::new(opts("in_flight", "Requests reserved on a node."), &["node"])),
@@ -335,30 +345,17 @@ impl Metrics {
 }
 
 impl RequestMetrics {
-    /// Counts a finished request (node `none` when no node answered).
-    pub fn observe_request(
-        &self,
-        pool: &str,
-        node: &str,
-        outcome: RequestOutcome,
-        duration: Duration,
-    ) {
-        self.requests
-            .with_label_values(&[pool, node, outcome.as_str()])
-            .inc();
-        if node != "none" {
-            self.request_duration
-                .with_label_values(&[pool, node])
-                .observe(duration.as_secs_f64());
-        }
+    /// A node's series in its pool, for the updates of one request.
+    pub fn series(&self, pool: &str, node: &str) -> Arc<NodeSeries> {
+        self.series.get(pool, node)
     }
 
-    /// Counts where a request went, and how far along its key's walk.
-    pub fn count_decision(&self, pool: &str, route: &Route, distance: usize) {
-        self.routing_decisions
-            .with_label_values(&[pool, route.kind().as_str()])
+    /// Counts a request that ended before any node answered it (node `none`); the
+    /// answered ones are counted through their node's [`NodeSeries`].
+    pub fn count_unanswered(&self, pool: &str, outcome: RequestOutcome) {
+        self.requests
+            .with_label_values(&[pool, "none", outcome.as_str()])
             .inc();
-        self.spill_distance.observe(distance as f64);
     }
 
     /// Counts an attempt abandoned before commit.
@@ -366,12 +363,6 @@ impl RequestMetrics {
         self.failovers
             .with_label_values(&[pool, reason.as_str()])
             .inc();
-    }
-
-    pub fn observe_ttft(&self, pool: &str, node: &str, ttft: Duration) {
-        self.ttft
-            .with_label_values(&[pool, node])
-            .observe(ttft.as_secs_f64());
     }
 
     /// A queued request's wait, by its class and tenant label.
@@ -405,15 +396,6 @@ impl RequestMetrics {
             self.prompt_tokens.with_label_values(&[node]).get(),
             self.cached_prompt_tokens.with_label_values(&[node]).get(),
         )
-    }
-
-    /// Counts a request's prompt tokens and those its engine served from cache, as the
-    /// engine reported them.
-    pub fn count_tokens(&self, node: &str, prompt: u64, cached: u64) {
-        self.prompt_tokens.with_label_values(&[node]).inc_by(prompt);
-        self.cached_prompt_tokens
-            .with_label_values(&[node])
-            .inc_by(cached);
     }
 }
 

@@ -5,4 +5,5 @@
 
 pub mod metrics;
 pub mod outcome;
+pub mod series;
 pub mod traces;
