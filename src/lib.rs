@@ -20,6 +20,7 @@
 pub mod clip;
 pub mod config;
 pub mod fleet;
+pub mod name_hash;
 pub mod proxy;
 pub mod routing;
 pub mod server;

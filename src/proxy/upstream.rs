@@ -14,7 +14,6 @@
 //! on the decrypted bytes, SNI from the URL's host, its connections kept apart from
 //! plain ones to the same address.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::future::poll_fn;
 use std::io::{self, IoSlice};
@@ -37,6 +36,7 @@ use tokio_rustls::client::TlsStream;
 
 use super::h1::{self, Chunked, Decoded, Framing, WireError};
 use super::headers::UpstreamHeaders;
+use crate::name_hash::NameMap;
 
 /// An engine connection's read buffer starts this small: streams read events of a few
 /// hundred bytes, and 1,000 open streams hold 1,000 of these buffers
@@ -289,7 +289,7 @@ impl Idle {
 
 /// The connections to every engine, shared by all requests.
 pub struct Upstream {
-    idle: Mutex<HashMap<Origin, Vec<Idle>>>,
+    idle: Mutex<NameMap<Origin, Vec<Idle>>>,
     connect_timeout: Duration,
     /// How long an idle connection is kept for reuse.
     keep_idle: Duration,
@@ -310,7 +310,7 @@ pub struct Outgoing<'r> {
 impl Upstream {
     pub fn new(connect_timeout: Duration, keep_idle: Duration) -> Arc<Upstream> {
         Arc::new(Upstream {
-            idle: Mutex::new(HashMap::new()),
+            idle: Mutex::new(NameMap::default()),
             connect_timeout,
             keep_idle,
         })

@@ -14,6 +14,7 @@ use super::key::KeySpec;
 use super::node::{Node, NodeSource, NodeState, PoolLoad};
 use super::walk::Balancer;
 use crate::config::{Config, PoolConfig};
+use crate::name_hash::NameMap;
 
 /// Runtime state by id, carried into every new table.
 #[derive(Debug, Default)]
@@ -102,7 +103,7 @@ pub struct Table {
     pub config: Config,
     /// Shared with the tickets of requests in flight, which learn into their pool.
     pub pools: Vec<Arc<Pool>>,
-    by_model: HashMap<String, usize>,
+    by_model: NameMap<String, usize>,
     default_pool: Option<usize>,
 }
 
@@ -140,7 +141,7 @@ impl Table {
     /// [`Table::build`] for a config whose nodes named in `from_redis` came from
     /// heartbeats.
     pub fn build_with(config: Config, registry: &Registry, from_redis: &HashSet<String>) -> Table {
-        let mut by_model = HashMap::new();
+        let mut by_model = NameMap::default();
         let breaker = Arc::new(config.breaker.clone());
         let mut default_pool = None;
         let pools = config

@@ -2,13 +2,11 @@
 //! family (`requests_total{pool,node,outcome}`, …) finds a series by hashing its label
 //! values on every update: six updates a request, about 730 instructions. The data
 //! plane instead takes a [`NodeSeries`] for its pool and node when it commits an answer
-//! (one lookup, keyed by the node id alone) and updates the series it holds. Each
+//! (one lookup, keyed by the node id alone, hashed with xxh3) and updates the series it holds. Each
 //! series is still made on its first use, so the page shows the same series as when
 //! every update went through the family. Request series are never reset, so a handle
 //! stays the page's series for the life of the process.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -16,6 +14,7 @@ use parking_lot::RwLock;
 use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec};
 
 use super::outcome::RequestOutcome;
+use crate::name_hash::NameMap;
 use crate::routing::route::{Route, RouteKind};
 
 /// The families a node's series belong to (handles: clones share the family).
@@ -109,7 +108,7 @@ impl NodeSeries {
 /// a reload moved to another pool gets new series).
 pub(super) struct SeriesCache {
     families: Families,
-    by_node: RwLock<HashMap<Box<str>, Arc<NodeSeries>, BuildHasherDefault<IdHasher>>>,
+    by_node: RwLock<NameMap<Box<str>, Arc<NodeSeries>>>,
 }
 
 impl SeriesCache {
@@ -127,21 +126,6 @@ impl SeriesCache {
         let series = Arc::new(NodeSeries::new(self.families.clone(), pool, node));
         self.by_node.write().insert(node.into(), series.clone());
         series
-    }
-}
-
-/// Hashes the short node ids with xxh3 (the std hasher, SipHash, costs several times
-/// more on them; a client cannot choose node ids, so flooding is not a concern).
-#[derive(Default)]
-struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        self.0 = xxhash_rust::xxh3::xxh3_64_with_seed(bytes, self.0);
-    }
-
-    fn finish(&self) -> u64 {
-        self.0
     }
 }
 
