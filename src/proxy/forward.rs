@@ -17,7 +17,7 @@ use super::body::BoxBody;
 use super::edit::{self, Edits};
 use super::probe::{self, Commit, ProbeFailure};
 use super::relay::{RelayBody, RequestLog};
-use super::upstream::{EngineBody, Outgoing, Upstream};
+use super::upstream::{EngineBody, Outgoing, Upstream, UpstreamError};
 use super::{headers, now, ProxyError};
 use crate::clip::clip;
 use crate::config::RoutingConfig;
@@ -233,21 +233,25 @@ impl Exchange<'_> {
         } else {
             self.table.config.server.request_timeout
         };
-        let resp = match tokio::time::timeout(budget, self.upstream.send(authority, req)).await {
-            Err(_) => {
+        let resp = match self
+            .upstream
+            .send(authority, req, Some(sent + budget))
+            .await
+        {
+            Err(UpstreamError::Timeout) => {
                 let ms = budget.as_millis();
                 return Err(Failure::new(
                     FailoverReason::Timeout,
                     format!("{}: no response within {ms} ms", node.id()),
                 ));
             }
-            Ok(Err(e)) => {
+            Err(e) => {
                 return Err(Failure::new(
                     FailoverReason::Error,
                     format!("{}: {e}", node.id()),
                 ))
             }
-            Ok(Ok(resp)) => resp,
+            Ok(resp) => resp,
         };
         let status = resp.status();
         span.record("http.response.status_code", status.as_u16());

@@ -164,7 +164,11 @@ impl Proxy {
             body: &empty.1,
             tls: tls.as_ref(),
         };
-        let resp = via.send(authority, req).await.map_err(|e| e.to_string())?;
+        // Bounded by the caller's timeout.
+        let resp = via
+            .send(authority, req, None)
+            .await
+            .map_err(|e| e.to_string())?;
         let status = resp.status();
         let mut body = resp.into_body();
         let mut bytes = bytes::BytesMut::new();

@@ -15,7 +15,7 @@
 //! plain ones to the same address.
 
 use std::fmt;
-use std::future::poll_fn;
+use std::future::{poll_fn, Future};
 use std::io::{self, IoSlice};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -31,7 +31,7 @@ use rustls::pki_types::ServerName;
 use rustls::ClientConfig;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
-use tokio::time::Instant;
+use tokio::time::{Instant, Sleep};
 use tokio_rustls::client::TlsStream;
 
 use super::h1::{self, Chunked, Decoded, Framing, WireError};
@@ -68,6 +68,8 @@ pub enum UpstreamError {
     Cut,
     /// The response is not valid HTTP/1.1 (head or chunked framing).
     Wire(WireError),
+    /// No response head by the request's deadline.
+    Timeout,
 }
 
 impl fmt::Display for UpstreamError {
@@ -84,6 +86,7 @@ impl fmt::Display for UpstreamError {
             }
             UpstreamError::Cut => write!(f, "connection closed before the body was complete"),
             UpstreamError::Wire(e) => write!(f, "{e}"),
+            UpstreamError::Timeout => write!(f, "no response head by the deadline"),
         }
     }
 }
@@ -193,6 +196,8 @@ struct Conn {
     read_chunk: usize,
     /// It has carried a request before (a stale one may fail; a fresh one should not).
     reused: bool,
+    /// The timer of its requests' deadlines, kept across them (see [`Conn::poll_deadline`]).
+    timer: Option<Pin<Box<Sleep>>>,
 }
 
 impl Conn {
@@ -253,7 +258,12 @@ impl Conn {
         self.io.flush().await
     }
 
-    async fn read_head(&mut self, method: &Method) -> Result<h1::ResponseHead, UpstreamError> {
+    /// Reads a response head, by `deadline` if there is one.
+    async fn read_head(
+        &mut self,
+        method: &Method,
+        deadline: Option<Instant>,
+    ) -> Result<h1::ResponseHead, UpstreamError> {
         loop {
             // Nothing is buffered right after a request is written: read first.
             if !self.buf.is_empty() {
@@ -263,13 +273,40 @@ impl Conn {
                     return Ok(head);
                 }
             }
-            if poll_fn(|cx| self.poll_fill(cx))
-                .await
-                .map_err(UpstreamError::Io)?
-                == 0
-            {
+            let filled = poll_fn(|cx| match self.poll_fill(cx) {
+                Poll::Ready(read) => Poll::Ready(read.map_err(UpstreamError::Io)),
+                Poll::Pending => match deadline {
+                    Some(d) => self
+                        .poll_deadline(cx, d)
+                        .map(|()| Err(UpstreamError::Timeout)),
+                    None => Poll::Pending,
+                },
+            });
+            if filled.await? == 0 {
                 return Err(UpstreamError::Closed);
             }
+        }
+    }
+
+    /// Ready once `deadline` has passed. A tokio timer set and cancelled for every
+    /// request costs about 1,000 instructions; this one is the connection's, kept
+    /// across its requests: armed once, moved earlier when a request's deadline is
+    /// earlier than the one it holds, and otherwise moved only when it fires before
+    /// the deadline (a past request's). With one budget per pool, successive requests'
+    /// deadlines only grow, so a busy connection moves it about once per budget.
+    fn poll_deadline(&mut self, cx: &mut Context<'_>, deadline: Instant) -> Poll<()> {
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        if timer.deadline() > deadline {
+            timer.as_mut().reset(deadline);
+        }
+        loop {
+            ready!(timer.as_mut().poll(cx));
+            if timer.deadline() >= deadline {
+                return Poll::Ready(());
+            }
+            timer.as_mut().reset(deadline);
         }
     }
 }
@@ -326,10 +363,14 @@ impl Upstream {
     /// most recently idle connection that is still open, else on a new one. A reused
     /// connection that fails while the request is written goes again on the next (the
     /// engine cannot have acted on part of a request).
+    ///
+    /// With a `deadline`, a response head that has not come by then is
+    /// [`UpstreamError::Timeout`] (connecting and writing count towards it).
     pub async fn send(
         self: &Arc<Self>,
         authority: &Authority,
         req: Outgoing<'_>,
+        deadline: Option<Instant>,
     ) -> Result<Response<EngineBody>, UpstreamError> {
         let mut head = Vec::with_capacity(128 + req.target.len() + req.headers.written_len());
         h1::encode_request(
@@ -347,15 +388,16 @@ impl Upstream {
         let mut conn = loop {
             let mut conn = match self.checkout(&origin) {
                 Some(conn) => conn,
-                None => self.connect(authority, req.tls).await?,
+                None => within(deadline, self.connect(authority, req.tls)).await??,
             };
-            match conn.write_request(&head, req.body).await {
+            match within(deadline, conn.write_request(&head, req.body)).await? {
                 Ok(()) => break conn,
                 Err(e) => {
                     // An engine may answer before it has read the whole body (a 413 for
                     // one too large) and close: that answer, not the broken write, is
                     // what the request gets. The connection is spent either way.
-                    let early = tokio::time::timeout(EARLY_ANSWER, conn.read_head(req.method));
+                    let early =
+                        tokio::time::timeout(EARLY_ANSWER, conn.read_head(req.method, deadline));
                     match early.await {
                         Ok(Ok(mut head)) => {
                             head.reusable = false;
@@ -369,7 +411,7 @@ impl Upstream {
                 }
             }
         };
-        let head = conn.read_head(req.method).await?;
+        let head = conn.read_head(req.method, deadline).await?;
         Ok(self.response(origin, head, conn))
     }
 
@@ -471,11 +513,26 @@ impl Upstream {
             buf: BytesMut::with_capacity(FIRST_READ_CHUNK),
             read_chunk: FIRST_READ_CHUNK,
             reused: false,
+            timer: None,
         })
     }
 }
 
-/// The bytes the header fields take on the wire, roughly.
+/// `fut`, by `deadline` if there is one. It is polled once before any timer is made:
+/// connecting and writing a request usually finish at once.
+async fn within<F: Future>(deadline: Option<Instant>, fut: F) -> Result<F::Output, UpstreamError> {
+    let mut fut = std::pin::pin!(fut);
+    if let Poll::Ready(out) = poll_fn(|cx| Poll::Ready(fut.as_mut().poll(cx))).await {
+        return Ok(out);
+    }
+    match deadline {
+        Some(d) => tokio::time::timeout_at(d, fut)
+            .await
+            .map_err(|_| UpstreamError::Timeout),
+        None => Ok(fut.await),
+    }
+}
+
 /// Where a body is in its framing.
 #[derive(Debug)]
 enum Decoding {

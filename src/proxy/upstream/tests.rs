@@ -46,6 +46,14 @@ async fn send(
     up: &Arc<Upstream>,
     authority: &Authority,
 ) -> Result<Response<EngineBody>, UpstreamError> {
+    send_by(up, authority, None).await
+}
+
+async fn send_by(
+    up: &Arc<Upstream>,
+    authority: &Authority,
+    deadline: Option<Instant>,
+) -> Result<Response<EngineBody>, UpstreamError> {
     let headers = UpstreamHeaders::default();
     let req = Outgoing {
         method: &Method::POST,
@@ -55,7 +63,7 @@ async fn send(
         body: &BODY,
         tls: None,
     };
-    up.send(authority, req).await
+    up.send(authority, req, deadline).await
 }
 
 /// One request on `up`, its body read and the connection handed back.
@@ -210,4 +218,86 @@ async fn a_head_and_bodies_far_larger_than_the_first_read_buffer_come_whole() {
     for _ in 0..2 {
         assert_eq!(round_trip(&up, &authority).await.len(), 2 * chunk.len());
     }
+}
+
+/// An engine that answers the first `answered` requests on each connection at once,
+/// then reads the next ones and never answers them.
+async fn engine_answering_first(answered: usize) -> Authority {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let (mut s, _) = listener.accept().await.unwrap();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let mut seen = 0;
+                loop {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(_) if seen < answered => {
+                            seen += 1;
+                            let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                            if s.write_all(ok).await.is_err() {
+                                return;
+                            }
+                        }
+                        Ok(_) => {}
+                    }
+                }
+            });
+        }
+    });
+    addr.to_string().parse().unwrap()
+}
+
+/// Sends a request that gets no answer, by `deadline`: it must fail with a timeout
+/// at the deadline (not before it, nor long after).
+async fn times_out_at(up: &Arc<Upstream>, authority: &Authority, deadline: Instant) {
+    let sent = tokio::time::timeout(
+        Duration::from_secs(5),
+        send_by(up, authority, Some(deadline)),
+    );
+    let err = sent
+        .await
+        .expect("no timeout by the deadline")
+        .err()
+        .unwrap();
+    assert!(matches!(err, UpstreamError::Timeout), "{err}");
+    let now = Instant::now();
+    assert!(now >= deadline, "{:?} early", deadline - now);
+    assert!(
+        now - deadline < Duration::from_secs(2),
+        "{:?} late",
+        now - deadline
+    );
+}
+
+/// One answered request on `up`, by `deadline`, its connection handed back.
+async fn answered_by(up: &Arc<Upstream>, authority: &Authority, deadline: Instant) {
+    let mut body = send_by(up, authority, Some(deadline))
+        .await
+        .unwrap()
+        .into_body();
+    while body.frame().await.is_some() {}
+    body.release();
+    assert_eq!(up.idle_count(), 1, "one connection, reused");
+}
+
+/// A request's deadline holds on its connection whatever deadline the connection's
+/// timer held for the request before it: a farther one (the timer is moved earlier),
+/// or a nearer one already past (the timer fires, and is moved on without failing
+/// the request).
+#[tokio::test]
+async fn a_head_not_come_by_the_deadline_is_a_timeout_whatever_came_before() {
+    let up = Upstream::new(Duration::from_secs(1), Duration::from_secs(4));
+    let authority = engine_answering_first(1).await;
+    answered_by(&up, &authority, Instant::now() + Duration::from_secs(3600)).await;
+    times_out_at(&up, &authority, Instant::now() + Duration::from_millis(300)).await;
+
+    let up = Upstream::new(Duration::from_secs(1), Duration::from_secs(4));
+    let authority = engine_answering_first(1).await;
+    let near = Instant::now() + Duration::from_millis(100);
+    answered_by(&up, &authority, near).await;
+    tokio::time::sleep_until(near + Duration::from_millis(50)).await;
+    times_out_at(&up, &authority, Instant::now() + Duration::from_millis(300)).await;
 }
