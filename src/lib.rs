@@ -12,7 +12,8 @@
 //! control plane) and [`fleet`] (membership from Redis heartbeats), [`proxy`] (the data
 //! plane), [`telemetry`] (metrics and outcome labels), [`routing`] (the core: no I/O),
 //! [`config`] (the TOML file, validated); with the `tools` feature, [`tools`]
-//! (simulator, load generator, demo, engine emulator) above them all.
+//! (simulator, load generator, demo, engine emulator) above them all. [`clip`] and
+//! [`name_hash`] are leaves any layer may use.
 
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
