@@ -2,10 +2,10 @@
 //! family (`requests_total{pool,node,outcome}`, …) finds a series by hashing its label
 //! values on every update: six updates a request, about 730 instructions. The data
 //! plane instead takes a [`NodeSeries`] for its pool and node when it commits an answer
-//! (one lookup, keyed by the node id alone, hashed with xxh3) and updates the series it holds. Each
-//! series is still made on its first use, so the page shows the same series as when
-//! every update went through the family. Request series are never reset, so a handle
-//! stays the page's series for the life of the process.
+//! (one lookup, keyed by the node id alone, hashed with xxh3) and updates the series
+//! it holds. Each series is still made on its first use, so the page shows the same
+//! series as when every update went through the family. Request series are never
+//! reset, so a handle stays the page's series for the life of the process.
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
