@@ -37,8 +37,6 @@ use crate::proxy::body::{BodyError, BoxBody};
 #[derive(Debug)]
 pub struct Activity {
     opened: Instant,
-    /// A request was received (the connection is past its first head).
-    asked: AtomicBool,
     /// A request came over HTTP/2.
     h2: AtomicBool,
     /// Requests being answered: from the service call to the end of the response body.
@@ -62,22 +60,15 @@ impl Activity {
     pub fn new() -> Arc<Activity> {
         Arc::new(Activity {
             opened: Instant::now(),
-            asked: AtomicBool::new(false),
             h2: AtomicBool::new(false),
             answering: AtomicU32::new(0),
             idle_since: AtomicU64::new(0),
         })
     }
 
-    /// Whether a request was received.
-    pub fn asked(&self) -> bool {
-        self.asked.load(Ordering::Relaxed)
-    }
-
     /// A request has arrived: it is answered until the guard is dropped (with the
     /// response body it is handed to, see [`Answer`]).
     pub fn answering(self: &Arc<Self>, version: Version) -> Answering {
-        self.asked.store(true, Ordering::Relaxed);
         if version == Version::HTTP_2 {
             self.h2.store(true, Ordering::Relaxed);
         }
@@ -214,7 +205,6 @@ mod tests {
         let start = a.opened;
         assert_eq!(a.next(start + LIMIT / 2, LIMIT), Next::At(start + LIMIT));
         assert_eq!(a.next(start + LIMIT, LIMIT), Next::Close);
-        assert!(!a.asked());
     }
 
     #[test]
@@ -229,7 +219,6 @@ mod tests {
         assert!(ended >= a.opened);
         assert_eq!(a.next(ended + LIMIT / 2, LIMIT), Next::At(ended + LIMIT));
         assert_eq!(a.next(ended + LIMIT, LIMIT), Next::Close);
-        assert!(a.asked());
     }
 
     #[test]
