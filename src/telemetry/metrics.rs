@@ -56,17 +56,13 @@ pub struct Metrics {
 
 /// What requests did: the families the data plane updates.
 pub struct RequestMetrics {
-    requests: IntCounterVec,
-    ttft: HistogramVec,
-    routing_decisions: IntCounterVec,
     failovers: IntCounterVec,
     queue_wait: HistogramVec,
-    prompt_tokens: IntCounterVec,
-    cached_prompt_tokens: IntCounterVec,
     queue_wait_by_tenant: HistogramVec,
     queue_sheds: IntCounterVec,
     rate_limited: IntCounterVec,
-    /// The per-node series the data plane updates (see [`NodeSeries`]).
+    /// The per-node series the data plane updates (see [`NodeSeries`]), and their
+    /// families (`requests_total`, `ttft_seconds`, …).
     series: SeriesCache,
 }
 
@@ -152,11 +148,6 @@ impl Metrics {
             )),
         };
         let requests = RequestMetrics {
-            requests: families.requests.clone(),
-            ttft: families.ttft.clone(),
-            routing_decisions: families.routing_decisions.clone(),
-            prompt_tokens: families.prompt_tokens.clone(),
-            cached_prompt_tokens: families.cached_prompt_tokens.clone(),
             failovers: reg!(IntCounterVec::new(
                 opts("failovers_total", "Attempts abandoned before commit, by reason."),
                 &["pool", "reason"]
@@ -229,6 +220,7 @@ impl Metrics {
     }
     fn refresh(&self, table: &Table) {
         let (g, r) = (&self.snapshot, &self.requests);
+        let f = r.series.families();
         for g in [
             &g.in_flight,
             &g.node_cap,
@@ -282,7 +274,7 @@ impl Metrics {
             }
             r.queue_wait.with_label_values(&[p]);
             for route in RouteKind::ALL {
-                r.routing_decisions.with_label_values(&[p, route.as_str()]);
+                f.routing_decisions.with_label_values(&[p, route.as_str()]);
             }
             for reason in FailoverReason::ALL {
                 r.failovers.with_label_values(&[p, reason.as_str()]);
@@ -324,9 +316,9 @@ impl Metrics {
                 g.node_healthy
                     .with_label_values(&[n])
                     .set(state.is_healthy() as i64);
-                r.prompt_tokens.with_label_values(&[n]);
-                r.cached_prompt_tokens.with_label_values(&[n]);
-                r.ttft.with_label_values(&[p, n]);
+                f.prompt_tokens.with_label_values(&[n]);
+                f.cached_prompt_tokens.with_label_values(&[n]);
+                f.ttft.with_label_values(&[p, n]);
                 for to in [
                     BreakerState::Closed,
                     BreakerState::Open,
@@ -353,7 +345,7 @@ impl RequestMetrics {
     /// Counts a request that ended before any node answered it (node `none`); the
     /// answered ones are counted through their node's [`NodeSeries`].
     pub fn count_unanswered(&self, pool: &str, outcome: RequestOutcome) {
-        self.requests
+        (self.series.families().requests)
             .with_label_values(&[pool, "none", outcome.as_str()])
             .inc();
     }
@@ -392,9 +384,10 @@ impl RequestMetrics {
 
     /// A node's prompt tokens and cached prompt tokens counted so far.
     pub fn tokens_of(&self, node: &str) -> (u64, u64) {
+        let f = self.series.families();
         (
-            self.prompt_tokens.with_label_values(&[node]).get(),
-            self.cached_prompt_tokens.with_label_values(&[node]).get(),
+            f.prompt_tokens.with_label_values(&[node]).get(),
+            f.cached_prompt_tokens.with_label_values(&[node]).get(),
         )
     }
 }

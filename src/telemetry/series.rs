@@ -119,6 +119,10 @@ impl SeriesCache {
         }
     }
 
+    pub fn families(&self) -> &Families {
+        &self.families
+    }
+
     pub fn get(&self, pool: &str, node: &str) -> Arc<NodeSeries> {
         if let Some(s) = self.by_node.read().get(node).filter(|s| &*s.pool == pool) {
             return s.clone();
