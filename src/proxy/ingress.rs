@@ -8,10 +8,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::request_body::RequestBody;
 use bytes::{Bytes, BytesMut};
 use http::header;
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 
 use super::ProxyError;
 use crate::clip::clip;
@@ -122,7 +122,7 @@ pub fn check_identity_encoding(headers: &http::HeaderMap) -> Result<(), ProxyErr
 
 /// Reads a whole request body within `limits`, counting it in `claim`.
 pub async fn read_body(
-    body: Incoming,
+    body: RequestBody,
     headers: &http::HeaderMap,
     limits: BodyLimits,
     claim: &mut BudgetClaim,
@@ -152,7 +152,7 @@ pub async fn read_body(
 }
 
 async fn read_within(
-    mut body: Incoming,
+    mut body: RequestBody,
     declared: usize,
     limits: BodyLimits,
     claim: &mut BudgetClaim,
@@ -194,7 +194,7 @@ async fn read_within(
 
 /// Reads and drops the rest of an oversized body (up to 4 × the limit, for at most
 /// 10 s) so that the client, still sending, can read our 413 instead of a broken pipe.
-pub async fn discard_body(mut body: Incoming, limit: usize) {
+pub async fn discard_body(mut body: RequestBody, limit: usize) {
     let cap = limit.saturating_mul(4);
     let drain = async {
         let mut seen = 0usize;

@@ -8,11 +8,12 @@ pub mod body;
 pub mod edit;
 mod error;
 mod forward;
-mod h1;
+pub(crate) mod h1;
 pub mod headers;
 pub mod ingress;
 mod probe;
 mod relay;
+pub mod request_body;
 pub mod sse;
 pub mod tenant;
 mod upstream;
@@ -25,7 +26,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use http::uri::PathAndQuery;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
-use hyper::body::Incoming;
+use request_body::RequestBody;
 use serde_json::json;
 use tokio::time::Instant;
 
@@ -199,7 +200,7 @@ impl Proxy {
     /// Handles one client request; always returns a complete response.
     pub async fn handle(
         self: Arc<Self>,
-        req: Request<Incoming>,
+        req: Request<RequestBody>,
         peer: SocketAddr,
     ) -> Response<BoxBody> {
         let table = self.table();
@@ -234,7 +235,7 @@ impl Proxy {
     async fn route<'t>(
         &self,
         table: &'t Arc<Table>,
-        req: Request<Incoming>,
+        req: Request<RequestBody>,
         peer: SocketAddr,
         started: Instant,
         pool: &mut Option<&'t str>,

@@ -7,9 +7,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::proxy::request_body::RequestBody;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
-use hyper::body::Incoming;
 use serde_json::{json, Value};
 
 use super::control::Control;
@@ -20,7 +20,7 @@ use crate::routing::table::Table;
 /// Handles one admin request.
 pub async fn handle(
     control: Arc<Control>,
-    req: Request<Incoming>,
+    req: Request<RequestBody>,
     _peer: SocketAddr,
 ) -> Response<BoxBody> {
     let table = control.table();
@@ -147,7 +147,7 @@ fn nodes(table: &Table) -> Value {
     json!({ "nodes": list })
 }
 
-async fn explain_request(table: &Table, req: Request<Incoming>) -> Response<BoxBody> {
+async fn explain_request(table: &Table, req: Request<RequestBody>) -> Response<BoxBody> {
     let path = req
         .uri()
         .query()

@@ -12,20 +12,24 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use bytes::{Bytes, BytesMut};
 use hyper::body::Incoming;
 use hyper::rt::{Read, ReadBufCursor, Write};
+use hyper::server::conn::http2;
 use hyper::service::service_fn;
 use hyper::{Request, Response};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::server::graceful::{GracefulShutdown, Watcher};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
+use tokio::sync::{watch, Semaphore};
 use tokio::time::Sleep;
 
+use super::h1::conn::{self, Ended, Stop};
 use super::head_timer::{Activity, Answer, HeadWatch};
 use crate::config::ServerConfig;
 use crate::proxy::body::BoxBody;
+use crate::proxy::request_body::RequestBody;
 
 /// Per-listener connection limits.
 #[derive(Debug, Clone, Copy)]
@@ -61,9 +65,6 @@ impl Default for ConnLimits {
     }
 }
 
-/// The most header fields hyper's HTTP/1.1 server takes when not told otherwise.
-const HYPER_MAX_HEADERS: usize = 100;
-
 impl ConnLimits {
     /// The balancer listener's limits from `[server]`.
     pub fn of(s: &ServerConfig) -> ConnLimits {
@@ -77,23 +78,10 @@ impl ConnLimits {
         }
     }
 
-    fn builder(&self) -> auto::Builder<TokioExecutor> {
-        let mut builder = auto::Builder::new(TokioExecutor::new());
-        let mut http1 = builder.http1();
-        // `header_read_timeout` is not hyper's to keep: hyper would set a timer for
-        // every request head; each connection keeps one of its own ([`head_timer`]).
-        http1
-            .timer(TokioTimer::new())
-            .header_read_timeout(None)
-            .max_buf_size(self.max_header_bytes.max(8192));
-        // hyper's own limit is 100 header fields, kept on the stack uninitialized; set
-        // explicitly (even to 100), it builds a 100-entry array per request head, about
-        // 1,500 instructions. So only a different limit is handed to it.
-        if self.max_headers != HYPER_MAX_HEADERS {
-            http1.max_headers(self.max_headers);
-        }
+    /// hyper's HTTP/2 server, for connections that open with the preface.
+    fn http2(&self) -> http2::Builder<TokioExecutor> {
+        let mut builder = http2::Builder::new(TokioExecutor::new());
         builder
-            .http2()
             .timer(TokioTimer::new())
             .keep_alive_interval(self.http2_keep_alive_interval)
             .keep_alive_timeout(self.http2_keep_alive_interval)
@@ -111,7 +99,7 @@ pub async fn serve<H, F>(
     grace: Duration,
     limits: ConnLimits,
 ) where
-    H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
+    H: Fn(Request<RequestBody>, SocketAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<BoxBody>> + Send + 'static,
 {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
@@ -128,11 +116,14 @@ pub async fn serve_with_slots<H, F>(
     limits: ConnLimits,
     slots: Arc<Semaphore>,
 ) where
-    H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
+    H: Fn(Request<RequestBody>, SocketAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<BoxBody>> + Send + 'static,
 {
-    let builder = limits.builder();
+    let h2 = limits.http2();
     let graceful = GracefulShutdown::new();
+    // HTTP/1.1 connections watch this; once it says stop, each closes when idle, and
+    // `closed()` resolves when the last has dropped its receiver.
+    let (stop, stop_rx) = watch::channel(false);
     let mut shutdown = std::pin::pin!(shutdown);
     let mut backoff = Duration::from_millis(5);
     loop {
@@ -157,41 +148,115 @@ pub async fn serve_with_slots<H, F>(
         backoff = Duration::from_millis(5);
         let _ = stream.set_nodelay(true);
         let handler = handler.clone();
-        let activity = Activity::new();
-        let service = {
-            let activity = activity.clone();
-            service_fn(move |req: Request<Incoming>| {
-                let answering = activity.answering(req.version());
-                // Boxed: a request's future is ~6.6 KB (its routing, attempts and
-                // relay; `-Zprint-type-sizes`). hyper keeps a slot of the service
-                // future's size for each connection's whole life, idle or not, and
-                // each request copied it twice (into that slot, then into this
-                // block's await); boxed, the slot holds a pointer, the future lives
-                // only while its request does and is copied once.
-                let response = Box::pin(handler(req, peer));
-                async move {
-                    let response = response.await;
-                    Ok::<_, Infallible>(response.map(|body| Answer::new(body, answering)))
-                }
-            })
-        };
-        let head = HeadWatch::new(activity, limits.header_read_timeout);
-        let io = WriteWatch::new(TokioIo::new(stream), head, limits.write_stall_timeout);
-        let conn = builder.serve_connection(io, service).into_owned();
-        let conn = graceful.watch(conn);
+        let stop = Stop::new(stop_rx.clone());
+        let h2 = h2.clone();
+        let watcher = graceful.watcher();
         tokio::spawn(async move {
             let _slot = slot;
-            if let Err(e) = conn.await {
-                tracing::debug!(%peer, error = %e, "connection ended");
+            match conn::serve(stream, peer, &handler, &limits, stop).await {
+                Ended::Closed => {}
+                Ended::Http2(stream, read) => {
+                    serve_http2(&h2, watcher, stream, read, peer, handler, &limits).await
+                }
             }
         });
     }
     drop(listener);
+    drop(stop_rx);
+    let _ = stop.send(true);
+    let drained = async { tokio::join!(graceful.shutdown(), stop.closed()) };
     tokio::select! {
-        _ = graceful.shutdown() => {}
+        _ = drained => {}
         _ = tokio::time::sleep(grace) => {
             tracing::warn!("shutdown grace of {grace:?} ran out; closing the remaining connections");
         }
+    }
+}
+
+/// An HTTP/2 connection (its preface already read into `read`), served by hyper.
+async fn serve_http2<H, F>(
+    builder: &http2::Builder<TokioExecutor>,
+    graceful: Watcher,
+    stream: TcpStream,
+    read: BytesMut,
+    peer: SocketAddr,
+    handler: H,
+    limits: &ConnLimits,
+) where
+    H: Fn(Request<RequestBody>, SocketAddr) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Response<BoxBody>> + Send + 'static,
+{
+    let activity = Activity::new();
+    let service = {
+        let activity = activity.clone();
+        service_fn(move |req: Request<Incoming>| {
+            let answering = activity.answering(req.version());
+            let response = Box::pin(handler(req.map(RequestBody::from), peer));
+            async move {
+                let response = response.await;
+                Ok::<_, Infallible>(response.map(|body| Answer::new(body, answering)))
+            }
+        })
+    };
+    let head = HeadWatch::new(activity, limits.header_read_timeout);
+    let io = Replay {
+        read: read.freeze(),
+        io: stream,
+    };
+    let io = WriteWatch::new(TokioIo::new(io), head, limits.write_stall_timeout);
+    if let Err(e) = graceful.watch(builder.serve_connection(io, service)).await {
+        tracing::debug!(%peer, error = %e, "connection ended");
+    }
+}
+
+/// A stream whose first reads return bytes already read from it.
+struct Replay {
+    read: Bytes,
+    io: TcpStream,
+}
+
+impl AsyncRead for Replay {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if !self.read.is_empty() {
+            let n = self.read.len().min(buf.remaining());
+            buf.put_slice(&self.read.split_to(n));
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Replay {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
     }
 }
 
@@ -200,7 +265,7 @@ pub async fn serve_with_slots<H, F>(
 /// the response body (and so the upstream exchange and the node's slot). Its reads
 /// fail once it has waited `header_read_timeout` for a request head ([`HeadWatch`]).
 struct WriteWatch {
-    inner: TokioIo<TcpStream>,
+    inner: TokioIo<Replay>,
     head: HeadWatch,
     stall: Duration,
     /// Armed when a write first has to wait.
@@ -208,7 +273,7 @@ struct WriteWatch {
 }
 
 impl WriteWatch {
-    fn new(inner: TokioIo<TcpStream>, head: HeadWatch, stall: Duration) -> Self {
+    fn new(inner: TokioIo<Replay>, head: HeadWatch, stall: Duration) -> Self {
         WriteWatch {
             inner,
             head,

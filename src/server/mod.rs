@@ -5,6 +5,7 @@
 
 pub mod admin;
 pub mod control;
+pub mod h1;
 pub mod head_timer;
 pub mod health;
 pub mod listener;

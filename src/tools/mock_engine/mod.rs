@@ -9,10 +9,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::proxy::request_body::RequestBody;
 use bytes::Bytes;
 use http::{header, Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use parking_lot::Mutex;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -168,12 +168,18 @@ impl MockEngine {
             },
             shutdown,
             Duration::from_secs(1),
-            crate::server::listener::ConnLimits::default(),
+            // An engine sees a client's fields and the balancer's (`x-forwarded-for`):
+            // more than the balancer's own default lets through. Engines count none
+            // (uvicorn's h11 limits only the head's size).
+            crate::server::listener::ConnLimits {
+                max_headers: 256,
+                ..Default::default()
+            },
         )
         .await;
     }
 
-    async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<BoxBody> {
+    async fn handle(self: Arc<Self>, req: Request<RequestBody>) -> Response<BoxBody> {
         let path = req.uri().path().to_string();
         // The W3C trace context it was sent, echoed (as `x-mock-traceparent`) so a
         // test can see that a balancer passed one on.
@@ -226,7 +232,7 @@ impl MockEngine {
         json!({"object": "list", "data": data})
     }
 
-    async fn set_fault(&self, req: Request<Incoming>) -> Response<BoxBody> {
+    async fn set_fault(&self, req: Request<RequestBody>) -> Response<BoxBody> {
         let Ok(body) = req.into_body().collect().await else {
             return error(StatusCode::BAD_REQUEST, "could not read body");
         };
@@ -248,7 +254,7 @@ impl MockEngine {
 
     /// `POST /v1/messages/count_tokens`: the prompt's tokens, as the cache model counts
     /// them; nothing runs.
-    async fn count_tokens(&self, req: Request<Incoming>) -> Response<BoxBody> {
+    async fn count_tokens(&self, req: Request<RequestBody>) -> Response<BoxBody> {
         let Ok(body) = req.into_body().collect().await else {
             return anthropic::error(StatusCode::BAD_REQUEST, "could not read body");
         };
@@ -264,7 +270,7 @@ impl MockEngine {
         }
     }
 
-    async fn generate(self: Arc<Self>, req: Request<Incoming>, kind: Kind) -> Response<BoxBody> {
+    async fn generate(self: Arc<Self>, req: Request<RequestBody>, kind: Kind) -> Response<BoxBody> {
         // Errors in the shape of the API asked.
         let error = |status: StatusCode, msg: &str| match kind {
             Kind::Messages => anthropic::error(status, msg),
