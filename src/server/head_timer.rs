@@ -1,23 +1,16 @@
-//! `header_read_timeout` for a client connection, kept as one lazy timer per connection
-//! instead of hyper's timer per request head.
+//! `header_read_timeout` for a connection served by hyper (HTTP/2, handed over by
+//! [`super::h1`] after its preface), kept as one lazy timer per connection. HTTP/1.1
+//! connections keep theirs in [`super::h1::conn`].
 //!
-//! hyper's HTTP/1.1 server, told a header read timeout, allocates a timer and registers
-//! it in tokio's timer wheel each time it starts reading a head (after every response
-//! on a kept-alive connection), and cancels it once the head is parsed: about 1,500
-//! instructions a request. Here the connection records instead when it last went idle
-//! (a clock read when a response ends), and one timer per connection ([`HeadWatch`],
-//! polled when a read has to wait) checks that record when it fires: a connection idle
-//! for the whole limit, or sent only part of a head in it, has its reads fail, and
-//! hyper closes it; any other is looked at again when its own limit would run out. A
-//! busy connection costs one poll of an armed timer per request, and one wake-up per
-//! limit, instead of a timer per request.
-//!
-//! The rules are hyper's: the limit runs from the connection's start, and again from
-//! the end of each response, until the next request head has been read. While a
-//! request is being answered it does not run (its body and its stream have their own
-//! limits). Once a connection has carried an HTTP/2 request it no longer runs: HTTP/2
-//! idles under its keep-alive pings, as hyper's own timer (HTTP/1.1 only) left it.
-//! What differs: a connection that runs out of time is closed without hyper's 408.
+//! The connection records when it last went idle (a clock read when a response
+//! ends), and one timer per connection ([`HeadWatch`], polled when a read has to
+//! wait) checks that record when it fires: a connection idle for the whole limit has
+//! its reads fail, and hyper closes it; any other is looked at again when its own
+//! limit would run out. The limit runs from the connection's start, and again from
+//! the end of each response, until the next request arrives; not while a request is
+//! being answered; and once a connection has carried an HTTP/2 request, no longer at
+//! all: HTTP/2 idles under its keep-alive pings. A connection that runs out of time
+//! is closed without a 408.
 
 use std::future::Future;
 use std::pin::Pin;

@@ -1,7 +1,8 @@
 //! The HTTP accept loop shared by the balancer, the admin listener and `mock-engine`:
-//! hyper-util's `auto` server (HTTP/1.1 and h2c) with the limits a public port needs
-//! ([`ConnLimits`]), back-off after accept errors, and a graceful shutdown that lets
-//! open connections finish within a grace period.
+//! HTTP/1.1 served by the balancer's own server ([`super::h1`]), a connection that
+//! opens with the HTTP/2 preface handed to hyper's HTTP/2 server (h2c), the limits a
+//! public port needs ([`ConnLimits`]), back-off after accept errors, and a graceful
+//! shutdown that lets open connections finish within a grace period.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -37,11 +38,11 @@ pub struct ConnLimits {
     /// Time to receive a request head. It also bounds a new connection's first bytes
     /// (before the protocol is known) and, on a kept-alive HTTP/1.1 connection, the
     /// idle wait for the next request (from the end of the last response; see
-    /// [`super::head_timer`]).
+    /// [`super::h1::conn`] and, for HTTP/2, [`super::head_timer`]).
     pub header_read_timeout: Duration,
     /// HTTP/1.1 header fields: a head with this many or more gets 431.
     pub max_headers: usize,
-    /// Largest request head: HTTP/1.1 read buffer, HTTP/2 header list.
+    /// Largest request head (HTTP/1.1: then 431; HTTP/2: the header list).
     pub max_header_bytes: usize,
     /// HTTP/2 keep-alive PING interval, and the time to answer one.
     pub http2_keep_alive_interval: Duration,
@@ -260,7 +261,7 @@ impl AsyncWrite for Replay {
     }
 }
 
-/// A client connection whose writes fail once the client has taken nothing for
+/// An HTTP/2 client connection whose writes fail once the client has taken nothing for
 /// `stall` while we had bytes to send: hyper then closes the connection, which drops
 /// the response body (and so the upstream exchange and the node's slot). Its reads
 /// fail once it has waited `header_read_timeout` for a request head ([`HeadWatch`]).
