@@ -91,14 +91,15 @@ pub fn encode_request(
     // A request without a body says so only where one is expected.
     if body_len > 0 || !matches!(*method, Method::GET | Method::HEAD | Method::DELETE) {
         out.extend_from_slice(b"content-length: ");
-        push_decimal(out, body_len);
+        push_decimal(out, body_len as u64);
         out.extend_from_slice(b"\r\n");
     }
     out.extend_from_slice(b"\r\n");
 }
 
-/// Writes `n` in decimal: a tenth of the formatter's instructions, on every request.
-fn push_decimal(out: &mut Vec<u8>, mut n: usize) {
+/// Writes `n` in decimal: a tenth of the formatter's instructions, on every request
+/// (a request head to an engine, a response head to a client).
+pub(crate) fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
     let mut digits = [0u8; 20];
     let mut at = digits.len();
     loop {

@@ -52,7 +52,7 @@ fn a_request_head_carries_host_headers_and_length() {
 
 proptest! {
     #[test]
-    fn lengths_are_written_as_the_formatter_writes_them(n in any::<usize>()) {
+    fn lengths_are_written_as_the_formatter_writes_them(n in any::<u64>()) {
         let mut out = b"x".to_vec();
         push_decimal(&mut out, n);
         prop_assert_eq!(out, format!("x{n}").into_bytes());
@@ -61,7 +61,7 @@ proptest! {
 
 #[test]
 fn length_edges_are_written_as_the_formatter_writes_them() {
-    for n in [0, 9, 10, 99, 100, usize::MAX] {
+    for n in [0, 9, 10, 99, 100, u64::MAX] {
         let mut out = Vec::new();
         push_decimal(&mut out, n);
         assert_eq!(out, n.to_string().into_bytes());

@@ -100,6 +100,18 @@ enum Feed {
     Lost,
 }
 
+impl Feed {
+    /// Whether the connection can find the next request after this one's response:
+    /// the body was all handed over, or what is left of it can be read past.
+    fn can_finish(&self) -> bool {
+        match self {
+            Feed::Done => true,
+            Feed::Length { left, .. } | Feed::Unread(left) => *left <= DRAIN_MAX,
+            Feed::Chunked { .. } | Feed::Lost => false,
+        }
+    }
+}
+
 /// Serves HTTP/1.1 on `io` until either side ends it.
 pub async fn serve<H, F>(
     io: TcpStream,
@@ -162,7 +174,7 @@ where
         let asked = Asked {
             method: &method,
             version,
-            keep_alive: keep_alive && !stop.is_stopping(),
+            keep_alive: keep_alive && feed.can_finish() && !stop.is_stopping(),
         };
         let Ok(keep) = conn.write_response(response, asked).await else {
             return Ended::Closed;
@@ -465,14 +477,13 @@ impl Conn {
     /// After a response: reads past what the handler left of its request body.
     /// `false`: the connection cannot go on.
     async fn finish_body(&mut self, feed: Feed) -> bool {
-        let mut left = match feed {
-            Feed::Done => return true,
-            Feed::Length { left, .. } | Feed::Unread(left) => left,
-            Feed::Chunked { .. } | Feed::Lost => return false,
-        };
-        if left > DRAIN_MAX {
+        if !feed.can_finish() {
             return false;
         }
+        let mut left = match feed {
+            Feed::Length { left, .. } | Feed::Unread(left) => left,
+            _ => return true,
+        };
         while left > 0 {
             if !self.buf.is_empty() {
                 let n = (self.buf.len() as u64).min(left);

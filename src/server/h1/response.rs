@@ -16,6 +16,8 @@ use http::header::{self, HeaderMap};
 use http::{Method, StatusCode, Version};
 use http_body::SizeHint;
 
+use crate::proxy::h1::push_decimal;
+
 /// How a response body is delimited on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Framing {
@@ -145,20 +147,6 @@ fn push_hex(out: &mut Vec<u8>, mut n: usize) {
         at -= 1;
         digits[at] = b"0123456789abcdef"[n & 15];
         n >>= 4;
-        if n == 0 {
-            break;
-        }
-    }
-    out.extend_from_slice(&digits[at..]);
-}
-
-fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
-    let mut digits = [0u8; 20];
-    let mut at = digits.len();
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (n % 10) as u8;
-        n /= 10;
         if n == 0 {
             break;
         }
