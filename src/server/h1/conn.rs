@@ -141,6 +141,12 @@ where
     };
     let mut first = true;
     loop {
+        if conn.buf.is_empty() {
+            // Let the last request's buffer go: the next read takes whichever the
+            // allocator freed last (another connection's, still in cache), where this
+            // one's would be written further along each request, on cold lines.
+            conn.buf = BytesMut::new();
+        }
         let head = match conn.read_head(first, &mut stop).await {
             HeadRead::Head(head) => head,
             HeadRead::Http2 => return Ended::Http2(conn.io, conn.buf),
