@@ -230,6 +230,15 @@ async fn chunked_trickled_pipelined_and_unread_bodies_are_served_and_keep_the_co
     let got = read_responses(&mut s, 1).await;
     assert_eq!(got[0].0, 200, "{}", got[0].1);
 
+    // A head sent three bytes at a time.
+    let whole = request("/v1/chat/completions", &chat_body("in pieces"));
+    for piece in whole.as_bytes().chunks(3) {
+        s.write_all(piece).await.unwrap();
+        s.flush().await.unwrap();
+    }
+    let got = read_responses(&mut s, 1).await;
+    assert_eq!(got[0].0, 200, "{}", got[0].1);
+
     // A body nobody reads (an unknown path), then a request on the same connection.
     let pad = "x".repeat(20_000);
     let two = format!(
@@ -254,7 +263,7 @@ async fn chunked_trickled_pipelined_and_unread_bodies_are_served_and_keep_the_co
     s.write_all(three.as_bytes()).await.unwrap();
     let got = read_responses(&mut s, 3).await;
     assert!(got.iter().all(|(status, _)| *status == 200), "{got:?}");
-    assert_eq!(engine_requests(&e).await, 6.0);
+    assert_eq!(engine_requests(&e).await, 7.0);
     assert_eq!(in_flight(&lb).await[0].1, 0);
 }
 

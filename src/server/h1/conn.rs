@@ -222,8 +222,12 @@ struct Conn {
 
 impl Conn {
     async fn read_head(&mut self, first: bool, stop: &mut Stop) -> HeadRead {
+        // How much of the buffer has been searched for a head's end: a head that
+        // comes in pieces is parsed once it can be whole, not again at every piece
+        // (which, for a client sending a byte at a time, is quadratic).
+        let mut searched = 0;
         loop {
-            if !self.buf.is_empty() {
+            if !self.buf.is_empty() && self.head_may_end(&mut searched) {
                 let h2 = if first {
                     is_h2_preface(&self.buf)
                 } else {
@@ -255,6 +259,16 @@ impl Conn {
                 return HeadRead::Closed;
             }
         }
+    }
+
+    /// Whether the bytes read since the last look can end a head (an empty line), or
+    /// the buffer has reached the head limit (the parser then says what is wrong).
+    fn head_may_end(&self, searched: &mut usize) -> bool {
+        let from = searched.saturating_sub(2);
+        *searched = self.buf.len();
+        self.buf.len() >= self.head_limits.max_bytes
+            || memchr::memmem::find(&self.buf[from..], b"\n\r\n").is_some()
+            || memchr::memmem::find(&self.buf[from..], b"\n\n").is_some()
     }
 
     /// The request's body, and what the connection still has to feed it.
