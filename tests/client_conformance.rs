@@ -193,6 +193,14 @@ async fn smuggling_shaped_heads_get_one_refusal_and_nothing_reaches_the_engine()
         }
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+    // Bytes that are not HTTP (a TLS ClientHello on the plain port), with no line end:
+    // refused at once, not at the 10 s head timeout.
+    let mut s = TcpStream::connect(lb.addr).await.unwrap();
+    s.write_all(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03")
+        .await
+        .unwrap();
+    let (text, closed) = read_to_close(&mut s).await;
+    assert!(text.starts_with("HTTP/1.1 400 ") && closed, "{text:?}");
     assert_eq!(
         engine_requests(&e).await,
         0.0,

@@ -261,12 +261,17 @@ impl Conn {
         }
     }
 
-    /// Whether the bytes read since the last look can end a head (an empty line), or
-    /// the buffer has reached the head limit (the parser then says what is wrong).
+    /// Whether the head should be parsed now: on the first look, when the bytes read
+    /// since the last look can end a head (an empty line), or when the buffer has
+    /// reached the head limit (the parser then says what is wrong).
     fn head_may_end(&self, searched: &mut usize) -> bool {
+        let first_look = *searched == 0;
         let from = searched.saturating_sub(2);
         *searched = self.buf.len();
-        self.buf.len() >= self.head_limits.max_bytes
+        // The first look parses whatever came: bytes that are not HTTP at all (a TLS
+        // handshake on a plain port) are refused at once, not at the head timeout.
+        first_look
+            || self.buf.len() >= self.head_limits.max_bytes
             || memchr::memmem::find(&self.buf[from..], b"\n\r\n").is_some()
             || memchr::memmem::find(&self.buf[from..], b"\n\n").is_some()
     }
@@ -308,8 +313,10 @@ impl Conn {
         if n > EAGER_BODY {
             return false;
         }
-        self.buf.reserve(n as usize - self.buf.len());
         while (self.buf.len() as u64) < n {
+            // Room for what is missing, a read's worth at a time: nothing is set
+            // aside for bytes the socket does not have (a declared length is a claim).
+            self.make_room(n as usize - self.buf.len());
             match self.io.try_read_buf(&mut self.buf) {
                 Ok(read) if read > 0 => {}
                 _ => return false,
@@ -557,11 +564,16 @@ impl Conn {
     }
 
     fn poll_read(&mut self, cx: &mut Context<'_>, want: usize) -> Poll<io::Result<usize>> {
+        self.make_room(want);
+        tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.buf)
+    }
+
+    /// Room in the buffer for a read of about `want` bytes (1 KiB to 64 KiB).
+    fn make_room(&mut self, want: usize) {
         let want = want.clamp(1024, WRITE_AT);
         if self.buf.capacity() - self.buf.len() < want / 2 {
             self.buf.reserve(want);
         }
-        tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.buf)
     }
 
     /// Writes `out` whole; an error if the client takes none of it for the stall limit.
