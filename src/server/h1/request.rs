@@ -22,6 +22,8 @@ use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, StatusCode, Uri, Version};
 
+use crate::clip::clip;
+
 /// Header fields parsed into room on the stack; a head with more is parsed again
 /// with room for the limit.
 const USUAL_FIELDS: usize = 32;
@@ -147,7 +149,7 @@ pub fn parse_request(
     };
     let method = req.method.unwrap_or_default();
     let method = Method::from_bytes(method.as_bytes())
-        .map_err(|_| HeadError::Malformed(format!("method {method:?}")))?;
+        .map_err(|_| HeadError::Malformed(format!("method {}", clip(method))))?;
     let base = buf.as_ptr() as usize;
     let offset = |s: &[u8]| s.as_ptr() as usize - base;
     let path = req.path.unwrap_or_default();
@@ -159,7 +161,7 @@ pub fn parse_request(
         let name = match usual_name(h.name) {
             Some(name) => name,
             None => HeaderName::from_bytes(h.name.as_bytes())
-                .map_err(|_| HeadError::Malformed(format!("header name {:?}", h.name)))?,
+                .map_err(|_| HeadError::Malformed(format!("header name {}", clip(h.name))))?,
         };
         fields.read(&name, h.value);
         let start = offset(h.value);
