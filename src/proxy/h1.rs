@@ -113,16 +113,17 @@ pub(crate) fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
     out.extend_from_slice(&digits[at..]);
 }
 
-/// How the body after a response head is delimited.
+/// How the body after a response head is delimited: an engine's response read here,
+/// a client's response written by `server::h1::response`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Framing {
-    /// No body: a response to HEAD, or 204 / 304.
+    /// No body: a response to HEAD, or 1xx / 204 / 304.
     Empty,
     /// Exactly this many bytes.
     Length(u64),
     /// `Transfer-Encoding: chunked`.
     Chunked,
-    /// Everything until the engine closes the connection (HTTP/1.0 style).
+    /// Everything until the connection closes (HTTP/1.0 style).
     UntilClose,
 }
 

@@ -17,18 +17,7 @@ use http::{Method, StatusCode, Version};
 use http_body::SizeHint;
 
 use crate::proxy::h1::push_decimal;
-
-/// How a response body is delimited on the wire.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Framing {
-    /// No body is written (HEAD, 1xx, 204, 304).
-    Empty,
-    /// Exactly this many bytes.
-    Length(u64),
-    Chunked,
-    /// Until the connection closes (a streamed body to an HTTP/1.0 client).
-    UntilClose,
-}
+pub use crate::proxy::h1::Framing;
 
 /// What the response answers.
 #[derive(Debug, Clone, Copy)]
