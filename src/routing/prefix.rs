@@ -22,6 +22,9 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::Mode;
 
+#[cfg(test)]
+mod tests;
+
 /// Bytes per chunk. Smaller chunks find a boundary more precisely and cost more per
 /// request; a preamble's last partial chunk goes into the conversation part.
 pub const CHUNK: usize = 512;
@@ -243,6 +246,16 @@ const HOT_MIN: u32 = 3;
 const HOT_SHARE: u32 = 200;
 /// Cold chunks counted past the first, so a long preamble is learned in fewer requests.
 const LEARN_AHEAD: usize = 3;
+/// A count at or above this is raised in strides: by `s` in one request of `s` (chosen
+/// by the request's number and the chunk's hash), `s` the count over this, rounded up
+/// to a power of two, at most [`MAX_STRIDE`]. Its expected value is the exact count's;
+/// far above the hot threshold (at most `WINDOW / HOT_SHARE`, 41) nothing reads it
+/// but a preamble's share (against one half), which a few percent do not move. What it
+/// buys: the slot of a chunk all traffic shares is written once in `s` requests, not
+/// every time, so balancer threads on other cores stop taking its cache line from each
+/// other (docs/performance.md, "prefix table writes").
+const STRIDE_FROM: u32 = 256;
+const MAX_STRIDE: u32 = 32;
 
 /// One slot: tag (20 bits) | count (16) | tag of the first successor seen (24) |
 /// branched (1).
@@ -269,6 +282,22 @@ impl Slot {
             | (u64::from(self.count.min(0xFFFF)) << 28)
             | (u64::from(self.successor) << 4)
             | u64::from(self.branched)
+    }
+}
+
+/// What request number `seq` adds to a chunk (`hash`) counted `count` times: 1 below
+/// [`STRIDE_FROM`]; above it, the stride `s` in one request of `s` and 0 in the others.
+fn increment(count: u32, seq: u32, hash: u64) -> u32 {
+    if count < STRIDE_FROM {
+        return 1;
+    }
+    let stride = (count / STRIDE_FROM).next_power_of_two().min(MAX_STRIDE);
+    // Mixed with the hash, so the chunks of one request are not all counted together.
+    let pick = (hash ^ u64::from(seq)).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32;
+    if pick % u64::from(stride) == 0 {
+        stride
+    } else {
+        0
     }
 }
 
@@ -315,18 +344,23 @@ impl PrefixTable {
     /// point. A counted walk (`mode.counts()`) counts the request in each chunk (and in
     /// a few cold ones past the first); an explanation's changes nothing.
     pub fn walk(&self, chunks: Chunks<'_, '_>, mode: Mode) -> Depth {
-        let count = mode.counts();
-        if count && self.total.fetch_add(1, Ordering::Relaxed) + 1 >= WINDOW {
-            self.halve();
-        }
-        self.walk_counting(chunks, count)
+        // The request's number in the window, when it is counted.
+        let seq = mode.counts().then(|| {
+            let seq = self.total.fetch_add(1, Ordering::Relaxed);
+            if seq + 1 >= WINDOW {
+                self.halve();
+            }
+            seq
+        });
+        self.walk_counting(chunks, seq)
     }
 
     fn hot_threshold(&self) -> u32 {
         HOT_MIN.max(self.total.load(Ordering::Relaxed) / HOT_SHARE)
     }
 
-    fn walk_counting(&self, mut chunks: Chunks<'_, '_>, count: bool) -> Depth {
+    fn walk_counting(&self, mut chunks: Chunks<'_, '_>, seq: Option<u32>) -> Depth {
+        let count = seq.is_some();
         let hot = self.hot_threshold();
         let mut depth = Depth {
             boundary: None,
@@ -340,8 +374,8 @@ impl PrefixTable {
         let mut current = chunks.next();
         while let Some(chunk) = current {
             let next = chunks.next();
-            let slot = if count {
-                self.visit(chunk.hash, next.map(|c| c.hash))
+            let slot = if let Some(seq) = seq {
+                self.visit(chunk.hash, next.map(|c| c.hash), seq)
             } else {
                 self.look(chunk.hash)
             };
@@ -376,11 +410,13 @@ impl PrefixTable {
         (slot.tag == tag_of(hash)).then_some(slot)
     }
 
-    /// Counts one request through `hash`, followed by `next`. Races between requests
-    /// may lose an update; that only delays learning by a request.
-    fn visit(&self, hash: u64, next: Option<u64>) -> Option<Slot> {
+    /// Counts request number `seq` through `hash`, followed by `next` (a count above
+    /// [`STRIDE_FROM`] in strides). Races between requests may lose an update; that only
+    /// delays learning by a request. The slot is written only when it changes.
+    fn visit(&self, hash: u64, next: Option<u64>, seq: u32) -> Option<Slot> {
         let cell = &self.slots[slot_of(hash)];
-        let mut slot = Slot::unpack(cell.load(Ordering::Relaxed));
+        let was = cell.load(Ordering::Relaxed);
+        let mut slot = Slot::unpack(was);
         if slot.tag != tag_of(hash) {
             if slot.count >= 2 {
                 // A busier chunk holds the slot: this one stays untracked (cold).
@@ -393,7 +429,7 @@ impl PrefixTable {
                 branched: false,
             };
         }
-        slot.count = (slot.count + 1).min(0xFFFF);
+        slot.count = (slot.count + increment(slot.count, seq, hash)).min(0xFFFF);
         if let Some(next) = next.map(successor_tag) {
             match slot.successor {
                 0 => slot.successor = next,
@@ -401,7 +437,10 @@ impl PrefixTable {
                 _ => {}
             }
         }
-        cell.store(slot.pack(), Ordering::Relaxed);
+        let now = slot.pack();
+        if now != was {
+            cell.store(now, Ordering::Relaxed);
+        }
         Some(slot)
     }
 
