@@ -289,10 +289,16 @@ fn hybrid_key(
         _ => None,
     };
     let (segments, chat) = segments(api, env, items.as_deref())?;
-    let walk = || Chunks::new(&segments, spec.seed, spec.max_scan_bytes, !chat);
-    let depth = prefixes.map(|(t, mode)| t.walk(walk(), mode));
+    let lead = segments
+        .iter()
+        .take_while(|s| matches!(s.tag, "tools" | "instructions" | "system" | "developer"))
+        .count();
+    // One pass of chunks: the walk's, then on to the system part's end if it stopped
+    // before it.
+    let mut chunks = Chunks::new(&segments, spec.seed, spec.max_scan_bytes, !chat).marking(lead);
+    let depth = prefixes.map(|(t, mode)| t.walk(&mut chunks, mode));
     let (hot_chunks, stop) = depth.map_or((0, Stop::End), |d| (d.hot_chunks, d.stop));
-    let structural = structural_end(&segments, walk());
+    let structural = structural_end(&segments, lead, &mut chunks);
     let learned = depth.and_then(|d| {
         let b = d.boundary?;
         // Below the system part, only a preamble most of the traffic shares: one of
@@ -396,17 +402,16 @@ fn first_raw(raw: &str) -> &str {
 
 /// The end of the leading tools, instructions and system/developer messages (when
 /// something follows them), and the chain hash there.
-fn structural_end(segments: &[Segment<'_>], chunks: Chunks<'_, '_>) -> Option<(Pos, u64)> {
-    let lead = segments
-        .iter()
-        .take_while(|s| matches!(s.tag, "tools" | "instructions" | "system" | "developer"))
-        .count();
+fn structural_end(
+    segments: &[Segment<'_>],
+    lead: usize,
+    chunks: &mut Chunks<'_, '_>,
+) -> Option<(Pos, u64)> {
     if lead == 0 || lead == segments.len() {
         return None;
     }
     let end = chunks
-        .take_while(|c| c.end.seg < lead)
-        .last()
+        .lead_end()
         .filter(|c| c.end.seg == lead - 1 && c.end.offset == segments[lead - 1].body.len())?;
     Some((end.end, end.hash))
 }

@@ -75,6 +75,11 @@ pub struct Chunks<'s, 'a> {
     growing: bool,
     /// The current segment is a token-id array: chunked by [`TOKEN_CHUNK`] tokens.
     tokens: bool,
+    /// The first `lead` segments (a system part), the last chunk taken that ends in
+    /// them, and whether a chunk past them was taken (see [`Chunks::lead_end`]).
+    lead: usize,
+    lead_end: Option<Chunk>,
+    past_lead: bool,
 }
 
 impl<'s, 'a> Chunks<'s, 'a> {
@@ -93,7 +98,32 @@ impl<'s, 'a> Chunks<'s, 'a> {
             limited: false,
             growing,
             tokens: false,
+            lead: 0,
+            lead_end: None,
+            past_lead: false,
         }
+    }
+
+    /// The same chunks, remembering where the first `lead` segments end.
+    pub fn marking(self, lead: usize) -> Self {
+        Chunks { lead, ..self }
+    }
+
+    /// The last chunk that ends in the first `lead` segments ([`Chunks::marking`]):
+    /// the chunks a walk took are not hashed again, only those it left before the
+    /// lead's end.
+    pub fn lead_end(&mut self) -> Option<Chunk> {
+        while !self.past_lead && self.next().is_some() {}
+        self.lead_end
+    }
+
+    fn taken(&mut self, chunk: Chunk) -> Option<Chunk> {
+        if chunk.end.seg < self.lead {
+            self.lead_end = Some(chunk);
+        } else {
+            self.past_lead = true;
+        }
+        Some(chunk)
     }
 }
 
@@ -110,7 +140,7 @@ impl Iterator for Chunks<'_, '_> {
                 self.tokens = is_token_ids(s.body);
                 if s.body.is_empty() {
                     self.advance_segment();
-                    return Some(self.chunk(self.seg - 1, 0));
+                    return self.taken(self.chunk(self.seg - 1, 0));
                 }
             }
             if self.offset >= s.body.len() {
@@ -138,7 +168,7 @@ impl Iterator for Chunks<'_, '_> {
             };
             self.bytes += end - self.offset;
             self.offset = end;
-            return Some(self.chunk(self.seg, end));
+            return self.taken(self.chunk(self.seg, end));
         }
     }
 }
@@ -294,7 +324,7 @@ fn increment(count: u32, seq: u32, hash: u64) -> u32 {
     let stride = (count / STRIDE_FROM).next_power_of_two().min(MAX_STRIDE);
     // Mixed with the hash, so the chunks of one request are not all counted together.
     let pick = (hash ^ u64::from(seq)).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32;
-    if pick % u64::from(stride) == 0 {
+    if pick & u64::from(stride - 1) == 0 {
         stride
     } else {
         0
@@ -343,7 +373,7 @@ impl PrefixTable {
     /// Walks a request's chunks while they are hot and returns the deepest hot branch
     /// point. A counted walk (`mode.counts()`) counts the request in each chunk (and in
     /// a few cold ones past the first); an explanation's changes nothing.
-    pub fn walk(&self, chunks: Chunks<'_, '_>, mode: Mode) -> Depth {
+    pub fn walk(&self, chunks: &mut Chunks<'_, '_>, mode: Mode) -> Depth {
         // The request's number in the window, when it is counted.
         let seq = mode.counts().then(|| {
             let seq = self.total.fetch_add(1, Ordering::Relaxed);
@@ -359,7 +389,7 @@ impl PrefixTable {
         HOT_MIN.max(self.total.load(Ordering::Relaxed) / HOT_SHARE)
     }
 
-    fn walk_counting(&self, mut chunks: Chunks<'_, '_>, seq: Option<u32>) -> Depth {
+    fn walk_counting(&self, chunks: &mut Chunks<'_, '_>, seq: Option<u32>) -> Depth {
         let count = seq.is_some();
         let hot = self.hot_threshold();
         let mut depth = Depth {

@@ -9,7 +9,10 @@ fn walk(table: &PrefixTable, text: &[u8]) -> Depth {
         tag: "system",
         body: text,
     }];
-    table.walk(Chunks::new(&segments, 7, 64 * 1024, false), Mode::Route)
+    table.walk(
+        &mut Chunks::new(&segments, 7, 64 * 1024, false),
+        Mode::Route,
+    )
 }
 
 fn first_slot(table: &PrefixTable, text: &[u8]) -> u64 {
