@@ -388,7 +388,9 @@ impl Upstream {
         let mut conn = loop {
             let mut conn = match self.checkout(&origin) {
                 Some(conn) => conn,
-                None => within(deadline, self.connect(authority, req.tls)).await??,
+                // Boxed: connecting (TLS included) is a large future and a rare one;
+                // inline, its size would be copied with every request's future.
+                None => Box::pin(within(deadline, self.connect(authority, req.tls))).await??,
             };
             match within(deadline, conn.write_request(&head, req.body)).await? {
                 Ok(()) => break conn,
