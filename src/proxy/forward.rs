@@ -126,7 +126,7 @@ impl Exchange<'_> {
 
     /// Admission, the exchange and failover, until an answer commits or nothing is
     /// left to try.
-    pub async fn run(mut self) -> Result<Response<BoxBody>, ProxyError> {
+    pub async fn run(&mut self) -> Result<Response<BoxBody>, ProxyError> {
         let mut body = self.body_for(&self.placement);
         let max_attempts = self.routing().max_attempts;
         // Engines that do not serve the adapter asked for count as tried from the start.
