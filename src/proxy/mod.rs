@@ -281,54 +281,39 @@ impl Proxy {
         // Held until this function returns: through the queue and every attempt.
         let mut claim = self.budget.claim();
         let body = ingress::read_body(body, &parts.headers, limits, &mut claim).await?;
-        let mut exchange =
-            self.exchange(table, parts, body, key_name, peer, started, pool, span)?;
+        // Built in a block: what it reads on the way (the placement, the asker) is not
+        // kept in the request's future, whose whole size is copied as it is made.
+        let mut exchange = {
+            let header_key = parts
+                .headers
+                .get(&table.config.routing.key_header)
+                .map(HeaderValue::as_bytes);
+            let placement = table.place(parts.uri.path(), header_key, &body, Mode::Route)?;
+            *pool = Some(&table.pools[placement.own_pool()].config.name);
+            traces::record_placement(span, &placement);
+            let asker = self.ask(table, key_name, &parts.headers, &placement)?;
+            traces::record_asker(span, &asker.tenant_label, &asker.class_name);
+            let lane = LANE.with(std::cell::Cell::get) % self.upstreams.len();
+            forward::Exchange {
+                upstream: &self.upstreams[lane],
+                metrics: &self.metrics,
+                table,
+                placement,
+                method: parts.method,
+                path: parts
+                    .uri
+                    .path_and_query()
+                    .cloned()
+                    .unwrap_or_else(|| PathAndQuery::from_static("/")),
+                headers: headers::UpstreamHeaders::new(parts.headers, peer, auth.strip),
+                body,
+                started,
+                asker,
+                span: span.clone(),
+                queue_wait: Duration::ZERO,
+            }
+        };
         exchange.run().await
-    }
-
-    /// The request placed and its asker known, ready for its attempts. Not async: what
-    /// it reads and builds lives on its stack, not in every request's future (whose
-    /// whole size is copied as it is made).
-    #[allow(clippy::too_many_arguments)]
-    fn exchange<'e, 't: 'e>(
-        &'e self,
-        table: &'t Arc<Table>,
-        parts: http::request::Parts,
-        body: bytes::Bytes,
-        key_name: Option<&str>,
-        peer: SocketAddr,
-        started: Instant,
-        pool: &mut Option<&'t str>,
-        span: &tracing::Span,
-    ) -> Result<forward::Exchange<'e>, ProxyError> {
-        let header_key = parts
-            .headers
-            .get(&table.config.routing.key_header)
-            .map(HeaderValue::as_bytes);
-        let placement = table.place(parts.uri.path(), header_key, &body, Mode::Route)?;
-        *pool = Some(&table.pools[placement.own_pool()].config.name);
-        traces::record_placement(span, &placement);
-        let asker = self.ask(table, key_name, &parts.headers, &placement)?;
-        traces::record_asker(span, &asker.tenant_label, &asker.class_name);
-        let lane = LANE.with(std::cell::Cell::get) % self.upstreams.len();
-        Ok(forward::Exchange {
-            upstream: &self.upstreams[lane],
-            metrics: &self.metrics,
-            table,
-            placement,
-            method: parts.method,
-            path: parts
-                .uri
-                .path_and_query()
-                .cloned()
-                .unwrap_or_else(|| PathAndQuery::from_static("/")),
-            headers: headers::UpstreamHeaders::new(parts.headers, peer, table.config.auth.strip),
-            body,
-            started,
-            asker,
-            span: span.clone(),
-            queue_wait: Duration::ZERO,
-        })
     }
 }
 
