@@ -277,13 +277,13 @@ const HOT_SHARE: u32 = 200;
 /// Cold chunks counted past the first, so a long preamble is learned in fewer requests.
 const LEARN_AHEAD: usize = 3;
 /// A count at or above this is raised in strides: by `s` in one request of `s` (chosen
-/// by the request's number and the chunk's hash), `s` the count over this, rounded up
-/// to a power of two, at most [`MAX_STRIDE`]. Its expected value is the exact count's;
+/// by the request's number and the chunk's hash), `s` being the count divided by this,
+/// rounded up to a power of two, at most [`MAX_STRIDE`]. Its expected value is the exact count's;
 /// far above the hot threshold (at most `WINDOW / HOT_SHARE`, 41) nothing reads it
 /// but a preamble's share (against one half), which a few percent do not move. What it
 /// buys: the slot of a chunk all traffic shares is written once in `s` requests, not
 /// every time, so balancer threads on other cores stop taking its cache line from each
-/// other (docs/performance.md, "prefix table writes").
+/// other (docs/performance.md, "The prefix table's writes").
 const STRIDE_FROM: u32 = 256;
 const MAX_STRIDE: u32 = 32;
 
@@ -316,7 +316,8 @@ impl Slot {
 }
 
 /// What request number `seq` adds to a chunk (`hash`) counted `count` times: 1 below
-/// [`STRIDE_FROM`]; above it, the stride `s` in one request of `s` and 0 in the others.
+/// [`STRIDE_FROM`]; from it on, the stride `s` in one request of `s` and 0 in the
+/// others.
 fn increment(count: u32, seq: u32, hash: u64) -> u32 {
     if count < STRIDE_FROM {
         return 1;
