@@ -281,8 +281,9 @@ impl Proxy {
         // Held until this function returns: through the queue and every attempt.
         let mut claim = self.budget.claim();
         let body = ingress::read_body(body, &parts.headers, limits, &mut claim).await?;
-        // Built in a block: what it reads on the way (the placement, the asker) is not
-        // kept in the request's future, whose whole size is copied as it is made.
+        // Built in a block whose locals end before any `.await`: the request's future
+        // (copied whole as it is made) then holds the exchange, not also the placement,
+        // asker and header key it was built from.
         let mut exchange = {
             let header_key = parts
                 .headers

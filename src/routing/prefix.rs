@@ -75,11 +75,10 @@ pub struct Chunks<'s, 'a> {
     growing: bool,
     /// The current segment is a token-id array: chunked by [`TOKEN_CHUNK`] tokens.
     tokens: bool,
-    /// The first `lead` segments (a system part), the last chunk taken that ends in
-    /// them, and whether a chunk past them was taken (see [`Chunks::lead_end`]).
+    /// The first `lead` segments (a system part), and the last chunk taken that ends
+    /// in them (see [`Chunks::lead_end`]).
     lead: usize,
     lead_end: Option<Chunk>,
-    past_lead: bool,
 }
 
 impl<'s, 'a> Chunks<'s, 'a> {
@@ -100,7 +99,6 @@ impl<'s, 'a> Chunks<'s, 'a> {
             tokens: false,
             lead: 0,
             lead_end: None,
-            past_lead: false,
         }
     }
 
@@ -113,15 +111,13 @@ impl<'s, 'a> Chunks<'s, 'a> {
     /// the chunks a walk took are not hashed again, only those it left before the
     /// lead's end.
     pub fn lead_end(&mut self) -> Option<Chunk> {
-        while !self.past_lead && self.next().is_some() {}
+        while self.seg < self.lead && self.next().is_some() {}
         self.lead_end
     }
 
     fn taken(&mut self, chunk: Chunk) -> Option<Chunk> {
         if chunk.end.seg < self.lead {
             self.lead_end = Some(chunk);
-        } else {
-            self.past_lead = true;
         }
         Some(chunk)
     }
