@@ -8,10 +8,12 @@
 //! over-long chunk-size line or trailer end the exchange with an error, never a guess.
 
 use std::fmt;
+use std::ops::Range;
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, StatusCode, Version};
+use smallvec::SmallVec;
 
 use super::headers::{is_hop_by_hop, is_hop_by_hop_text, UpstreamHeaders};
 
@@ -185,8 +187,7 @@ pub fn parse_response(
         // hop-by-hop fields are read for framing and reuse, and not kept: they are
         // this connection's, and the client's has its own.
         let mut hop = HopFields::default();
-        let mut offsets: Vec<(HeaderName, std::ops::Range<usize>)> =
-            Vec::with_capacity(resp.headers.len());
+        let mut offsets: SmallVec<[(HeaderName, Range<usize>); USUAL_HEADERS]> = SmallVec::new();
         for h in resp.headers.iter() {
             let name = match usual_name(h.name) {
                 Some(name) => name,

@@ -17,10 +17,12 @@
 //! downstream sees them.
 
 use std::mem::MaybeUninit;
+use std::ops::Range;
 
 use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, StatusCode, Uri, Version};
+use smallvec::SmallVec;
 
 use crate::clip::clip;
 
@@ -155,8 +157,7 @@ pub fn parse_request(
     let path = req.path.unwrap_or_default();
     let path_at = offset(path.as_bytes())..offset(path.as_bytes()) + path.len();
     let mut fields = FieldFacts::default();
-    let mut offsets: Vec<(HeaderName, std::ops::Range<usize>)> =
-        Vec::with_capacity(req.headers.len());
+    let mut offsets: SmallVec<[(HeaderName, Range<usize>); USUAL_FIELDS]> = SmallVec::new();
     for h in req.headers.iter() {
         let name = match usual_name(h.name) {
             Some(name) => name,
