@@ -6,6 +6,7 @@
 //! names its prefix group. The work per request is bounded whatever the body's size.
 //! Pure but for the prefix table's counters.
 
+use smallvec::SmallVec;
 use xxhash_rust::xxh3::{xxh3_64_with_seed, Xxh3};
 
 use super::facts::{
@@ -341,18 +342,21 @@ fn hybrid_key(
     })
 }
 
+/// A body's segments: a usual conversation's fit on the stack.
+type Segments<'a> = SmallVec<[Segment<'a>; 8]>;
+
 /// The canonical text of a body as segments, and whether it is a message list (else
 /// one prompt string). Tools and instructions come first, then the messages in order.
 fn segments<'a>(
     api: Api,
     env: &'a Envelope<'a>,
     items: Option<&'a [Message<'a>]>,
-) -> Option<(Vec<Segment<'a>>, bool)> {
+) -> Option<(Segments<'a>, bool)> {
     let seg = |tag: &'a str, raw: &'a str| Segment {
         tag,
         body: raw.as_bytes(),
     };
-    let mut out = Vec::with_capacity(8);
+    let mut out = Segments::new();
     let messages = match api {
         api if api.has_messages() && env.messages.is_some() => env.messages.as_deref(),
         Api::Responses => items,

@@ -10,6 +10,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use smallvec::SmallVec;
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::breaker::{Admission, BreakerSettings, BreakerState, Outcome};
@@ -68,8 +69,8 @@ pub struct WalkOrder<'a> {
     /// The target's first node, yielded before the rest and skipped in it.
     first: Option<usize>,
     skip: Option<usize>,
-    /// Scored head nodes not yet yielded.
-    head: Vec<(u64, usize)>,
+    /// Scored head nodes not yet yielded (a group's width is a few nodes: on the stack).
+    head: SmallVec<[(u64, usize); 8]>,
     /// The walk after the head (none when the head is the whole pool).
     rest: Option<Successors<'a>>,
 }
@@ -274,7 +275,7 @@ impl Balancer {
             rest,
         };
         match target.group {
-            None => order(Vec::new(), Some(self.ring.successors(target.hash))),
+            None => order(SmallVec::new(), Some(self.ring.successors(target.hash))),
             Some((group, width)) => {
                 let score = |i: usize| {
                     let id = self.id_hashes[i];
