@@ -411,7 +411,7 @@ const LONGEST_FIELD: usize = 21;
 /// Anthropic's `input_tokens`, `cache_read_input_tokens` and
 /// `cache_creation_input_tokens`. The last value of each seen wins (the usage object
 /// comes last). A 48-byte overlap catches a field split across two frames.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct UsageScan {
     pub prompt: Option<u64>,
     pub cached: Option<u64>,
@@ -423,10 +423,10 @@ pub struct UsageScan {
     pub completion: Option<u64>,
     /// The answer is Anthropic's: its fields are read, not OpenAI's.
     anthropic: bool,
-    /// The last bytes of the previous frame, then the seam being scanned; reused, so
-    /// scanning allocates nothing per frame.
-    tail: Vec<u8>,
-    seam: Vec<u8>,
+    /// The last bytes of the previous frame (the first `tail_len`), kept in place so
+    /// that scanning allocates nothing.
+    tail: [u8; OVERLAP],
+    tail_len: usize,
 }
 
 const OVERLAP: usize = 48;
@@ -435,24 +435,31 @@ impl UsageScan {
     /// A scan of an answer of Anthropic's API, or of OpenAI's.
     pub fn of(anthropic: bool) -> UsageScan {
         UsageScan {
+            prompt: None,
+            cached: None,
+            input: None,
+            cache_read: None,
+            cache_creation: None,
+            completion: None,
             anthropic,
-            ..UsageScan::default()
+            tail: [0; OVERLAP],
+            tail_len: 0,
         }
     }
 
     pub fn feed(&mut self, chunk: &[u8]) {
-        if !self.tail.is_empty() {
-            let mut seam = std::mem::take(&mut self.seam);
-            seam.clear();
-            seam.extend_from_slice(&self.tail);
-            seam.extend_from_slice(&chunk[..chunk.len().min(OVERLAP)]);
-            self.scan(&seam);
-            self.seam = seam;
+        if self.tail_len > 0 {
+            // The seam: the previous frame's tail, then this one's head.
+            let mut seam = [0u8; 2 * OVERLAP];
+            let head = &chunk[..chunk.len().min(OVERLAP)];
+            seam[..self.tail_len].copy_from_slice(&self.tail[..self.tail_len]);
+            seam[self.tail_len..self.tail_len + head.len()].copy_from_slice(head);
+            self.scan(&seam[..self.tail_len + head.len()]);
         }
         self.scan(chunk);
-        self.tail.clear();
-        self.tail
-            .extend_from_slice(&chunk[chunk.len().saturating_sub(OVERLAP)..]);
+        let last = &chunk[chunk.len().saturating_sub(OVERLAP)..];
+        self.tail[..last.len()].copy_from_slice(last);
+        self.tail_len = last.len();
     }
 
     /// Prompt tokens: OpenAI's count, else Anthropic's three parts (as Anthropic
@@ -520,10 +527,10 @@ mod tests {
 
     #[test]
     fn usage_is_found_in_json_and_sse_and_across_frames() {
-        let mut u = UsageScan::default();
+        let mut u = UsageScan::of(false);
         u.feed(br#"{"choices":[],"usage":{"prompt_tokens":1234,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":1200}}}"#);
         assert_eq!((u.prompt, u.cached), (Some(1234), Some(1200)));
-        let mut u = UsageScan::default();
+        let mut u = UsageScan::of(false);
         u.feed(b"data: {\"usage\": {\"prompt_tok");
         u.feed(b"ens\": 77, \"prompt_tokens_details\": {\"cached_tokens\": 6");
         u.feed(b"4}}}\n\n");
