@@ -198,6 +198,8 @@ struct Conn {
     reused: bool,
     /// The timer of its requests' deadlines, kept across them (see [`Conn::poll_deadline`]).
     timer: Option<Pin<Box<Sleep>>>,
+    /// The head of the request being written; its room is kept across requests.
+    head: Vec<u8>,
 }
 
 impl Conn {
@@ -240,8 +242,19 @@ impl Conn {
         Poll::Ready(read)
     }
 
-    async fn write_request(&mut self, head: &[u8], body: &[u8]) -> io::Result<()> {
-        let (mut head, mut body) = (head, body);
+    /// Writes `req`: its head (encoded into [`Conn::head`]), then `body`.
+    async fn write_request(&mut self, req: &Outgoing<'_>) -> io::Result<()> {
+        self.head.clear();
+        (self.head).reserve(128 + req.target.len() + req.headers.written_len());
+        h1::encode_request(
+            req.method,
+            req.target,
+            req.host,
+            req.headers,
+            req.body.len(),
+            &mut self.head,
+        );
+        let (mut head, mut body) = (&self.head[..], &req.body[..]);
         while !head.is_empty() || !body.is_empty() {
             let n = self
                 .io
@@ -372,15 +385,6 @@ impl Upstream {
         req: Outgoing<'_>,
         deadline: Option<Instant>,
     ) -> Result<Response<EngineBody>, UpstreamError> {
-        let mut head = Vec::with_capacity(128 + req.target.len() + req.headers.written_len());
-        h1::encode_request(
-            req.method,
-            req.target,
-            req.host,
-            req.headers,
-            req.body.len(),
-            &mut head,
-        );
         let origin = Origin {
             authority: authority.clone(),
             tls: req.tls.is_some(),
@@ -392,7 +396,7 @@ impl Upstream {
                 // inline, its size would be copied with every request's future.
                 None => Box::pin(within(deadline, self.connect(authority, req.tls))).await??,
             };
-            match within(deadline, conn.write_request(&head, req.body)).await? {
+            match within(deadline, conn.write_request(&req)).await? {
                 Ok(()) => break conn,
                 Err(e) => {
                     // An engine may answer before it has read the whole body (a 413 for
@@ -516,6 +520,7 @@ impl Upstream {
             read_chunk: FIRST_READ_CHUNK,
             reused: false,
             timer: None,
+            head: Vec::new(),
         })
     }
 }
