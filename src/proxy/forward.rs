@@ -10,6 +10,7 @@ use bytes::{Bytes, BytesMut};
 use http::uri::PathAndQuery;
 use http::{header, HeaderMap, HeaderValue, Method, Response, StatusCode};
 use http_body_util::BodyExt;
+use smallvec::SmallVec;
 use tokio::time::Instant;
 
 use super::admission;
@@ -130,7 +131,7 @@ impl Exchange<'_> {
         let mut body = self.body_for(&self.placement);
         let max_attempts = self.routing().max_attempts;
         // Engines that do not serve the adapter asked for count as tried from the start.
-        let mut tried = Vec::with_capacity(max_attempts as usize);
+        let mut tried: SmallVec<[usize; 4]> = SmallVec::new();
         tried.extend_from_slice(self.placement.unserved());
         let mut failures: Vec<Failure> = Vec::new();
         let mut attempt = 0;
@@ -351,13 +352,12 @@ impl Exchange<'_> {
         attempt_span: tracing::Span,
     ) -> Response<BoxBody> {
         let idle = self.table.config.server.idle_stream_timeout;
-        let pool = ticket.pool().config.name.clone();
         if !self.span.is_disabled() {
             self.span.record("prefixlb.route", route.label().as_ref());
             self.span.record("prefixlb.node", ticket.node().id());
             self.span.record("prefixlb.attempts", attempts);
         }
-        let series = self.metrics.series(&pool, ticket.node().id());
+        let series = (self.metrics).series(&ticket.pool().config.name, ticket.node().id());
         series.count_decision(&route, ticket.distance());
         ticket.settle(now());
         let log = |status: StatusCode, ttft, ticket| RequestLog {
