@@ -357,7 +357,9 @@ impl Exchange<'_> {
             self.span.record("prefixlb.node", ticket.node().id());
             self.span.record("prefixlb.attempts", attempts);
         }
-        let series = (self.metrics).series(&ticket.pool().config.name, ticket.node().id());
+        let series = self
+            .metrics
+            .series(&ticket.pool().config.name, ticket.node().id());
         series.count_decision(&route, ticket.distance());
         ticket.settle(now());
         let log = |status: StatusCode, ttft, ticket| RequestLog {

@@ -245,7 +245,8 @@ impl Conn {
     /// Writes `req`: its head (encoded into [`Conn::head`]), then `body`.
     async fn write_request(&mut self, req: &Outgoing<'_>) -> io::Result<()> {
         self.head.clear();
-        (self.head).reserve(128 + req.target.len() + req.headers.written_len());
+        self.head
+            .reserve(128 + req.target.len() + req.headers.written_len());
         h1::encode_request(
             req.method,
             req.target,
