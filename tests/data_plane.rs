@@ -919,8 +919,9 @@ async fn a_queued_request_takes_a_node_that_comes_back_without_a_slot_freeing() 
 }
 
 /// `server.lanes`: the client port served by that many single-threaded runtimes, each
-/// its own thread with its own listener. Many streams at once all complete whole, the
-/// lanes' threads exist, every slot comes back, and SIGTERM lets an open stream finish.
+/// its own thread with its own listener. The lanes' threads exist, each counts its
+/// open connections, many streams at once all complete whole, every slot comes back,
+/// and SIGTERM lets an open stream finish.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lanes_serve_the_client_port_from_their_own_threads() {
     let engines = four_engines(&["--decode-ms-per-token", "5"]);
@@ -941,6 +942,33 @@ async fn lanes_serve_the_client_port_from_their_own_threads() {
     })
     .await;
     assert!(started, "{:?}", threads());
+    // Each lane counts its open connections: ten opened at once are all counted, on
+    // both lanes together, and the counts return to zero when they close.
+    let lane_open = |lane| client_connections(&lb, lane);
+    let open: Vec<_> = (0..10)
+        .map(|_| std::net::TcpStream::connect(lb.addr).unwrap())
+        .collect();
+    let counted = eventually(Duration::from_secs(5), || async {
+        lane_open(0).await + lane_open(1).await == 10.0
+    })
+    .await;
+    assert!(
+        counted,
+        "lanes hold {} and {}",
+        lane_open(0).await,
+        lane_open(1).await
+    );
+    drop(open);
+    let closed = eventually(Duration::from_secs(5), || async {
+        lane_open(0).await == 0.0 && lane_open(1).await == 0.0
+    })
+    .await;
+    assert!(
+        closed,
+        "lanes hold {} and {}",
+        lane_open(0).await,
+        lane_open(1).await
+    );
     let sends = (0..64).map(|i| {
         let url = lb.url("/v1/chat/completions");
         tokio::spawn(async move {

@@ -601,7 +601,10 @@ async fn connections_past_the_cap_wait_for_a_free_slot() {
         TcpStream::connect(lb.addr).await.unwrap(),
         TcpStream::connect(lb.addr).await.unwrap(),
     ];
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The two are counted as open (one shared runtime: lane 0); the waiting third is not.
+    let open = || client_connections(&lb, 0);
+    let counted = eventually(Duration::from_secs(5), || async { open().await == 2.0 }).await;
+    assert!(counted, "{} open connections counted", open().await);
     let url = lb.url("/v1/chat/completions");
     let waiting = tokio::spawn(async move {
         post_json(&url, &chat(&[("user", "let me in")], false, 1), &[]).await
@@ -617,6 +620,8 @@ async fn connections_past_the_cap_wait_for_a_free_slot() {
         .expect("served once a slot freed")
         .unwrap();
     assert_eq!(reply.status, 200);
+    let closed = eventually(Duration::from_secs(5), || async { open().await == 0.0 }).await;
+    assert!(closed, "{} open connections counted", open().await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

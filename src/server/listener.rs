@@ -21,9 +21,10 @@ use hyper::service::service_fn;
 use hyper::{Request, Response};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::graceful::{GracefulShutdown, Watcher};
+use prometheus::IntGauge;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Sleep;
 
 use super::h1::conn::{self, Ended, Stop};
@@ -103,19 +104,85 @@ pub async fn serve<H, F>(
     H: Fn(Request<RequestBody>, SocketAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<BoxBody>> + Send + 'static,
 {
-    let slots = Arc::new(Semaphore::new(limits.max_connections));
-    serve_with_slots(listener, handler, shutdown, grace, limits, slots).await;
+    let port = Port {
+        listener,
+        slots: Arc::new(Semaphore::new(limits.max_connections)),
+        open: None,
+    };
+    serve_port(port, handler, shutdown, grace, limits).await;
 }
 
-/// [`serve`], counting open connections in `slots` (shared by the listeners of one
-/// port's serving lanes, so `max_connections` holds for the port).
-pub async fn serve_with_slots<H, F>(
-    listener: TcpListener,
+/// A listener and what its connections count against.
+pub struct Port {
+    pub listener: TcpListener,
+    /// Slots under the port's `max_connections` (shared by a port's serving lanes).
+    pub slots: Arc<Semaphore>,
+    /// Counts its open connections, where they are counted.
+    pub open: Option<IntGauge>,
+}
+
+/// What an open client connection holds until it closes: its slot under the port's
+/// `max_connections` and, where connections are counted, its place in the count.
+struct Hold {
+    _slot: OwnedSemaphorePermit,
+    open: Option<IntGauge>,
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        if let Some(open) = &self.open {
+            open.dec();
+        }
+    }
+}
+
+impl Port {
+    /// Accepts one connection once a slot is free (until then new clients wait in the
+    /// kernel's backlog); `None` once `shutdown` resolves. Accept errors (typically
+    /// EMFILE) back off, doubling up to a second, instead of spinning.
+    async fn accept<S: Future<Output = ()>>(
+        &self,
+        shutdown: &mut Pin<&mut S>,
+    ) -> Option<(TcpStream, SocketAddr, Hold)> {
+        let slot = tokio::select! {
+            slot = self.slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
+            _ = shutdown.as_mut() => return None,
+        };
+        let mut backoff = Duration::from_millis(5);
+        loop {
+            tokio::select! {
+                accepted = self.listener.accept() => match accepted {
+                    Ok((stream, peer)) => {
+                        let _ = stream.set_nodelay(true);
+                        if let Some(open) = &self.open {
+                            open.inc();
+                        }
+                        let hold = Hold { _slot: slot, open: self.open.clone() };
+                        return Some((stream, peer, hold));
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed; backing off {backoff:?}");
+                        tokio::select! {
+                            _ = tokio::time::sleep(backoff) => {}
+                            _ = shutdown.as_mut() => return None,
+                        }
+                        backoff = (backoff * 2).min(Duration::from_secs(1));
+                    }
+                },
+                _ = shutdown.as_mut() => return None,
+            }
+        }
+    }
+}
+
+/// Serves `handler` on the connections of `port` until `shutdown` resolves, then
+/// waits up to `grace` for open connections (and their streams) to finish.
+pub async fn serve_port<H, F>(
+    port: Port,
     handler: H,
     shutdown: impl Future<Output = ()>,
     grace: Duration,
     limits: ConnLimits,
-    slots: Arc<Semaphore>,
 ) where
     H: Fn(Request<RequestBody>, SocketAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<BoxBody>> + Send + 'static,
@@ -126,34 +193,13 @@ pub async fn serve_with_slots<H, F>(
     // `closed()` resolves when the last has dropped its receiver.
     let (stop, stop_rx) = watch::channel(false);
     let mut shutdown = std::pin::pin!(shutdown);
-    let mut backoff = Duration::from_millis(5);
-    loop {
-        // At the connection cap, stop accepting: new clients wait in the backlog.
-        let slot = tokio::select! {
-            slot = slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
-            _ = &mut shutdown => break,
-        };
-        let (stream, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(conn) => conn,
-                Err(e) => {
-                    // Typically EMFILE: wait for descriptors to free instead of spinning.
-                    tracing::warn!(error = %e, "accept failed; backing off {backoff:?}");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(1));
-                    continue;
-                }
-            },
-            _ = &mut shutdown => break,
-        };
-        backoff = Duration::from_millis(5);
-        let _ = stream.set_nodelay(true);
+    while let Some((stream, peer, hold)) = port.accept(&mut shutdown).await {
         let handler = handler.clone();
         let stop = Stop::new(stop_rx.clone());
         let h2 = h2.clone();
         let watcher = graceful.watcher();
         tokio::spawn(async move {
-            let _slot = slot;
+            let _hold = hold;
             match conn::serve(stream, peer, &handler, &limits, stop).await {
                 Ended::Closed => {}
                 Ended::Http2(stream, read) => {
@@ -162,7 +208,7 @@ pub async fn serve_with_slots<H, F>(
             }
         });
     }
-    drop(listener);
+    drop(port);
     drop(stop_rx);
     let _ = stop.send(true);
     let drained = async { tokio::join!(graceful.shutdown(), stop.closed()) };

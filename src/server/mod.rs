@@ -1,6 +1,6 @@
 //! The process and control plane: the control plane's state and the table rebuilds
 //! ([`control`]), the HTTP listener and its limits ([`listener`]), `prefixlb serve`
-//! ([`serve`]) with its reload triggers ([`reload`]), the admin API ([`admin`]) with
+//! ([`serve`]) with its serving lanes ([`lanes`]) and reload triggers ([`reload`]), the admin API ([`admin`]) with
 //! its status page ([`status`]), and active health checks ([`health`]).
 
 pub mod admin;
@@ -8,6 +8,7 @@ pub mod control;
 pub mod h1;
 pub mod head_timer;
 pub mod health;
+pub mod lanes;
 pub mod listener;
 pub mod reload;
 pub mod serve;

@@ -87,12 +87,27 @@ pub async fn run_on(
             tracing::info!("shutting down: no new connections; in-flight requests have {grace:?}");
         }
     };
+    let open = control.metrics().client_connections.clone();
     if lanes > 0 {
-        serve_lanes(listener, proxy.clone(), lanes, stopping, grace, limits).await;
+        super::lanes::serve(
+            listener,
+            proxy.clone(),
+            lanes,
+            stopping,
+            grace,
+            limits,
+            open,
+        )
+        .await;
     } else {
         let handler_proxy = proxy.clone();
-        listener::serve(
+        let port = listener::Port {
             listener,
+            slots: std::sync::Arc::new(tokio::sync::Semaphore::new(limits.max_connections)),
+            open: Some(open.with_label_values(&["0"])),
+        };
+        listener::serve_port(
+            port,
             move |req, peer| handler_proxy.clone().handle(req, peer),
             stopping,
             grace,
@@ -108,87 +123,8 @@ pub async fn run_on(
     tracing::info!("stopped");
 }
 
-/// Serves the client port from `lanes` current-thread runtimes (`server.lanes`) until
-/// `shutdown`: each lane a thread with its own `SO_REUSEPORT` listener (the kernel
-/// spreads new connections over them) and its own engine connections, so a request is
-/// served start to end on one thread with no cross-thread wake-ups. The control plane
-/// (admin, health checks, reloads, Redis) stays on the shared runtime.
-async fn serve_lanes(
-    first: TcpListener,
-    proxy: std::sync::Arc<crate::proxy::Proxy>,
-    lanes: usize,
-    shutdown: impl Future<Output = ()>,
-    grace: std::time::Duration,
-    limits: listener::ConnLimits,
-) {
-    let addr = match first.local_addr() {
-        Ok(a) => a,
-        Err(e) => return tracing::error!(error = %e, "the client listener has no address"),
-    };
-    let mut sockets = Vec::with_capacity(lanes);
-    match first.into_std() {
-        Ok(s) => sockets.push(s),
-        Err(e) => return tracing::error!(error = %e, "cannot hand the client listener to a lane"),
-    }
-    for _ in 1..lanes {
-        match bind(addr, "listen", true).and_then(TcpListener::into_std) {
-            Ok(s) => sockets.push(s),
-            Err(e) => {
-                tracing::error!(error = %e, "a serving lane could not bind; serving with fewer")
-            }
-        }
-    }
-    // One connection cap for the port, whichever lane the kernel hands a client to.
-    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let mut threads = Vec::new();
-    for (lane, socket) in sockets.into_iter().enumerate() {
-        let proxy = proxy.clone();
-        let slots = slots.clone();
-        let mut stop = stop_rx.clone();
-        let spawned = std::thread::Builder::new()
-            .name(format!("prefixlb-lane-{lane}"))
-            .spawn(move || {
-                crate::proxy::set_lane(lane);
-                let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
-                    Ok(rt) => rt,
-                    Err(e) => return tracing::error!(lane, error = %e, "cannot start a serving lane"),
-                };
-                rt.block_on(async move {
-                    let listener = match TcpListener::from_std(socket) {
-                        Ok(l) => l,
-                        Err(e) => return tracing::error!(lane, error = %e, "cannot serve a lane's listener"),
-                    };
-                    listener::serve_with_slots(
-                        listener,
-                        move |req, peer| proxy.clone().handle(req, peer),
-                        async move {
-                            let _ = stop.wait_for(|s| *s).await;
-                        },
-                        grace,
-                        limits,
-                        slots,
-                    )
-                    .await;
-                });
-            });
-        match spawned {
-            Ok(t) => threads.push(t),
-            Err(e) => tracing::error!(lane, error = %e, "cannot start a serving lane's thread"),
-        }
-    }
-    shutdown.await;
-    let _ = stop_tx.send(true);
-    let _ = tokio::task::spawn_blocking(move || {
-        for t in threads {
-            let _ = t.join();
-        }
-    })
-    .await;
-}
-
 /// Binds a listener; with `reuse_port`, `SO_REUSEPORT` so serving lanes share the port.
-fn bind(addr: SocketAddr, key: &str, reuse_port: bool) -> std::io::Result<TcpListener> {
+pub(super) fn bind(addr: SocketAddr, key: &str, reuse_port: bool) -> std::io::Result<TcpListener> {
     let bound = (|| {
         let socket = match addr {
             SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,

@@ -50,6 +50,8 @@ pub struct Metrics {
     pub fleet: Arc<FleetMetrics>,
     /// The control plane's: config reloads, by result.
     pub config_reloads: IntCounterVec,
+    /// The client port's: open client connections, by serving lane.
+    pub client_connections: IntGaugeVec,
     /// Read from the routing snapshot at each scrape.
     snapshot: SnapshotGauges,
 }
@@ -202,11 +204,16 @@ impl Metrics {
             opts("config_reloads_total", "Config reloads, by result."),
             &["result"]
         ));
+        let client_connections = reg!(IntGaugeVec::new(
+            opts("client_connections", "Open client connections, by serving lane (`server.lanes`; lane 0 when the port is served by the shared runtime)."),
+            &["lane"]
+        ));
         Metrics {
             registry,
             requests: Arc::new(requests),
             fleet: Arc::new(fleet),
             config_reloads,
+            client_connections,
             snapshot,
         }
     }

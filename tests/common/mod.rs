@@ -279,6 +279,12 @@ pub async fn metric(url: &str, name: &str) -> f64 {
         .unwrap_or_else(|| panic!("no metric {name} in {page}"))
 }
 
+/// `prefixlb_client_connections` of one serving lane (lane 0: the shared runtime).
+pub async fn client_connections(lb: &Proc, lane: usize) -> f64 {
+    let name = format!("prefixlb_client_connections{{lane=\"{lane}\"}}");
+    metric(&lb.admin_url("/metrics"), &name).await
+}
+
 /// In-flight count per node id from `/admin/nodes`.
 pub async fn in_flight(lb: &Proc) -> Vec<(String, u64)> {
     let nodes = get_json(&lb.admin_url("/admin/nodes")).await;

@@ -1,0 +1,104 @@
+//! Serving lanes (`server.lanes`): the client port served by that many
+//! single-threaded runtimes, each a thread with its own `SO_REUSEPORT` listener (the
+//! kernel spreads new connections over them) and its own engine connections, so a
+//! request is served start to end on one thread with no cross-thread wake-ups. Each
+//! lane counts its open connections (`prefixlb_client_connections{lane}`). The control
+//! plane (admin, health checks, reloads, Redis) stays on the shared runtime.
+//!
+//! Handing each new connection to the lane with the fewest open, as HAProxy hands a
+//! connection to its least loaded thread, was tried and not kept: the lanes came out
+//! even, and 2-core throughput fell (docs/performance.md, "Balanced lanes").
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus::IntGaugeVec;
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+
+use super::listener::{self, ConnLimits};
+use crate::proxy::Proxy;
+
+/// Serves the client port from `lanes` lanes until `shutdown`, then lets each lane
+/// drain its connections for up to `grace`. `first` is the port's listener (bound
+/// with `SO_REUSEPORT`); `open` counts each lane's connections.
+pub async fn serve(
+    first: TcpListener,
+    proxy: Arc<Proxy>,
+    lanes: usize,
+    shutdown: impl Future<Output = ()>,
+    grace: Duration,
+    limits: ConnLimits,
+    open: IntGaugeVec,
+) {
+    let addr = match first.local_addr() {
+        Ok(a) => a,
+        Err(e) => return tracing::error!(error = %e, "the client listener has no address"),
+    };
+    let mut sockets = Vec::with_capacity(lanes);
+    match first.into_std() {
+        Ok(s) => sockets.push(s),
+        Err(e) => return tracing::error!(error = %e, "cannot hand the client listener to a lane"),
+    }
+    for _ in 1..lanes {
+        match super::serve::bind(addr, "listen", true).and_then(TcpListener::into_std) {
+            Ok(s) => sockets.push(s),
+            Err(e) => {
+                tracing::error!(error = %e, "a serving lane could not bind; serving with fewer")
+            }
+        }
+    }
+    // One connection cap for the port, whichever lane the kernel hands a client to.
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut threads = Vec::new();
+    for (lane, socket) in sockets.into_iter().enumerate() {
+        let proxy = proxy.clone();
+        let slots = slots.clone();
+        let open = open.with_label_values(&[&lane.to_string()]);
+        let mut stop = stop_rx.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("prefixlb-lane-{lane}"))
+            .spawn(move || {
+                crate::proxy::set_lane(lane);
+                let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                    Ok(rt) => rt,
+                    Err(e) => return tracing::error!(lane, error = %e, "cannot start a serving lane"),
+                };
+                rt.block_on(async move {
+                    let listener = match TcpListener::from_std(socket) {
+                        Ok(l) => l,
+                        Err(e) => return tracing::error!(lane, error = %e, "cannot serve a lane's listener"),
+                    };
+                    let port = listener::Port {
+                        listener,
+                        slots,
+                        open: Some(open),
+                    };
+                    listener::serve_port(
+                        port,
+                        move |req, peer| proxy.clone().handle(req, peer),
+                        async move {
+                            let _ = stop.wait_for(|s| *s).await;
+                        },
+                        grace,
+                        limits,
+                    )
+                    .await;
+                });
+            });
+        match spawned {
+            Ok(t) => threads.push(t),
+            Err(e) => tracing::error!(lane, error = %e, "cannot start a serving lane's thread"),
+        }
+    }
+    shutdown.await;
+    let _ = stop_tx.send(true);
+    let _ = tokio::task::spawn_blocking(move || {
+        for t in threads {
+            let _ = t.join();
+        }
+    })
+    .await;
+}
