@@ -6,8 +6,9 @@
 //! plane (admin, health checks, reloads, Redis) stays on the shared runtime.
 //!
 //! Handing each new connection to the lane with the fewest open, as HAProxy hands a
-//! connection to its least loaded thread, was tried and not kept: the lanes came out
-//! even, and 2-core throughput fell (docs/performance.md, "Balanced lanes").
+//! connection to its least loaded thread, was tried and not kept: the kernel's spread
+//! already left the lanes' work near even, and neither throughput nor p99 moved
+//! (docs/performance.md, "Balanced lanes").
 
 use std::future::Future;
 use std::sync::Arc;
