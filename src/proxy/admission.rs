@@ -36,12 +36,16 @@ pub(super) struct Asker {
     pub charge: Option<super::tenant::Charge>,
 }
 
+/// A node for the request: walked at `at` (the caller's reading of the clock), then,
+/// as the walk and `routing` say, waited for at its home or in the queue. Returns the
+/// choice, whether it waited for it, and how long.
 pub(super) async fn admit(
     placement: &Placement,
     routing: &RoutingConfig,
     tried: &[usize],
     metrics: &RequestMetrics,
     asker: &Asker,
+    at: std::time::Instant,
 ) -> Result<(Choice, bool, Duration), ProxyError> {
     let pool = &placement.pool().config.name;
     let name = || pool.clone();
@@ -60,7 +64,7 @@ pub(super) async fn admit(
     let walk = if placement.joins_queue(routing.when_saturated, failed) {
         Walk::Saturated
     } else {
-        placement.choose(tried, now())
+        placement.choose(tried, at)
     };
     let walk = match walk {
         Walk::Chosen(c) if c.distance > 0 && failed.is_empty() => {

@@ -136,12 +136,16 @@ impl Exchange<'_> {
         let mut failures: Vec<Failure> = Vec::new();
         let mut attempt = 0;
         while attempt < max_attempts {
+            // One reading of the clock for the walk, the ticket and the send, unless
+            // the request waited for its slot.
+            let mut at = Instant::now();
             let admitted = admission::admit(
                 &self.placement,
                 self.routing(),
                 &tried,
                 self.metrics,
                 &self.asker,
+                at.into_std(),
             )
             .await;
             let (choice, queued, waited) = match admitted {
@@ -161,6 +165,9 @@ impl Exchange<'_> {
                 Err(e) if failures.is_empty() => return Err(e),
                 Err(_) => break, // nothing left to fail over to
             };
+            if queued || !waited.is_zero() {
+                at = Instant::now();
+            }
             if !waited.is_zero() {
                 self.queue_wait += waited;
                 self.span
@@ -169,13 +176,16 @@ impl Exchange<'_> {
             attempt += 1;
             tried.push(choice.index);
             let route = route_of(&self.placement, queued, choice.distance, choice.shunted);
-            let ticket = self.placement.ticket(choice, now());
+            let ticket = self.placement.ticket(choice, at.into_std());
             let span = traces::attempt_span(&self.span, ticket.node().id(), attempt);
             if !span.is_disabled() {
                 span.record("prefixlb.route", route.label().as_ref());
             }
             traces::inject(&span, &mut self.headers.map);
-            let failure = match self.ask(ticket.pool(), ticket.node(), &body, &span).await {
+            let failure = match self
+                .ask(ticket.pool(), ticket.node(), &body, at, &span)
+                .await
+            {
                 Ok(answer) => return Ok(self.commit(ticket, route, attempt, answer, span)),
                 Err(f) => f,
             };
@@ -193,12 +203,14 @@ impl Exchange<'_> {
         Err(final_error(&failures))
     }
 
-    /// One attempt: sends the request to `node` and classifies what comes back.
+    /// One attempt: sends the request to `node` at `sent` and classifies what comes
+    /// back.
     async fn ask(
         &self,
         pool: &Pool,
         node: &Node,
         body: &Bytes,
+        sent: Instant,
         span: &tracing::Span,
     ) -> Result<Answer, Failure> {
         let bad_uri = |e: &dyn std::fmt::Display| {
@@ -227,7 +239,6 @@ impl Exchange<'_> {
             body,
         };
         let stream = self.placement.facts.stream;
-        let sent = Instant::now();
         // A stream has `first_token_timeout` for its head and first token together.
         let budget = if stream {
             pool.config.first_token_timeout
@@ -236,7 +247,7 @@ impl Exchange<'_> {
         };
         let resp = match self
             .upstream
-            .send(authority, req, Some(sent + budget))
+            .send(authority, req, sent, Some(sent + budget))
             .await
         {
             Err(UpstreamError::Timeout) => {
@@ -361,7 +372,8 @@ impl Exchange<'_> {
             .metrics
             .series(&ticket.pool().config.name, ticket.node().id());
         series.count_decision(&route, ticket.distance());
-        ticket.settle(now());
+        let committed_at = Instant::now();
+        ticket.settle(committed_at.into_std());
         let log = |status: StatusCode, ttft, ticket| RequestLog {
             series: series.clone(),
             route: route.clone(),
@@ -398,6 +410,7 @@ impl Exchange<'_> {
                     committed.rest,
                     log,
                     idle,
+                    committed_at,
                     self.strip_usage(),
                     self.placement.api.is_anthropic(),
                 );
@@ -411,7 +424,10 @@ impl Exchange<'_> {
                 label(&mut head, ticket.node(), &route, attempts);
                 let log = log(head.status, None, ticket);
                 let anthropic = self.placement.api.is_anthropic();
-                (head, RelayBody::plain(held, body, log, idle, anthropic))
+                (
+                    head,
+                    RelayBody::plain(held, body, log, idle, committed_at, anthropic),
+                )
             }
         };
         Response::from_parts(head, BoxBody::new(body))

@@ -120,11 +120,13 @@ pub fn check_identity_encoding(headers: &http::HeaderMap) -> Result<(), ProxyErr
     }
 }
 
-/// Reads a whole request body within `limits`, counting it in `claim`.
+/// Reads a whole request body within `limits` (its time counted from `started`, when
+/// the request's head came), counting it in `claim`.
 pub async fn read_body(
     body: RequestBody,
     headers: &http::HeaderMap,
     limits: BodyLimits,
+    started: tokio::time::Instant,
     claim: &mut BudgetClaim,
 ) -> Result<Bytes, ProxyError> {
     let declared = headers
@@ -143,7 +145,7 @@ pub async fn read_body(
         return Err(ProxyError::BufferFull);
     }
     let read = read_within(body, declared, limits, claim);
-    match tokio::time::timeout(limits.timeout, read).await {
+    match tokio::time::timeout_at(started + limits.timeout, read).await {
         Ok(result) => result,
         Err(_) => Err(ProxyError::BodyTimeout {
             after_ms: limits.timeout.as_millis(),

@@ -167,7 +167,7 @@ impl Proxy {
         };
         // Bounded by the caller's timeout.
         let resp = via
-            .send(authority, req, None)
+            .send(authority, req, Instant::now(), None)
             .await
             .map_err(|e| e.to_string())?;
         let status = resp.status();
@@ -181,7 +181,7 @@ impl Proxy {
                 bytes.extend_from_slice(&data);
             }
         }
-        body.release();
+        body.release(Instant::now());
         match status.is_success() {
             true => Ok(bytes.freeze()),
             false => Err(format!("HTTP {}", status.as_u16())),
@@ -280,7 +280,7 @@ impl Proxy {
         let (parts, body) = req.into_parts();
         // Held until this function returns: through the queue and every attempt.
         let mut claim = self.budget.claim();
-        let body = ingress::read_body(body, &parts.headers, limits, &mut claim).await?;
+        let body = ingress::read_body(body, &parts.headers, limits, started, &mut claim).await?;
         // Built in a block whose locals end before any `.await`: the request's future
         // (copied whole as it is made) then holds the exchange, not also the placement,
         // asker and header key it was built from.
@@ -292,7 +292,7 @@ impl Proxy {
             let placement = table.place(parts.uri.path(), header_key, &body, Mode::Route)?;
             *pool = Some(&table.pools[placement.own_pool()].config.name);
             traces::record_placement(span, &placement);
-            let asker = self.ask(table, key_name, &parts.headers, &placement)?;
+            let asker = self.ask(table, key_name, &parts.headers, &placement, started)?;
             traces::record_asker(span, &asker.tenant_label, &asker.class_name);
             let lane = LANE.with(std::cell::Cell::get) % self.upstreams.len();
             forward::Exchange {
@@ -320,13 +320,14 @@ impl Proxy {
 
 impl Proxy {
     /// Who the request is (its tenant and class), charged to its tenant's rate
-    /// limits (429 when over), and how it waits if it must.
+    /// limits (429 when over) as of `started`, and how it waits if it must.
     fn ask(
         &self,
         table: &Table,
         key_name: Option<&str>,
         headers: &http::HeaderMap,
         placement: &crate::routing::decision::Placement,
+        started: Instant,
     ) -> Result<admission::Asker, ProxyError> {
         let tenancy = &table.config.tenancy;
         let who = tenant::identify(tenancy, key_name, headers);
@@ -342,8 +343,7 @@ impl Proxy {
                     estimate: tokens,
                 });
             }
-            if let Err((limit, wait)) = self.limits.charge(&who, tokens, std::time::Instant::now())
-            {
+            if let Err((limit, wait)) = self.limits.charge(&who, tokens, started.into_std()) {
                 self.metrics.count_rate_limited(who.label(), limit.as_str());
                 return Err(ProxyError::RateLimited {
                     tenant: clip(&who.tenant),

@@ -60,8 +60,9 @@ pub struct RequestLog {
 }
 
 impl RequestLog {
-    fn complete(self, outcome: RequestOutcome, usage: &UsageScan) {
-        let duration = self.started.elapsed();
+    /// Counts, logs and finishes the request, which ended at `now`.
+    fn complete(self, outcome: RequestOutcome, usage: &UsageScan, now: Instant) {
+        let duration = now.saturating_duration_since(self.started);
         let (pool, index) = (self.ticket.pool().clone(), self.ticket.index());
         // The slot goes back first, then the pool learns from a request that succeeded.
         if outcome == RequestOutcome::Success && self.teaches {
@@ -70,7 +71,7 @@ impl RequestLog {
                 prompt_tokens: tokens(usage.prompt_tokens()),
                 cached_tokens: tokens(usage.cached_tokens()),
             };
-            self.ticket.finish(reported, self.ttft, now());
+            self.ticket.finish(reported, self.ttft, now.into_std());
         } else {
             drop(self.ticket);
         }
@@ -119,10 +120,11 @@ struct Idle {
 }
 
 impl Idle {
-    fn new(after: Duration) -> Self {
+    /// The limit of a body whose last frame came at `now`.
+    fn new(after: Duration, now: Instant) -> Self {
         Idle {
             after,
-            deadline: Instant::now() + after,
+            deadline: now + after,
             timer: None,
         }
     }
@@ -199,12 +201,13 @@ pub struct RelayBody {
 
 impl RelayBody {
     /// A body passed through as it is (`held`: its first bytes, read already), cut after
-    /// `idle` of silence.
+    /// `idle` of silence (from `now`, when it commits).
     pub fn plain(
         held: Bytes,
         body: EngineBody,
         log: RequestLog,
         idle: Duration,
+        now: Instant,
         anthropic: bool,
     ) -> Self {
         let mut usage = UsageScan::of(anthropic);
@@ -212,7 +215,7 @@ impl RelayBody {
         RelayBody {
             held: Some(held),
             inner: body,
-            idle: Idle::new(idle),
+            idle: Idle::new(idle, now),
             sse: None,
             log: Some(log),
             usage,
@@ -220,12 +223,14 @@ impl RelayBody {
         }
     }
 
-    /// A committed SSE stream: the complete events of `held` first, then the rest.
+    /// A committed SSE stream: the complete events of `held` first, then the rest, cut
+    /// after `idle` of silence (from `now`, when it commits).
     pub fn stream(
         held: Bytes,
         body: EngineBody,
         log: RequestLog,
         idle: Duration,
+        now: Instant,
         strip_usage: bool,
         anthropic: bool,
     ) -> Self {
@@ -240,7 +245,7 @@ impl RelayBody {
         RelayBody {
             held: Some(held),
             inner: body,
-            idle: Idle::new(idle),
+            idle: Idle::new(idle, now),
             sse: Some(sse),
             log: Some(log),
             usage,
@@ -250,9 +255,10 @@ impl RelayBody {
 
     fn end(&mut self, outcome: RequestOutcome) {
         self.ended = true;
-        self.inner.release();
+        let now = Instant::now();
+        self.inner.release(now);
         if let Some(log) = self.log.take() {
-            log.complete(outcome, &self.usage);
+            log.complete(outcome, &self.usage, now);
         }
     }
 
@@ -379,7 +385,7 @@ impl Drop for RelayBody {
     fn drop(&mut self) {
         // The client left before the end.
         if let Some(log) = self.log.take() {
-            log.complete(RequestOutcome::Cancelled, &self.usage);
+            log.complete(RequestOutcome::Cancelled, &self.usage, Instant::now());
         }
     }
 }

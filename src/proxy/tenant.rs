@@ -133,11 +133,13 @@ impl Bucket {
         }
     }
 
+    /// Refills for the time since the last refill. Requests charge as of their start,
+    /// which can come a little out of order: an earlier `now` adds nothing.
     fn refill(&mut self, per_minute: u64, now: Instant) {
         let rate = per_minute as f64 / 60.0;
         let secs = now.saturating_duration_since(self.at).as_secs_f64();
         self.level = (self.level + secs * rate).min(per_minute as f64);
-        self.at = now;
+        self.at = self.at.max(now);
     }
 
     /// How long until it is back to zero (nothing when it is not below).

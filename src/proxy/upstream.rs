@@ -379,11 +379,14 @@ impl Upstream {
     /// engine cannot have acted on part of a request).
     ///
     /// With a `deadline`, a response head that has not come by then is
-    /// [`UpstreamError::Timeout`] (connecting and writing count towards it).
+    /// [`UpstreamError::Timeout`] (connecting and writing count towards it). `now` is
+    /// the caller's reading of the clock as it sends (idle connections older than
+    /// [`Upstream`]'s keep-alive are not reused).
     pub async fn send(
         self: &Arc<Self>,
         authority: &Authority,
         req: Outgoing<'_>,
+        now: Instant,
         deadline: Option<Instant>,
     ) -> Result<Response<EngineBody>, UpstreamError> {
         let origin = Origin {
@@ -391,7 +394,7 @@ impl Upstream {
             tls: req.tls.is_some(),
         };
         let mut conn = loop {
-            let mut conn = match self.checkout(&origin) {
+            let mut conn = match self.checkout(&origin, now) {
                 Some(conn) => conn,
                 // Boxed: connecting (TLS included) is a large future and a rare one;
                 // inline, its size would be copied with every request's future.
@@ -443,12 +446,9 @@ impl Upstream {
         Response::from_parts(head.parts, body)
     }
 
-    fn put_back(&self, origin: Origin, mut conn: Conn) {
+    fn put_back(&self, origin: Origin, mut conn: Conn, now: Instant) {
         conn.reused = true;
-        let idle = Idle {
-            conn,
-            since: Instant::now(),
-        };
+        let idle = Idle { conn, since: now };
         self.idle.lock().entry(origin).or_default().push(idle);
     }
 
@@ -463,11 +463,10 @@ impl Upstream {
         });
     }
 
-    /// The newest usable idle connection; closed and expired ones are dropped.
-    fn checkout(&self, origin: &Origin) -> Option<Conn> {
+    /// The newest usable idle connection at `now`; closed and expired ones are dropped.
+    fn checkout(&self, origin: &Origin, now: Instant) -> Option<Conn> {
         let mut idle = self.idle.lock();
         let list = idle.get_mut(origin)?;
-        let now = Instant::now();
         // The oldest are at the front: drop the expired ones in one go.
         let fresh = list
             .iter()
@@ -565,13 +564,14 @@ pub struct EngineBody {
 
 impl EngineBody {
     /// Hands the connection back for the next request if the body was read to its
-    /// end and the engine keeps the connection open; otherwise it is closed.
-    pub fn release(&mut self) {
+    /// end and the engine keeps the connection open; otherwise it is closed. `now`:
+    /// the caller's reading of the clock (the connection is idle from then).
+    pub fn release(&mut self, now: Instant) {
         let done = matches!(self.decoding, Decoding::Done);
         if let (true, true, Some(conn), Some((upstream, origin))) =
             (done, self.reusable, self.conn.take(), self.home.take())
         {
-            upstream.put_back(origin, conn);
+            upstream.put_back(origin, conn, now);
         }
     }
 

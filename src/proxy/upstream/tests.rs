@@ -63,7 +63,8 @@ async fn send_by(
         body: &BODY,
         tls: None,
     };
-    up.send(authority, req, deadline).await
+    up.send(authority, req, tokio::time::Instant::now(), deadline)
+        .await
 }
 
 /// One request on `up`, its body read and the connection handed back.
@@ -73,7 +74,7 @@ async fn round_trip(up: &Arc<Upstream>, authority: &Authority) -> Bytes {
     while let Some(frame) = body.frame().await {
         data.extend_from_slice(&frame.unwrap().into_data().unwrap());
     }
-    body.release();
+    body.release(tokio::time::Instant::now());
     data.freeze()
 }
 
@@ -129,7 +130,7 @@ async fn a_body_cut_short_is_an_error_and_its_connection_closed() {
         err.to_string(),
         "connection closed before the body was complete"
     );
-    body.release();
+    body.release(tokio::time::Instant::now());
     assert_eq!(up.idle_count(), 0);
 }
 
@@ -279,7 +280,7 @@ async fn answered_by(up: &Arc<Upstream>, authority: &Authority, deadline: Instan
         .unwrap()
         .into_body();
     while body.frame().await.is_some() {}
-    body.release();
+    body.release(tokio::time::Instant::now());
     assert_eq!(up.idle_count(), 1, "one connection, reused");
 }
 
