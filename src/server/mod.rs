@@ -1,7 +1,8 @@
 //! The process and control plane: the control plane's state and the table rebuilds
 //! ([`control`]), the HTTP listener and its limits ([`listener`]), `prefixlb serve`
-//! ([`serve`]) with its serving lanes ([`lanes`]) and reload triggers ([`reload`]), the admin API ([`admin`]) with
-//! its status page ([`status`]), and active health checks ([`health`]).
+//! ([`serve`]) with its serving lanes ([`lanes`]) and reload triggers ([`reload`]),
+//! the admin API ([`admin`]) with its status page ([`status`]), and active health
+//! checks ([`health`]).
 
 pub mod admin;
 pub mod control;
