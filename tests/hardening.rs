@@ -614,6 +614,7 @@ async fn connections_past_the_cap_wait_for_a_free_slot() {
         !waiting.is_finished(),
         "a third connection was served at the cap"
     );
+    assert_eq!(open().await, 2.0, "the waiting third is not counted");
     drop(idle);
     let reply = tokio::time::timeout(Duration::from_secs(5), waiting)
         .await

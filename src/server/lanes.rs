@@ -5,8 +5,9 @@
 //! lane counts its open connections (`prefixlb_client_connections{lane}`). The control
 //! plane (admin, health checks, reloads, Redis) stays on the shared runtime.
 //!
-//! Handing each new connection to the lane with the fewest open, as HAProxy hands a
-//! connection to its least loaded thread, was tried and not kept: the kernel's spread
+//! Handing each new connection to the lane with the fewest open (as Envoy's optional
+//! connection balancing does; its default, like this, leaves the spread to the
+//! kernel) was tried and not kept: the kernel's spread
 //! already left the lanes' work near even, and neither throughput nor p99 moved
 //! (docs/performance.md, "Balanced lanes").
 

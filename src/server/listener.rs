@@ -104,11 +104,7 @@ pub async fn serve<H, F>(
     H: Fn(Request<RequestBody>, SocketAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<BoxBody>> + Send + 'static,
 {
-    let port = Port {
-        listener,
-        slots: Arc::new(Semaphore::new(limits.max_connections)),
-        open: None,
-    };
+    let port = Port::alone(listener, &limits, None);
     serve_port(port, handler, shutdown, grace, limits).await;
 }
 
@@ -137,6 +133,15 @@ impl Drop for Hold {
 }
 
 impl Port {
+    /// A port served by one accept loop: `max_connections` slots of its own.
+    pub fn alone(listener: TcpListener, limits: &ConnLimits, open: Option<IntGauge>) -> Port {
+        Port {
+            listener,
+            slots: Arc::new(Semaphore::new(limits.max_connections)),
+            open,
+        }
+    }
+
     /// Accepts one connection once a slot is free (until then new clients wait in the
     /// kernel's backlog); `None` once `shutdown` resolves. Accept errors (typically
     /// EMFILE) back off, doubling up to a second, instead of spinning.

@@ -101,11 +101,7 @@ pub async fn run_on(
         .await;
     } else {
         let handler_proxy = proxy.clone();
-        let port = listener::Port {
-            listener,
-            slots: std::sync::Arc::new(tokio::sync::Semaphore::new(limits.max_connections)),
-            open: Some(open.with_label_values(&["0"])),
-        };
+        let port = listener::Port::alone(listener, &limits, Some(open.with_label_values(&["0"])));
         listener::serve_port(
             port,
             move |req, peer| handler_proxy.clone().handle(req, peer),
