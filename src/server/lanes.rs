@@ -7,9 +7,9 @@
 //!
 //! Handing each new connection to the lane with the fewest open (as Envoy's optional
 //! connection balancing does; its default, like this, leaves the spread to the
-//! kernel) was tried and not kept: the kernel's spread
-//! already left the lanes' work near even, and neither throughput nor p99 moved
-//! (docs/performance.md, "Balanced lanes").
+//! kernel) was tried and not kept: the kernel's spread already left the lanes' work
+//! near even, and neither throughput nor p99 moved (docs/performance.md, "Balanced
+//! lanes").
 
 use std::future::Future;
 use std::sync::Arc;
