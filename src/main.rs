@@ -2,7 +2,7 @@
 //! `route` are the balancer's; `simulate`, `bench`, `demo` and `mock-engine` come with
 //! the `tools` feature (on by default).
 
-use std::io::Read;
+use std::io::{IsTerminal, Read};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -405,6 +405,10 @@ fn read_body(arg: &str) -> anyhow::Result<Vec<u8>> {
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
+        // A worker's log lines go out in one write when it runs out of work (blocking
+        // threads never unpark, so they write each line straight through).
+        .on_thread_unpark(prefixlb::telemetry::log_buffer::buffer_this_thread)
+        .on_thread_park(prefixlb::telemetry::log_buffer::flush_this_thread)
         .build()
         .context("starting the tokio runtime")
 }
@@ -428,7 +432,10 @@ fn init_logging(
                 .parse()
                 .context("the log filter")?,
         );
-    let log = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    // Escape codes only for a person at a terminal, never into a file or journald.
+    let log = tracing_subscriber::fmt::layer()
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(prefixlb::telemetry::log_buffer::Stderr);
     let log = match format {
         LogFormat::Text => log.boxed(),
         LogFormat::Json => log.json().boxed(),

@@ -1010,3 +1010,65 @@ async fn lanes_serve_the_client_port_from_their_own_threads() {
     assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
     assert_eq!(lb.wait_exit(Duration::from_secs(10)), Some(0));
 }
+
+/// The request log (one line per request at `info`): each serving thread gathers its
+/// lines and writes them when it runs out of work, so a balancer between requests has
+/// written every line so far; after a burst and SIGTERM the file holds every line; and
+/// a log that is not a terminal holds no colour codes. Both ways of serving: the shared runtime (the
+/// default) and two lanes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_lines_are_written_when_the_balancer_idles_and_at_exit() {
+    let engines = four_engines(&[]);
+    for lanes in [0, 2] {
+        let (mut lb, log) = balancer_logged(
+            &config(
+                &refs(&engines),
+                &format!("lanes = {lanes}"),
+                "max_in_flight = 64",
+            ),
+            "info",
+            &[],
+        );
+        let lines = || {
+            std::fs::read_to_string(&log)
+                .unwrap()
+                .lines()
+                .filter(|l| l.contains(" request ") && l.contains("outcome="))
+                .count()
+        };
+        let url = lb.url("/v1/chat/completions");
+        for i in 0..40 {
+            let body = chat(&[("user", &format!("one at a time {i}"))], i % 2 == 0, 4);
+            let reply = post_json(&url, &body, &[]).await;
+            assert_eq!(reply.status, 200, "{}", reply.text());
+        }
+        // Forty lines are far less than a batch: only going idle writes them.
+        let written = eventually(Duration::from_secs(5), || async { lines() == 40 }).await;
+        assert!(written, "lanes = {lanes}: {} of 40 request lines", lines());
+        let text = std::fs::read_to_string(&log).unwrap();
+        assert!(
+            !text.contains('\u{1b}'),
+            "lanes = {lanes}: colour codes in a log file: {text:?}"
+        );
+        // Many at once, then SIGTERM: every line is in the file after the exit.
+        let sends: Vec<_> = (0..60)
+            .map(|i| {
+                let url = url.clone();
+                tokio::spawn(async move {
+                    let body = chat(&[("user", &format!("all at once {i}"))], false, 4);
+                    post_json(&url, &body, &[]).await.status
+                })
+            })
+            .collect();
+        for send in sends {
+            assert_eq!(send.await.unwrap(), 200);
+        }
+        let pid = lb.pid().to_string();
+        std::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap();
+        assert_eq!(lb.wait_exit(Duration::from_secs(10)), Some(0));
+        assert_eq!(lines(), 100, "lanes = {lanes}: lines lost at exit");
+    }
+}

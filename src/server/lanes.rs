@@ -64,7 +64,13 @@ pub async fn serve(
             .name(format!("prefixlb-lane-{lane}"))
             .spawn(move || {
                 crate::proxy::set_lane(lane);
-                let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                // The lane's log lines go out in one write when it runs out of work.
+                crate::telemetry::log_buffer::buffer_this_thread();
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .on_thread_park(crate::telemetry::log_buffer::flush_this_thread)
+                    .build();
+                let rt = match rt {
                     Ok(rt) => rt,
                     Err(e) => return tracing::error!(lane, error = %e, "cannot start a serving lane"),
                 };

@@ -1,8 +1,11 @@
 //! What the balancer tells operators, below the data plane and the control plane that
 //! feed it: the Prometheus metrics ([`metrics`]: one registry, and the families each
 //! component updates, handed to it at construction), the vocabulary of a request's
-//! end in logs and labels ([`outcome`]), and OpenTelemetry traces ([`traces`]).
+//! end in logs and labels ([`outcome`]), the log's writer ([`log_buffer`]: each
+//! serving thread's lines gathered and written when it idles), and OpenTelemetry
+//! traces ([`traces`]).
 
+pub mod log_buffer;
 pub mod metrics;
 pub mod outcome;
 pub mod series;

@@ -1,0 +1,104 @@
+//! The log's writer: stderr, with each serving thread's lines gathered in a buffer of
+//! its own and written in one `write` when the thread runs out of work (its runtime
+//! parks it) or the buffer fills. At tens of thousands of requests a second the
+//! request line (one per request at `info`) otherwise costs a `write` each, with the
+//! threads taking turns on stderr's lock; gathered, it costs one write per batch, and
+//! a thread that idles between requests still writes each line as its request ends.
+//!
+//! Only threads that ask for it buffer ([`buffer_this_thread`], called as a runtime's
+//! worker wakes); every other thread (the main thread, blocking-pool threads) writes
+//! each line straight through. Order is kept within a thread; across threads a line
+//! may reach stderr up to one batch after a line stamped later (each line carries its
+//! own time). A thread's buffer is written out when the thread ends, unwinding
+//! included.
+
+use std::cell::RefCell;
+use std::io::{self, Write};
+
+use tracing_subscriber::fmt::MakeWriter;
+
+/// Bytes gathered before a busy thread writes them out (about 80 request lines).
+const BATCH: usize = 16 * 1024;
+
+/// One thread's gathered lines; written out when dropped (the thread ends).
+struct Batch(Vec<u8>);
+
+impl Drop for Batch {
+    fn drop(&mut self) {
+        write_out(&mut self.0);
+    }
+}
+
+thread_local! {
+    static BATCH_OF_THREAD: RefCell<Option<Batch>> = const { RefCell::new(None) };
+}
+
+fn write_out(lines: &mut Vec<u8>) {
+    if !lines.is_empty() {
+        // A log that cannot be written has nowhere to report it.
+        let _ = io::stderr().lock().write_all(lines);
+        lines.clear();
+    }
+}
+
+/// From now on this thread's log lines are gathered until [`flush_this_thread`] (or
+/// a full batch). Cheap to call again.
+pub fn buffer_this_thread() {
+    let _ = BATCH_OF_THREAD.try_with(|b| {
+        let mut b = b.borrow_mut();
+        if b.is_none() {
+            *b = Some(Batch(Vec::with_capacity(BATCH)));
+        }
+    });
+}
+
+/// Writes out this thread's gathered lines, if any.
+pub fn flush_this_thread() {
+    let _ = BATCH_OF_THREAD.try_with(|b| {
+        if let Some(batch) = b.borrow_mut().as_mut() {
+            write_out(&mut batch.0);
+        }
+    });
+}
+
+/// The `tracing_subscriber` writer of the log: stderr, through this thread's batch if
+/// it has one.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Stderr;
+
+impl<'a> MakeWriter<'a> for Stderr {
+    type Writer = Line;
+
+    fn make_writer(&'a self) -> Line {
+        Line
+    }
+}
+
+/// One log line on its way out (`tracing_subscriber` writes a line in one call).
+#[derive(Debug)]
+pub struct Line;
+
+impl Write for Line {
+    fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        let gathered = BATCH_OF_THREAD
+            .try_with(|b| match b.borrow_mut().as_mut() {
+                Some(batch) => {
+                    batch.0.extend_from_slice(data);
+                    if batch.0.len() >= BATCH {
+                        write_out(&mut batch.0);
+                    }
+                    true
+                }
+                None => false,
+            })
+            .unwrap_or(false);
+        if !gathered {
+            io::stderr().lock().write_all(data)?;
+        }
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
