@@ -11,6 +11,8 @@
 #   BODIES="1k 18k" scripts/instructions_per_request.sh
 #   PROXIES=prefixlb TOP=30 scripts/instructions_per_request.sh   # and prefixlb's 30 costliest functions
 #   B=path/to/prefixlb PROXIES=prefixlb scripts/instructions_per_request.sh   # another build
+#   LOG=info PROXIES=prefixlb scripts/instructions_per_request.sh   # with the request line
+#     (prefixlb's default level; the log goes to a file; the default here is warn)
 # PROXIES: any of prefixlb (LANES=2 by default, as load_vs_haproxy.sh's runs), haproxy
 # (2.6, the configuration of load_vs_haproxy.sh) and bare (examples/bare_proxy.rs:
 # hyper's server and client with nothing of prefixlb's between them).
@@ -24,6 +26,7 @@ PROXIES=${PROXIES:-prefixlb haproxy bare}
 N1=${N1:-300}
 N2=${N2:-1300}
 TOP=${TOP:-0}
+LOG=${LOG:-warn}
 WORK=${WORK:-target/instructions}
 mkdir -p "$WORK"
 # shellcheck source=scripts/lib/proxies.sh
@@ -72,7 +75,7 @@ profile() { # proxy port body n
     esac
     local port=$2 body=$3 n=$4
     shift 4
-    RUST_LOG=warn valgrind --tool=callgrind --callgrind-out-file="$out" "$@" >"$out.log" 2>&1 &
+    RUST_LOG=$LOG valgrind --tool=callgrind --callgrind-out-file="$out" "$@" >"$out.log" 2>&1 &
     pid=$!
     # Ready once a request goes through.
     for _ in $(seq 1 300); do
