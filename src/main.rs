@@ -432,12 +432,17 @@ fn init_logging(
                 .parse()
                 .context("the log filter")?,
         );
-    // Escape codes only for a person at a terminal, never into a file or journald.
+    // Colour only for a person at a terminal, never into a file or journald; without
+    // it, fields are written by the cheaper `PlainFields` (the same text).
+    let terminal = std::io::stderr().is_terminal();
     let log = tracing_subscriber::fmt::layer()
-        .with_ansi(std::io::stderr().is_terminal())
+        .with_ansi(terminal)
         .with_writer(prefixlb::telemetry::log_buffer::Stderr);
     let log = match format {
-        LogFormat::Text => log.boxed(),
+        LogFormat::Text if terminal => log.boxed(),
+        LogFormat::Text => log
+            .fmt_fields(prefixlb::telemetry::log_fields::PlainFields)
+            .boxed(),
         LogFormat::Json => log.json().boxed(),
     };
     let (spans, exporter) = match traces {

@@ -2,10 +2,12 @@
 //! feed it: the Prometheus metrics ([`metrics`]: one registry, and the families each
 //! component updates, handed to it at construction), the vocabulary of a request's
 //! end in logs and labels ([`outcome`]), the log's writer ([`log_buffer`]: each
-//! serving thread's lines gathered and written when it idles), and OpenTelemetry
-//! traces ([`traces`]).
+//! serving thread's lines gathered and written when it idles; [`log_fields`]: their
+//! fields written without `core::fmt` where it can), and OpenTelemetry traces
+//! ([`traces`]).
 
 pub mod log_buffer;
+pub mod log_fields;
 pub mod metrics;
 pub mod outcome;
 pub mod series;
