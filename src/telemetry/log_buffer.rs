@@ -1,6 +1,8 @@
 //! The log's writer: stderr, with each serving thread's lines gathered in a buffer of
 //! its own and written in one `write` when the thread runs out of work (its runtime
-//! parks it) or the buffer fills. At tens of thousands of requests a second the
+//! parks it), when the buffer fills, or with the first line a second after the
+//! oldest one gathered (a thread busy for long never sits on its lines for more than
+//! that while it logs). At tens of thousands of requests a second the
 //! request line (one per request at `info`) otherwise costs a `write` each, with the
 //! threads taking turns on stderr's lock; gathered, it costs one write per batch, and
 //! a thread that idles between requests still writes each line as its request ends.
@@ -14,19 +16,49 @@
 
 use std::cell::RefCell;
 use std::io::{self, Write};
+use std::time::{Duration, Instant};
 
 use tracing_subscriber::fmt::MakeWriter;
 
 /// Bytes gathered before a busy thread writes them out (about 80 request lines).
 const BATCH: usize = 16 * 1024;
 
-/// One thread's gathered lines; written out when dropped (the thread ends).
-struct Batch(Vec<u8>);
+/// The longest a gathered line waits for a busy thread's next line to take it out.
+const HOLD: Duration = Duration::from_secs(1);
+
+/// One thread's gathered lines and when the oldest was gathered; written out when
+/// dropped (the thread ends).
+struct Batch {
+    lines: Vec<u8>,
+    since: Option<Instant>,
+}
+
+impl Batch {
+    /// Adds a line; writes the batch out when [`due`] says so.
+    fn gather(&mut self, line: &[u8]) {
+        let now = Instant::now();
+        let since = *self.since.get_or_insert(now);
+        self.lines.extend_from_slice(line);
+        if due(self.lines.len(), since, now) {
+            self.write_out();
+        }
+    }
+
+    fn write_out(&mut self) {
+        write_out(&mut self.lines);
+        self.since = None;
+    }
+}
 
 impl Drop for Batch {
     fn drop(&mut self) {
-        write_out(&mut self.0);
+        self.write_out();
     }
+}
+
+/// Whether a batch of `len` bytes, the oldest gathered at `since`, goes out `now`.
+fn due(len: usize, since: Instant, now: Instant) -> bool {
+    len >= BATCH || now.saturating_duration_since(since) >= HOLD
 }
 
 thread_local! {
@@ -47,7 +79,10 @@ pub fn buffer_this_thread() {
     let _ = BATCH_OF_THREAD.try_with(|b| {
         let mut b = b.borrow_mut();
         if b.is_none() {
-            *b = Some(Batch(Vec::with_capacity(BATCH)));
+            *b = Some(Batch {
+                lines: Vec::with_capacity(BATCH),
+                since: None,
+            });
         }
     });
 }
@@ -56,7 +91,7 @@ pub fn buffer_this_thread() {
 pub fn flush_this_thread() {
     let _ = BATCH_OF_THREAD.try_with(|b| {
         if let Some(batch) = b.borrow_mut().as_mut() {
-            write_out(&mut batch.0);
+            batch.write_out();
         }
     });
 }
@@ -83,10 +118,7 @@ impl Write for Line {
         let gathered = BATCH_OF_THREAD
             .try_with(|b| match b.borrow_mut().as_mut() {
                 Some(batch) => {
-                    batch.0.extend_from_slice(data);
-                    if batch.0.len() >= BATCH {
-                        write_out(&mut batch.0);
-                    }
+                    batch.gather(data);
                     true
                 }
                 None => false,
@@ -100,5 +132,21 @@ impl Write for Line {
 
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_goes_out_when_full_or_a_second_old() {
+        let t0 = Instant::now();
+        assert!(!due(100, t0, t0));
+        assert!(!due(BATCH - 1, t0, t0 + Duration::from_millis(999)));
+        assert!(due(BATCH, t0, t0));
+        assert!(due(1, t0, t0 + HOLD));
+        // A clock read before the batch's start (another core's) is not old.
+        assert!(!due(1, t0 + HOLD, t0));
     }
 }
