@@ -12,14 +12,15 @@
 //! control plane) and [`fleet`] (membership from Redis heartbeats), [`proxy`] (the data
 //! plane), [`telemetry`] (metrics and outcome labels), [`routing`] (the core: no I/O),
 //! [`config`] (the TOML file, validated); with the `tools` feature, [`tools`]
-//! (simulator, load generator, demo, engine emulator) above them all. [`clip`] and
-//! [`name_hash`] are leaves any layer may use.
+//! (simulator, load generator, demo, engine emulator) above them all. [`clip`],
+//! [`decimal`] and [`name_hash`] are leaves any layer may use.
 
 #![forbid(unsafe_code)]
 #![deny(rust_2018_idioms)]
 
 pub mod clip;
 pub mod config;
+pub mod decimal;
 pub mod fleet;
 pub mod name_hash;
 pub mod proxy;

@@ -99,20 +99,10 @@ pub fn encode_request(
     out.extend_from_slice(b"\r\n");
 }
 
-/// Writes `n` in decimal: a tenth of the formatter's instructions, on every request
-/// (a request head to an engine, a response head to a client).
-pub(crate) fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
-    let mut digits = [0u8; 20];
-    let mut at = digits.len();
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    out.extend_from_slice(&digits[at..]);
+/// Writes `n` in decimal, on every request (a request head to an engine, a response
+/// head to a client).
+pub(crate) fn push_decimal(out: &mut Vec<u8>, n: u64) {
+    out.extend_from_slice(crate::decimal::digits(n, &mut [0; 20]).as_bytes());
 }
 
 /// How the body after a response head is delimited: an engine's response read here,

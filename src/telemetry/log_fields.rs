@@ -56,23 +56,13 @@ impl PlainVisitor<'_> {
     }
 
     /// A decimal number.
-    fn number(&mut self, field: &Field, negative: bool, mut n: u64) {
-        let mut digits = [0u8; 20];
-        let mut at = digits.len();
-        loop {
-            at -= 1;
-            digits[at] = b'0' + (n % 10) as u8;
-            n /= 10;
-            if n == 0 {
-                break;
-            }
-        }
-        let text = std::str::from_utf8(&digits[at..]).unwrap_or("?");
+    fn number(&mut self, field: &Field, negative: bool, n: u64) {
         self.result = self.start(field).and_then(|()| {
             if negative {
                 self.writer.write_char('-')?;
             }
-            self.writer.write_str(text)
+            self.writer
+                .write_str(crate::decimal::digits(n, &mut [0; 20]))
         });
     }
 
