@@ -443,7 +443,10 @@ fn init_logging(
         LogFormat::Text => log
             .fmt_fields(prefixlb::telemetry::log_fields::PlainFields)
             .boxed(),
-        LogFormat::Json => log.json().boxed(),
+        LogFormat::Json => log
+            .json()
+            .event_format(prefixlb::telemetry::log_json::JsonLines::default())
+            .boxed(),
     };
     let (spans, exporter) = match traces {
         Some(config) => {

@@ -1013,14 +1013,14 @@ async fn lanes_serve_the_client_port_from_their_own_threads() {
 
 /// The request log (one line per request at `info`): each serving thread gathers its
 /// lines and writes them when it runs out of work, so a balancer between requests has
-/// written every line so far; after a burst and SIGTERM the file holds every line; and
-/// a log that is not a terminal holds no colour codes. Both ways of serving: the shared runtime (the
-/// default) and two lanes.
+/// written every line so far; after a burst and SIGTERM the file holds every line; a
+/// log that is not a terminal holds no colour codes; and JSON lines parse. Both ways
+/// of serving (the shared runtime, the default, and two lanes), and both formats.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_lines_are_written_when_the_balancer_idles_and_at_exit() {
     let engines = four_engines(&[]);
-    for lanes in [0, 2] {
-        let (mut lb, log) = balancer_logged(
+    for (lanes, format) in [(0, "text"), (2, "text"), (0, "json")] {
+        let (mut lb, log) = balancer_logged_as(
             &config(
                 &refs(&engines),
                 &format!("lanes = {lanes}"),
@@ -1028,12 +1028,21 @@ async fn request_lines_are_written_when_the_balancer_idles_and_at_exit() {
             ),
             "info",
             &[],
+            format,
         );
+        let is_request_line = |line: &str| match format {
+            "json" => {
+                let v: Value = serde_json::from_str(line)
+                    .unwrap_or_else(|e| panic!("not a JSON line ({e}): {line}"));
+                v["fields"]["message"] == "request" && v["fields"]["outcome"] == "success"
+            }
+            _ => line.contains(" request ") && line.contains("outcome="),
+        };
         let lines = || {
             std::fs::read_to_string(&log)
                 .unwrap()
                 .lines()
-                .filter(|l| l.contains(" request ") && l.contains("outcome="))
+                .filter(|l| is_request_line(l))
                 .count()
         };
         let url = lb.url("/v1/chat/completions");
@@ -1044,11 +1053,15 @@ async fn request_lines_are_written_when_the_balancer_idles_and_at_exit() {
         }
         // Forty lines are far less than a batch: only going idle writes them.
         let written = eventually(Duration::from_secs(5), || async { lines() == 40 }).await;
-        assert!(written, "lanes = {lanes}: {} of 40 request lines", lines());
+        assert!(
+            written,
+            "lanes = {lanes}, {format}: {} of 40 request lines",
+            lines()
+        );
         let text = std::fs::read_to_string(&log).unwrap();
         assert!(
             !text.contains('\u{1b}'),
-            "lanes = {lanes}: colour codes in a log file: {text:?}"
+            "lanes = {lanes}, {format}: colour codes in a log file: {text:?}"
         );
         // Many at once, then SIGTERM: every line is in the file after the exit.
         let sends: Vec<_> = (0..60)
@@ -1069,6 +1082,10 @@ async fn request_lines_are_written_when_the_balancer_idles_and_at_exit() {
             .status()
             .unwrap();
         assert_eq!(lb.wait_exit(Duration::from_secs(10)), Some(0));
-        assert_eq!(lines(), 100, "lanes = {lanes}: lines lost at exit");
+        assert_eq!(
+            lines(),
+            100,
+            "lanes = {lanes}, {format}: lines lost at exit"
+        );
     }
 }

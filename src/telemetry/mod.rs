@@ -3,11 +3,12 @@
 //! component updates, handed to it at construction), the vocabulary of a request's
 //! end in logs and labels ([`outcome`]), the log's writer ([`log_buffer`]: each
 //! serving thread's lines gathered and written when it idles; [`log_fields`]: their
-//! fields written without `core::fmt` where it can), and OpenTelemetry traces
-//! ([`traces`]).
+//! fields written without `core::fmt` where it can; [`log_json`]: JSON lines written
+//! directly), and OpenTelemetry traces ([`traces`]).
 
 pub mod log_buffer;
 pub mod log_fields;
+pub mod log_json;
 pub mod metrics;
 pub mod outcome;
 pub mod series;

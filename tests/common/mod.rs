@@ -173,11 +173,27 @@ pub fn balancer_from_file(path: &std::path::Path) -> Proc {
 /// Starts `prefixlb serve` with its log (`RUST_LOG` = `log`) written to a file, and
 /// extra environment variables; returns the process and the log's path.
 pub fn balancer_logged(config_text: &str, log: &str, env: &[(&str, &str)]) -> (Proc, PathBuf) {
+    balancer_logged_as(config_text, log, env, "text")
+}
+
+/// As [`balancer_logged`], with `--log-format` `format`.
+pub fn balancer_logged_as(
+    config_text: &str,
+    log: &str,
+    env: &[(&str, &str)],
+    format: &str,
+) -> (Proc, PathBuf) {
     let config = write_config(config_text);
     let log_path = config.with_extension("log");
     let file = std::fs::File::create(&log_path).unwrap();
     let lb = spawn_with(
-        &["serve", "--config", config.to_str().unwrap()],
+        &[
+            "serve",
+            "--config",
+            config.to_str().unwrap(),
+            "--log-format",
+            format,
+        ],
         log,
         Stdio::from(file),
         env,
