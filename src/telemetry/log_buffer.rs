@@ -1,11 +1,11 @@
 //! The log's writer: stderr, with each serving thread's lines gathered in a buffer of
 //! its own and written in one `write` when the thread runs out of work (its runtime
-//! parks it), when the buffer fills, or with the first line a second after the
-//! oldest one gathered (a thread busy for long never sits on its lines for more than
-//! that while it logs). At tens of thousands of requests a second the
-//! request line (one per request at `info`) otherwise costs a `write` each, with the
-//! threads taking turns on stderr's lock; gathered, it costs one write per batch, and
-//! a thread that idles between requests still writes each line as its request ends.
+//! parks it), when the buffer fills, or with the first line a second after the oldest
+//! one gathered (so a thread busy for long does not sit on its lines while it logs).
+//! At tens of thousands of requests a second the request line (one per request at
+//! `info`) otherwise costs a `write` each, with the threads taking turns on stderr's
+//! lock; gathered, it costs one write per batch, and a thread that idles between
+//! requests still writes each line as its request ends.
 //!
 //! Only threads that ask for it buffer ([`buffer_this_thread`], called as a runtime's
 //! worker wakes); every other thread (the main thread, blocking-pool threads) writes

@@ -44,6 +44,13 @@ fn is_plain(text: &str) -> bool {
 }
 
 impl PlainVisitor<'_> {
+    /// Whether `field` is written: not after an error, and not the `log.` fields of an
+    /// event relayed from the `log` crate (its metadata, which the line's head shows),
+    /// which the default visitor leaves out too.
+    fn writes(&self, field: &Field) -> bool {
+        self.result.is_ok() && !field.name().starts_with("log.")
+    }
+
     /// The separating space and `name=`.
     fn start(&mut self, field: &Field) -> fmt::Result {
         if !std::mem::take(&mut self.first) {
@@ -77,7 +84,7 @@ impl PlainVisitor<'_> {
 
 impl Visit for PlainVisitor<'_> {
     fn record_str(&mut self, field: &Field, value: &str) {
-        if self.result.is_err() {
+        if !self.writes(field) {
             return;
         }
         if !is_plain(value) {
@@ -101,19 +108,19 @@ impl Visit for PlainVisitor<'_> {
     }
 
     fn record_u64(&mut self, field: &Field, value: u64) {
-        if self.result.is_ok() {
+        if self.writes(field) {
             self.number(field, false, value);
         }
     }
 
     fn record_i64(&mut self, field: &Field, value: i64) {
-        if self.result.is_ok() {
+        if self.writes(field) {
             self.number(field, value < 0, value.unsigned_abs());
         }
     }
 
     fn record_bool(&mut self, field: &Field, value: bool) {
-        if self.result.is_ok() {
+        if self.writes(field) {
             self.result = self
                 .start(field)
                 .and_then(|()| self.writer.write_str(if value { "true" } else { "false" }));
@@ -121,13 +128,13 @@ impl Visit for PlainVisitor<'_> {
     }
 
     fn record_error(&mut self, field: &Field, value: &(dyn std::error::Error + 'static)) {
-        if self.result.is_ok() {
+        if self.writes(field) {
             self.by_default(|d| d.record_error(field, value));
         }
     }
 
     fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
-        if self.result.is_ok() {
+        if self.writes(field) {
             self.by_default(|d| d.record_debug(field, value));
         }
     }
@@ -203,11 +210,18 @@ mod tests {
                 debug = ?vec![1, 2],
                 "a message with \"quotes\" and \u{1b}[2m escapes"
             );
+            tracing::info!(
+                log.target = "redis::cmd",
+                log.module_path = "redis::cmd",
+                log.line = 12u64,
+                "relayed from the log crate"
+            );
+            tracing::info!(log.file = "x.rs", kept = 3u64);
             tracing::info!(first = 1u64, "message after a field");
             tracing::info!(only = "fields");
         });
         let seen = seen.lock();
-        assert_eq!(seen.len(), 4);
+        assert_eq!(seen.len(), 6);
         for (ours, theirs) in seen.iter() {
             assert_eq!(ours, theirs);
         }
