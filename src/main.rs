@@ -437,6 +437,7 @@ fn init_logging(
     let terminal = std::io::stderr().is_terminal();
     let log = tracing_subscriber::fmt::layer()
         .with_ansi(terminal)
+        .with_timer(prefixlb::telemetry::log_time::SecondsKept)
         .with_writer(prefixlb::telemetry::log_buffer::Stderr);
     let log = match format {
         LogFormat::Text if terminal => log.boxed(),

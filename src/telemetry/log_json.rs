@@ -3,16 +3,16 @@
 //! directly instead of through `serde_json`'s serializer over a `fmt::Write` adaptor,
 //! which at `info` (a line per request) cost more than the rest of a small request's
 //! log. Plain strings, integers and booleans are copied in; escaped strings and
-//! floats are written by `serde_json`. An event inside a span, or one relayed from
-//! the `log` crate, is handed to the stock format whole, since only it knows how to
-//! write those.
+//! floats are written by `serde_json`; the timestamp by [`super::log_time`]. An event
+//! inside a span, or one relayed from the `log` crate, is handed to the stock format
+//! whole, since only it knows how to write those.
 
 use std::fmt;
 
 use tracing::field::{Field, Visit};
 use tracing::{Event, Subscriber};
 use tracing_subscriber::fmt::format::{Format, Json, Writer};
-use tracing_subscriber::fmt::time::{FormatTime, SystemTime};
+use tracing_subscriber::fmt::time::FormatTime;
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
 use tracing_subscriber::registry::LookupSpan;
 
@@ -46,7 +46,7 @@ where
             return self.stock.format_event(ctx, writer, event);
         }
         writer.write_str("{\"timestamp\":\"")?;
-        SystemTime.format_time(&mut writer)?;
+        super::log_time::SecondsKept.format_time(&mut writer)?;
         writer.write_str("\",\"level\":\"")?;
         writer.write_str(meta.level().as_str())?;
         writer.write_str("\",\"fields\":{")?;

@@ -4,11 +4,13 @@
 //! end in logs and labels ([`outcome`]), the log's writer ([`log_buffer`]: each
 //! serving thread's lines gathered and written when it idles; [`log_fields`]: their
 //! fields written without `core::fmt` where it can; [`log_json`]: JSON lines written
-//! directly), and OpenTelemetry traces ([`traces`]).
+//! directly; [`log_time`]: their timestamps, the second kept per thread), and
+//! OpenTelemetry traces ([`traces`]).
 
 pub mod log_buffer;
 pub mod log_fields;
 pub mod log_json;
+pub mod log_time;
 pub mod metrics;
 pub mod outcome;
 pub mod series;
