@@ -178,50 +178,16 @@ mod tests {
         }
     }
 
-    /// Every kind of field the balancer logs, and the awkward ones, come out as the
-    /// default formatter (without colour) writes them.
+    /// The sample events (every kind of field the balancer logs, and awkward ones)
+    /// come out as the default formatter (without colour) writes them.
     #[test]
     fn fields_read_as_the_default_formatter_writes_them() {
         use tracing_subscriber::layer::SubscriberExt;
         let seen = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
         let subscriber = tracing_subscriber::registry().with(Both(seen.clone()));
-        let error = std::io::Error::other("engine gone");
-        tracing::subscriber::with_default(subscriber, || {
-            tracing::info!(
-                pool = "mock",
-                node = "n0",
-                route = %"spill:2",
-                attempts = 1u32,
-                status = 200u16,
-                ttft_ms = Some(4u64),
-                cached = None::<u64>,
-                duration_ms = u64::MAX,
-                delta = -42i64,
-                least = i64::MIN,
-                zero = 0u64,
-                ok = true,
-                "request"
-            );
-            tracing::warn!(
-                text = "a \"quoted\" word\\ and a tab\t, é, \u{1b}[31m",
-                empty = "",
-                r#type = "raw name",
-                error = &error as &(dyn std::error::Error + 'static),
-                debug = ?vec![1, 2],
-                "a message with \"quotes\" and \u{1b}[2m escapes"
-            );
-            tracing::info!(
-                log.target = "redis::cmd",
-                log.module_path = "redis::cmd",
-                log.line = 12u64,
-                "relayed from the log crate"
-            );
-            tracing::info!(log.file = "x.rs", kept = 3u64);
-            tracing::info!(first = 1u64, "message after a field");
-            tracing::info!(only = "fields");
-        });
+        tracing::subscriber::with_default(subscriber, super::super::log_samples::emit);
         let seen = seen.lock();
-        assert_eq!(seen.len(), 6);
+        assert_eq!(seen.len(), super::super::log_samples::EVENTS);
         for (ours, theirs) in seen.iter() {
             assert_eq!(ours, theirs);
         }

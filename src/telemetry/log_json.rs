@@ -183,8 +183,9 @@ mod tests {
         }
     }
 
-    /// Every kind of field the balancer logs, and the awkward ones, come out as the
-    /// stock JSON format writes them, in the same order, byte for byte.
+    /// The sample events (every kind of field the balancer logs, and awkward ones)
+    /// come out as the stock JSON format writes them, in the same order, byte for
+    /// byte.
     #[test]
     fn lines_read_as_the_stock_json_format_writes_them() {
         use tracing_subscriber::layer::SubscriberExt;
@@ -201,41 +202,9 @@ mod tests {
                     .json()
                     .with_writer(stock.clone()),
             );
-        let error = std::io::Error::other("engine \"gone\"");
-        tracing::subscriber::with_default(subscriber, || {
-            tracing::info!(
-                pool = "mock",
-                node = "n0",
-                route = %"spill:2",
-                attempts = 1u32,
-                status = 200u16,
-                ttft_ms = Some(4u64),
-                cached = None::<u64>,
-                duration_ms = u64::MAX,
-                delta = -42i64,
-                least = i64::MIN,
-                ok = false,
-                "request"
-            );
-            tracing::warn!(
-                text = "a \"quoted\" word\\ and a tab\t, é, \u{1b}[31m, \u{7f}",
-                empty = "",
-                r#type = "raw name",
-                error = &error as &(dyn std::error::Error + 'static),
-                debug = ?vec!["a", "b"],
-                ratio = 0.25f64,
-                huge = 1e300f64,
-                nan = f64::NAN,
-                wide = u128::MAX,
-                "a message with \"quotes\"\nand a newline"
-            );
-            tracing::error!(target: "a \"strange\" target", only = 1u64);
-            let span = tracing::info_span!("outer", id = 7u64);
-            let _in = span.enter();
-            tracing::info!(inside = true, "in a span");
-        });
+        tracing::subscriber::with_default(subscriber, super::super::log_samples::emit);
         let (ours, stock) = (ours.lines(), stock.lines());
-        assert_eq!(ours.len(), 4);
+        assert_eq!(ours.len(), super::super::log_samples::EVENTS);
         assert_eq!(ours, stock);
         assert!(
             ours[0].starts_with(

@@ -10,6 +10,8 @@
 pub mod log_buffer;
 pub mod log_fields;
 pub mod log_json;
+#[cfg(test)]
+mod log_samples;
 pub mod log_time;
 pub mod metrics;
 pub mod outcome;
