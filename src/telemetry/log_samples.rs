@@ -3,7 +3,7 @@
 //! `tracing_subscriber`'s, requiring the same text.
 
 /// How many events [`emit`] sends.
-pub const EVENTS: usize = 8;
+pub const EVENTS: usize = 9;
 
 /// Sends the sample events to the current subscriber.
 pub fn emit() {
@@ -43,6 +43,7 @@ pub fn emit() {
     );
     tracing::info!(log.file = "x.rs", kept = 3u64);
     tracing::info!(first = 1u64, "message after a field");
+    tracing::info!(message = "a message given as a string", after = 2u64);
     tracing::info!(only = "fields", off = false);
     tracing::error!(target: "a \"strange\" target", only = 1u64);
     let span = tracing::info_span!("outer", id = 7u64);

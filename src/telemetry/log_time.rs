@@ -40,15 +40,20 @@ impl FormatTime for SecondsKept {
                 head
             }
         };
-        writer.write_str(std::str::from_utf8(&head).map_err(|_| fmt::Error)?)?;
-        let mut micros = [0u8; 20];
-        let digits = crate::decimal::digits(u64::from(since.subsec_micros()), &mut micros);
-        writer.write_char('.')?;
-        for _ in digits.len()..6 {
-            writer.write_char('0')?;
+        let mut tail = *b".000000Z";
+        put(&mut tail, 1, 6, u64::from(since.subsec_micros()));
+        for text in [&head[..], &tail[..]] {
+            writer.write_str(std::str::from_utf8(text).map_err(|_| fmt::Error)?)?;
         }
-        writer.write_str(digits)?;
-        writer.write_char('Z')
+        Ok(())
+    }
+}
+
+/// Writes `n` as `width` decimal digits (zero-padded) at `out[at..]`.
+fn put(out: &mut [u8], at: usize, width: usize, mut n: u64) {
+    for i in (at..at + width).rev() {
+        out[i] = b'0' + (n % 10) as u8;
+        n /= 10;
     }
 }
 
@@ -68,18 +73,12 @@ fn date_and_time(seconds: u64) -> [u8; 19] {
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = year_of_era + era * 400 + u64::from(month <= 2);
     let mut out = *b"0000-00-00T00:00:00";
-    let mut put = |at: usize, width: usize, mut n: u64| {
-        for i in (at..at + width).rev() {
-            out[i] = b'0' + (n % 10) as u8;
-            n /= 10;
-        }
-    };
-    put(0, 4, year);
-    put(5, 2, month);
-    put(8, 2, day);
-    put(11, 2, of_day / 3_600);
-    put(14, 2, of_day / 60 % 60);
-    put(17, 2, of_day % 60);
+    put(&mut out, 0, 4, year);
+    put(&mut out, 5, 2, month);
+    put(&mut out, 8, 2, day);
+    put(&mut out, 11, 2, of_day / 3_600);
+    put(&mut out, 14, 2, of_day / 60 % 60);
+    put(&mut out, 17, 2, of_day % 60);
     out
 }
 
