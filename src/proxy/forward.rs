@@ -375,7 +375,7 @@ impl Exchange<'_> {
         let committed_at = Instant::now();
         ticket.settle(committed_at.into_std());
         let log = |status: StatusCode, ttft, ticket| RequestLog {
-            series: series.clone(),
+            series,
             route: route.clone(),
             attempts,
             status: status.as_u16(),

@@ -18,7 +18,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, LazyLock};
+use std::sync::LazyLock;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -40,7 +40,7 @@ use crate::telemetry::outcome::RequestOutcome;
 /// and its ticket finished (the pool learns from it when it succeeded).
 pub struct RequestLog {
     /// The metric series of its pool and node.
-    pub series: Arc<NodeSeries>,
+    pub series: &'static NodeSeries,
     pub route: Route,
     pub attempts: u32,
     pub status: u16,
@@ -63,7 +63,6 @@ impl RequestLog {
     /// Counts, logs and finishes the request, which ended at `now`.
     fn complete(self, outcome: RequestOutcome, usage: &UsageScan, now: Instant) {
         let duration = now.saturating_duration_since(self.started);
-        let (pool, index) = (self.ticket.pool().clone(), self.ticket.index());
         // The slot goes back first, then the pool learns from a request that succeeded.
         if outcome == RequestOutcome::Success && self.teaches {
             let tokens = |n: Option<u64>| n.unwrap_or(0).min(u64::from(u32::MAX)) as u32;
@@ -78,7 +77,7 @@ impl RequestLog {
         if let (Some(charge), Some(prompt)) = (&self.charge, usage.prompt_tokens()) {
             charge.settle(prompt + usage.completion.unwrap_or(0));
         }
-        let (pool_name, node) = (pool.config.name.as_str(), pool.balancer.node(index).id());
+        let (pool_name, node) = self.series.names();
         self.series.observe_request(outcome, duration);
         if let Some(prompt) = usage.prompt_tokens() {
             self.series

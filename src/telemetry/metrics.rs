@@ -14,13 +14,13 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use prometheus::{
-    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge,
-    IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 use super::outcome::{FailoverReason, RequestOutcome};
 pub use super::series::NodeSeries;
-use super::series::{Families, SeriesCache};
+use super::series::{Families, HistogramSpecs, SeriesCache};
 use crate::routing::breaker::BreakerState;
 use crate::routing::route::RouteKind;
 use crate::routing::table::Table;
@@ -123,23 +123,10 @@ impl Metrics {
                 opts("requests_total", "Requests finished, by pool, final node and outcome."),
                 &["pool", "node", "outcome"]
             )),
-            request_duration: reg!(HistogramVec::new(
-                hist("request_duration_seconds", "Request duration to the end of the response body.", DURATION_BUCKETS),
-                &["pool", "node"]
-            )),
-            ttft: reg!(HistogramVec::new(
-                hist("ttft_seconds", "Time to first token of committed streams (upstream send to first output).", TTFT_BUCKETS),
-                &["pool", "node"]
-            )),
             routing_decisions: reg!(IntCounterVec::new(
                 opts("routing_decisions_total", "Where requests were sent: primary, spill, shunt, queued or fallback."),
                 &["pool", "route"]
             )),
-            spill_distance: reg!(Histogram::with_opts(hist(
-                "spill_distance",
-                "Position of the serving node in the key's walk (0 = primary).",
-                &[0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0]
-            ))),
             prompt_tokens: reg!(IntCounterVec::new(
                 opts("prompt_tokens_total", "Prompt tokens, from the engines' usage reports."),
                 &["node"]
@@ -149,6 +136,31 @@ impl Metrics {
                 &["node"]
             )),
         };
+        let (series, histograms) = SeriesCache::new(
+            families,
+            HistogramSpecs {
+                request_duration: hist(
+                    "request_duration_seconds",
+                    "Request duration to the end of the response body.",
+                    DURATION_BUCKETS,
+                )
+                .variable_labels(vec!["pool".into(), "node".into()]),
+                ttft: hist(
+                    "ttft_seconds",
+                    "Time to first token of committed streams (upstream send to first output).",
+                    TTFT_BUCKETS,
+                )
+                .variable_labels(vec!["pool".into(), "node".into()]),
+                spill_distance: hist(
+                    "spill_distance",
+                    "Position of the serving node in the key's walk (0 = primary).",
+                    &[0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0],
+                ),
+            },
+        );
+        registry
+            .register(Box::new(histograms))
+            .expect("metric names are unique");
         let requests = RequestMetrics {
             failovers: reg!(IntCounterVec::new(
                 opts("failovers_total", "Attempts abandoned before commit, by reason."),
@@ -170,7 +182,7 @@ impl Metrics {
                 opts("rate_limited_total", "Requests refused with 429 for their tenant's rate limit, by limit."),
                 &["tenant", "limit"]
             )),
-            series: SeriesCache::new(families),
+            series,
         };
         let snapshot = SnapshotGauges {
             in_flight: reg!(IntGaugeVec::new(opts("in_flight", "Requests reserved on a node."), &["node"])),
@@ -227,6 +239,7 @@ impl Metrics {
     }
     fn refresh(&self, table: &Table) {
         let (g, r) = (&self.snapshot, &self.requests);
+        r.series.drain();
         let f = r.series.families();
         for g in [
             &g.in_flight,
@@ -325,7 +338,7 @@ impl Metrics {
                     .set(state.is_healthy() as i64);
                 f.prompt_tokens.with_label_values(&[n]);
                 f.cached_prompt_tokens.with_label_values(&[n]);
-                f.ttft.with_label_values(&[p, n]);
+                r.series.get(p, n).show_ttft();
                 for to in [
                     BreakerState::Closed,
                     BreakerState::Open,
@@ -345,7 +358,7 @@ impl Metrics {
 
 impl RequestMetrics {
     /// A node's series in its pool, for the updates of one request.
-    pub fn series(&self, pool: &str, node: &str) -> Arc<NodeSeries> {
+    pub fn series(&self, pool: &str, node: &str) -> &'static NodeSeries {
         self.series.get(pool, node)
     }
 
@@ -391,11 +404,7 @@ impl RequestMetrics {
 
     /// A node's prompt tokens and cached prompt tokens counted so far.
     pub fn tokens_of(&self, node: &str) -> (u64, u64) {
-        let f = self.series.families();
-        (
-            f.prompt_tokens.with_label_values(&[node]).get(),
-            f.cached_prompt_tokens.with_label_values(&[node]).get(),
-        )
+        self.series.tokens_of(node)
     }
 }
 

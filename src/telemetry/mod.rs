@@ -15,5 +15,6 @@ mod log_samples;
 pub mod log_time;
 pub mod metrics;
 pub mod outcome;
+pub mod per_thread;
 pub mod series;
 pub mod traces;

@@ -71,8 +71,13 @@ impl Stop {
         }
     }
 
+    /// Asked once a request: a version check first (an atomic read), since taking the
+    /// channel's read lock would move its cache line between the serving cores.
     fn is_stopping(&self) -> bool {
-        *self.rx.borrow()
+        match self.rx.has_changed() {
+            Ok(false) => false,
+            _ => *self.rx.borrow(),
+        }
     }
 
     /// Ready once the listener is shutting down.
