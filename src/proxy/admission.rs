@@ -22,18 +22,27 @@ use crate::telemetry::metrics::RequestMetrics;
 /// node is at cap, applies `routing.when_saturated`. Returns whether the request queued.
 /// Who is asking, for the queue: its tenant and class, its cost, its deadline.
 #[derive(Debug, Clone)]
-pub(super) struct Asker {
+pub(super) struct Asker<'t> {
     pub who: Waiting,
     /// The longest it waits in the queue: `routing.queue_timeout`, or less when the
     /// client said so (`x-request-timeout`).
     pub queue_timeout: std::time::Duration,
     /// Its class's queue bound.
     pub class_max: usize,
-    /// Its class's name and its tenant's label, for the metrics.
-    pub class_name: std::sync::Arc<str>,
-    pub tenant_label: std::sync::Arc<str>,
+    /// Its class's name, for the metrics (borrowed from the request's snapshot: a
+    /// shared `Arc<str>` cloned per request moved its count between the lanes' cores).
+    pub class_name: &'t str,
+    /// Its tenant's label for the metrics when that is not its name (`other`).
+    pub other_tenant: Option<&'t str>,
     /// Its charge to its tenant's token budget, settled when it ends.
     pub charge: Option<super::tenant::Charge>,
+}
+
+impl Asker<'_> {
+    /// Its tenant's label, for the metrics (bounded: configured names, or `other`).
+    pub fn tenant_label(&self) -> &str {
+        self.other_tenant.unwrap_or(&self.who.tenant)
+    }
 }
 
 /// A node for the request: walked at `at` (the caller's reading of the clock), then,
@@ -44,7 +53,7 @@ pub(super) async fn admit(
     routing: &RoutingConfig,
     tried: &[usize],
     metrics: &RequestMetrics,
-    asker: &Asker,
+    asker: &Asker<'_>,
     at: std::time::Instant,
 ) -> Result<(Choice, bool, Duration), ProxyError> {
     let pool = &placement.pool().config.name;
@@ -104,11 +113,11 @@ pub(super) async fn admit(
                     Err(ProxyError::QueueFull { .. }) => Some("queue_full"),
                     Err(_) => None,
                 };
-                let class = &asker.class_name;
+                let class = asker.class_name;
                 match shed {
                     Some(reason) => metrics.count_shed(pool, class, reason),
                     None => {
-                        metrics.observe_tenant_wait(class, &asker.tenant_label, waited.elapsed())
+                        metrics.observe_tenant_wait(class, asker.tenant_label(), waited.elapsed())
                     }
                 }
                 let waited_in_all = waited_in_all + waited.elapsed();
@@ -151,7 +160,7 @@ async fn wait_for_slot(
     placement: &Placement,
     routing: &RoutingConfig,
     tried: &[usize],
-    asker: &Asker,
+    asker: &Asker<'_>,
 ) -> Result<Choice, ProxyError> {
     let load = placement.pool().balancer.load();
     let pool = || placement.pool().config.name.clone();

@@ -65,7 +65,7 @@ pub(super) struct Exchange<'t> {
     pub body: Bytes,
     pub started: Instant,
     /// Who is asking, if it must wait in a queue.
-    pub asker: admission::Asker,
+    pub asker: admission::Asker<'t>,
     /// The request's trace span (disabled when traces are off).
     pub span: tracing::Span,
     /// Time spent in the queue so far, over all attempts.

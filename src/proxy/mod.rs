@@ -199,7 +199,7 @@ impl Proxy {
 
     /// Handles one client request; always returns a complete response.
     pub async fn handle(
-        self: Arc<Self>,
+        &'static self,
         req: Request<RequestBody>,
         peer: SocketAddr,
     ) -> Response<BoxBody> {
@@ -293,7 +293,7 @@ impl Proxy {
             *pool = Some(&table.pools[placement.own_pool()].config.name);
             traces::record_placement(span, &placement);
             let asker = self.ask(table, key_name, &parts.headers, &placement, started)?;
-            traces::record_asker(span, &asker.tenant_label, &asker.class_name);
+            traces::record_asker(span, asker.tenant_label(), asker.class_name);
             let lane = LANE.with(std::cell::Cell::get) % self.upstreams.len();
             forward::Exchange {
                 upstream: &self.upstreams[lane],
@@ -321,14 +321,14 @@ impl Proxy {
 impl Proxy {
     /// Who the request is (its tenant and class), charged to its tenant's rate
     /// limits (429 when over) as of `started`, and how it waits if it must.
-    fn ask(
+    fn ask<'t>(
         &self,
-        table: &Table,
+        table: &'t Table,
         key_name: Option<&str>,
         headers: &http::HeaderMap,
         placement: &crate::routing::decision::Placement,
         started: Instant,
-    ) -> Result<admission::Asker, ProxyError> {
+    ) -> Result<admission::Asker<'t>, ProxyError> {
         let tenancy = &table.config.tenancy;
         let who = tenant::identify(tenancy, key_name, headers);
         let facts = &placement.facts;
@@ -356,9 +356,9 @@ impl Proxy {
         Ok(admission::Asker {
             queue_timeout: tenant::queue_deadline(headers, routing.queue_timeout),
             class_max: tenancy.classes[who.class].max_queue,
-            class_name: tenancy.classes[who.class].name.clone(),
+            class_name: &tenancy.classes[who.class].name,
             charge,
-            tenant_label: who.label_arc(tenancy),
+            other_tenant: (!who.known).then_some(&*tenancy.other_tenant),
             who: crate::routing::fair::Waiting {
                 weight: who.config.weight,
                 class: who.class,

@@ -41,15 +41,6 @@ impl Identity {
             "other"
         }
     }
-
-    /// [`Identity::label`], shared.
-    pub fn label_arc(&self, tenancy: &Tenancy) -> Arc<str> {
-        if self.known {
-            self.tenant.clone()
-        } else {
-            tenancy.other_tenant.clone()
-        }
-    }
 }
 
 /// Who a request is, from its API key's name and its headers.

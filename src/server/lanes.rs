@@ -27,7 +27,7 @@ use crate::proxy::Proxy;
 /// with `SO_REUSEPORT`); `open` counts each lane's connections.
 pub async fn serve(
     first: TcpListener,
-    proxy: Arc<Proxy>,
+    proxy: &'static Proxy,
     lanes: usize,
     shutdown: impl Future<Output = ()>,
     grace: Duration,
@@ -56,7 +56,6 @@ pub async fn serve(
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut threads = Vec::new();
     for (lane, socket) in sockets.into_iter().enumerate() {
-        let proxy = proxy.clone();
         let slots = slots.clone();
         let open = open.with_label_values(&[&lane.to_string()]);
         let mut stop = stop_rx.clone();
@@ -86,7 +85,7 @@ pub async fn serve(
                     };
                     listener::serve_port(
                         port,
-                        move |req, peer| proxy.clone().handle(req, peer),
+                        move |req, peer| proxy.handle(req, peer),
                         async move {
                             let _ = stop.wait_for(|s| *s).await;
                         },

@@ -88,23 +88,17 @@ pub async fn run_on(
         }
     };
     let open = control.metrics().client_connections.clone();
+    // The request handlers hold the proxy for the life of the process: a reference,
+    // where an `Arc` cloned and dropped per request moved its count between the
+    // serving cores twice a request.
+    let handler: &'static crate::proxy::Proxy = Box::leak(Box::new(proxy.clone()));
     if lanes > 0 {
-        super::lanes::serve(
-            listener,
-            proxy.clone(),
-            lanes,
-            stopping,
-            grace,
-            limits,
-            open,
-        )
-        .await;
+        super::lanes::serve(listener, handler, lanes, stopping, grace, limits, open).await;
     } else {
-        let handler_proxy = proxy.clone();
         let port = listener::Port::alone(listener, &limits, Some(open.with_label_values(&["0"])));
         listener::serve_port(
             port,
-            move |req, peer| handler_proxy.clone().handle(req, peer),
+            move |req, peer| handler.handle(req, peer),
             stopping,
             grace,
             limits,
