@@ -23,7 +23,10 @@ use prometheus::{Histogram, HistogramOpts, IntCounter, Opts};
 fn work(seed: u64) -> u64 {
     let mut v = seed;
     for _ in 0..3000 {
-        v = black_box(v.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407));
+        v = black_box(
+            v.wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407),
+        );
     }
     v
 }
@@ -58,9 +61,8 @@ fn updates(c: &mut Criterion) {
         series.observe_request(RequestOutcome::Success, Duration::from_micros(900));
         series.count_tokens(250, 200);
     });
-    let hist = |b: &[f64]| {
-        Histogram::with_opts(HistogramOpts::new("h", "h").buckets(b.to_vec())).unwrap()
-    };
+    let hist =
+        |b: &[f64]| Histogram::with_opts(HistogramOpts::new("h", "h").buckets(b.to_vec())).unwrap();
     let counter = || IntCounter::with_opts(Opts::new("c", "c")).unwrap();
     let (outcome, route, prompt, cached) = (counter(), counter(), counter(), counter());
     let duration = hist(&[0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0, 600.0]);

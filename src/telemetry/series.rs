@@ -453,6 +453,13 @@ mod tests {
     fn registry() -> (Registry, SeriesCache) {
         let f = families();
         let r = Registry::new();
+        register_counters(&r, &f);
+        let (cache, histograms) = SeriesCache::new(f, specs());
+        r.register(Box::new(histograms)).unwrap();
+        (r, cache)
+    }
+
+    fn register_counters(r: &Registry, f: &Families) {
         for c in [
             &f.requests,
             &f.routing_decisions,
@@ -461,9 +468,6 @@ mod tests {
         ] {
             r.register(Box::new(c.clone())).unwrap();
         }
-        let (cache, histograms) = SeriesCache::new(f, specs());
-        r.register(Box::new(histograms)).unwrap();
-        (r, cache)
     }
 
     fn page(r: &Registry) -> String {
@@ -489,14 +493,7 @@ mod tests {
             let ttft = HistogramVec::new(s.ttft.variable_labels(vec![]), labels);
             let spill = Histogram::with_opts(s.spill_distance).unwrap();
             let (duration, ttft) = (duration.unwrap(), ttft.unwrap());
-            for c in [
-                &families.requests,
-                &families.routing_decisions,
-                &families.prompt_tokens,
-                &families.cached_prompt_tokens,
-            ] {
-                registry.register(Box::new(c.clone())).unwrap();
-            }
+            register_counters(&registry, &families);
             registry.register(Box::new(duration.clone())).unwrap();
             registry.register(Box::new(ttft.clone())).unwrap();
             registry.register(Box::new(spill.clone())).unwrap();
