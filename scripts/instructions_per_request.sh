@@ -12,6 +12,8 @@
 #   PROXIES=prefixlb TOP=30 scripts/instructions_per_request.sh   # and prefixlb's 30 costliest functions
 #   B=path/to/prefixlb PROXIES=prefixlb scripts/instructions_per_request.sh   # another build
 #   LOG=info PROXIES=prefixlb scripts/instructions_per_request.sh   # with the request line
+#   LOCKS=1 PROXIES=prefixlb TOP=20 scripts/instructions_per_request.sh   # and the
+#     locked (atomic) instructions per request, by function (scripts/lib/locked_per_request.py)
 #     (prefixlb's default level; the log goes to a file; the default here is warn)
 # PROXIES: any of prefixlb (LANES=2 by default, as load_vs_haproxy.sh's runs), haproxy
 # (2.6, the configuration of load_vs_haproxy.sh) and bare (examples/bare_proxy.rs:
@@ -26,6 +28,7 @@ PROXIES=${PROXIES:-prefixlb haproxy bare}
 N1=${N1:-300}
 N2=${N2:-1300}
 TOP=${TOP:-0}
+LOCKS=${LOCKS:-0}
 LOG=${LOG:-warn}
 WORK=${WORK:-target/instructions}
 mkdir -p "$WORK"
@@ -75,7 +78,9 @@ profile() { # proxy port body n
     esac
     local port=$2 body=$3 n=$4
     shift 4
-    RUST_LOG=$LOG valgrind --tool=callgrind --callgrind-out-file="$out" "$@" >"$out.log" 2>&1 &
+    local dump=()
+    if [ "$LOCKS" = 1 ]; then dump=(--dump-instr=yes); fi
+    RUST_LOG=$LOG valgrind --tool=callgrind "${dump[@]}" --callgrind-out-file="$out" "$@" >"$out.log" 2>&1 &
     pid=$!
     # Ready once a request goes through.
     for _ in $(seq 1 300); do
@@ -91,6 +96,7 @@ profile() { # proxy port body n
 }
 
 port_of() { case $1 in prefixlb) echo 19180 ;; haproxy) echo 19181 ;; bare) echo 19182 ;; esac; }
+binary_of() { case $1 in prefixlb) echo "$BIN" ;; haproxy) command -v haproxy ;; bare) echo target/release/examples/bare_proxy ;; esac; }
 
 echo "engines: $ENGINES; instructions per request = (total at $N2 requests - total at $N1) / $((N2 - N1))"
 for body in $BODIES; do
@@ -118,5 +124,8 @@ if top:
     for v, k in rows[:top]:
         print(f"{v:>12,.0f}  {k[:140]}")
 EOF
+        if [ "$LOCKS" = 1 ]; then
+            python3 scripts/lib/locked_per_request.py "$(binary_of "$proxy")" "$a" "$b" "$((N2 - N1))" "$TOP"
+        fi
     done
 done
