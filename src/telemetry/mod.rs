@@ -1,6 +1,8 @@
 //! What the balancer tells operators, below the data plane and the control plane that
 //! feed it: the Prometheus metrics ([`metrics`]: one registry, and the families each
-//! component updates, handed to it at construction), the vocabulary of a request's
+//! component updates, handed to it at construction; [`series`]: a node's per-request
+//! series, counted per serving thread with [`per_thread`] and added up at scrape), the
+//! vocabulary of a request's
 //! end in logs and labels ([`outcome`]), the log's writer ([`log_buffer`]: each
 //! serving thread's lines gathered and written when it idles; [`log_fields`]: their
 //! fields written without `core::fmt` where it can; [`log_json`]: JSON lines written

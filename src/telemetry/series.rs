@@ -79,10 +79,10 @@ struct AllBounds {
 /// Bits of [`NodeSeries::shown`]: which of its series have been updated.
 const OUTCOME_BIT: u32 = 1;
 const ROUTE_BIT: u32 = 1 << 8;
-const PROMPT_BIT: u32 = 1 << 16;
-const CACHED_BIT: u32 = 1 << 17;
-const DURATION_BIT: u32 = 1 << 18;
-const TTFT_BIT: u32 = 1 << 19;
+/// Both token counters (always counted together).
+const TOKENS_BIT: u32 = 1 << 16;
+const DURATION_BIT: u32 = 1 << 17;
+const TTFT_BIT: u32 = 1 << 18;
 
 /// One thread's counts of a node's requests.
 #[derive(Default)]
@@ -170,7 +170,7 @@ impl NodeSeries {
         let c = self.counts.mine();
         add(&c.prompt_tokens, prompt);
         add(&c.cached_prompt_tokens, cached);
-        self.show(PROMPT_BIT | CACHED_BIT);
+        self.show(TOKENS_BIT);
     }
 
     /// The pool and node the series are of.
@@ -185,12 +185,10 @@ impl NodeSeries {
 
     /// Prompt tokens and cached prompt tokens counted so far.
     pub(super) fn tokens(&self) -> (u64, u64) {
-        self.counts.all().fold((0, 0), |(p, c), n| {
-            (
-                p + read(&n.prompt_tokens),
-                c + read(&n.cached_prompt_tokens),
-            )
-        })
+        (
+            self.total(|n| &n.prompt_tokens),
+            self.total(|n| &n.cached_prompt_tokens),
+        )
     }
 
     fn total(&self, count: impl Fn(&NodeCounts) -> &AtomicU64) -> u64 {
@@ -219,7 +217,7 @@ impl NodeSeries {
                 d.routes[i] = total;
             }
         }
-        if self.shows(PROMPT_BIT | CACHED_BIT) {
+        if self.shows(TOKENS_BIT) {
             let (prompt, cached) = self.tokens();
             f.prompt_tokens
                 .with_label_values(&[node])
