@@ -1011,6 +1011,85 @@ async fn lanes_serve_the_client_port_from_their_own_threads() {
     assert_eq!(lb.wait_exit(Duration::from_secs(10)), Some(0));
 }
 
+/// `server.pin_lanes` (on by default): each lane runs on one CPU of its own, the n-th
+/// of those the process may use, round again past the last; with it off, a lane may
+/// run on any of them. Read from the kernel (`Cpus_allowed_list` of each thread).
+#[cfg(target_os = "linux")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lanes_are_pinned_one_cpu_each() {
+    let engine = engine("e0", &[]);
+    for (server, pinned) in [("lanes = 3", true), ("lanes = 2\npin_lanes = false", false)] {
+        let lb = balancer(&config(&[&engine], server, ""));
+        let pid = lb.pid();
+        let lanes = if pinned { 3 } else { 2 };
+        let mut seen = Vec::new();
+        let started = eventually(Duration::from_secs(5), || {
+            seen = lane_cpus(pid);
+            let n = seen.len();
+            async move { n == lanes }
+        })
+        .await;
+        assert!(started, "{server}: lanes {seen:?}");
+        let process = cpu_list(&std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap());
+        assert!(!process.is_empty());
+        for (lane, cpus) in &seen {
+            let expected = if pinned {
+                vec![process[lane % process.len()]]
+            } else {
+                process.clone()
+            };
+            assert_eq!(
+                cpus, &expected,
+                "{server}: lane {lane} (process: {process:?})"
+            );
+        }
+        // Pinned or not, the lanes serve.
+        let reply = post_json(
+            &lb.url("/v1/chat/completions"),
+            &chat(&[("user", "hi")], false, 4),
+            &[],
+        )
+        .await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+}
+
+/// Each serving lane's thread by lane number, with the CPUs it may run on.
+#[cfg(target_os = "linux")]
+fn lane_cpus(pid: u32) -> Vec<(usize, Vec<usize>)> {
+    let mut lanes: Vec<_> = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|t| {
+            let dir = t.ok()?.path();
+            let comm = std::fs::read_to_string(dir.join("comm")).ok()?;
+            let lane = comm.trim().strip_prefix("prefixlb-lane-")?.parse().ok()?;
+            Some((
+                lane,
+                cpu_list(&std::fs::read_to_string(dir.join("status")).ok()?),
+            ))
+        })
+        .collect();
+    lanes.sort();
+    lanes
+}
+
+/// The CPUs of a `/proc` status file's `Cpus_allowed_list` ("0-3,6").
+#[cfg(target_os = "linux")]
+fn cpu_list(status: &str) -> Vec<usize> {
+    let list = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .unwrap_or("")
+        .trim();
+    list.split(',')
+        .filter(|r| !r.is_empty())
+        .flat_map(|range| {
+            let (lo, hi) = range.split_once('-').unwrap_or((range, range));
+            lo.parse::<usize>().unwrap()..=hi.parse::<usize>().unwrap()
+        })
+        .collect()
+}
+
 /// The request log (one line per request at `info`): each serving thread gathers its
 /// lines and writes them when it runs out of work, so a balancer between requests has
 /// written every line so far; after a burst and SIGTERM the file holds every line; a

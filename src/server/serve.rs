@@ -52,8 +52,8 @@ pub async fn run_on(
             "the admin listener is not on loopback and has no admin_token: anyone who can reach it can drain nodes and reload the config"
         );
     }
-    let lanes = config.server.lanes;
-    let control = Control::with_lanes(config, source, lanes.max(1));
+    let lanes = super::lanes::Lanes::of(&config.server);
+    let control = Control::with_lanes(config, source, lanes.count.max(1));
     let proxy = control.proxy().clone();
 
     // Admin and health checks outlive the client listener: /readyz says 503 while
@@ -92,7 +92,7 @@ pub async fn run_on(
     // where an `Arc` cloned and dropped per request moved its count between the
     // serving cores twice a request.
     let handler: &'static crate::proxy::Proxy = Box::leak(Box::new(proxy.clone()));
-    if lanes > 0 {
+    if lanes.count > 0 {
         super::lanes::serve(listener, handler, lanes, stopping, grace, limits, open).await;
     } else {
         let port = listener::Port::alone(listener, &limits, Some(open.with_label_values(&["0"])));
