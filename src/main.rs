@@ -191,12 +191,22 @@ fn serve(a: ConfigArg, format: LogFormat) -> anyhow::Result<ExitCode> {
     let Some(config) = load(&a.config) else {
         return Ok(ExitCode::from(2));
     };
-    let rt = runtime()?;
+    // With no serving lanes, the shared runtime's workers serve the client port, and
+    // are pinned as lanes would be (`server.pin_threads`).
+    let pinned = (config.server.lanes == 0 && config.server.pin_threads)
+        .then(prefixlb::server::cpus::allowed);
+    let rt = runtime_pinned(pinned.clone().map(prefixlb::server::cpus::Workers::new))?;
     // The trace exporter's batches run on this runtime.
     let exporter = {
         let _entered = rt.enter();
         init_logging(format, "info", config.tracing.as_ref())?
     };
+    if let Some(cpus) = pinned {
+        tracing::info!(
+            ?cpus,
+            "serving workers pinned: worker n to the n-th of these CPUs"
+        );
+    }
     let served = rt.block_on(prefixlb::server::serve::run(
         config,
         a.config,
@@ -403,12 +413,24 @@ fn read_body(arg: &str) -> anyhow::Result<Vec<u8>> {
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    runtime_pinned(None)
+}
+
+/// The shared runtime; with `pins`, each worker pinned to a CPU of its own.
+fn runtime_pinned(
+    pins: Option<prefixlb::server::cpus::Workers>,
+) -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         // A worker's log lines go out in one write when it runs out of work (blocking
         // threads never unpark, so they write each line straight through).
         .on_thread_unpark(prefixlb::telemetry::log_buffer::buffer_this_thread)
-        .on_thread_park(prefixlb::telemetry::log_buffer::flush_this_thread)
+        .on_thread_park(move || {
+            prefixlb::telemetry::log_buffer::flush_this_thread();
+            if let Some(pins) = &pins {
+                pins.pin_once();
+            }
+        })
         .build()
         .context("starting the tokio runtime")
 }

@@ -1011,39 +1011,51 @@ async fn lanes_serve_the_client_port_from_their_own_threads() {
     assert_eq!(lb.wait_exit(Duration::from_secs(10)), Some(0));
 }
 
-/// `server.pin_lanes` (on by default): each lane runs on one CPU of its own, the n-th
-/// of those the process may use, round again past the last; with it off, a lane may
-/// run on any of them. Read from the kernel (`Cpus_allowed_list` of each thread).
+/// `server.pin_threads` (on by default): each serving thread runs on one CPU of its
+/// own, the n-th of those the process may use, round again past the last: each lane,
+/// or with no lanes each worker of the shared runtime. With it off, they may run on
+/// any of them. Read from the kernel (`Cpus_allowed_list` of each thread).
 #[cfg(target_os = "linux")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn lanes_are_pinned_one_cpu_each() {
+async fn serving_threads_are_pinned_one_cpu_each() {
     let engine = engine("e0", &[]);
-    for (server, pinned) in [("lanes = 3", true), ("lanes = 2\npin_lanes = false", false)] {
+    let workers = std::thread::available_parallelism().unwrap().get();
+    for (server, threads, pinned) in [
+        ("lanes = 3", 3, true),
+        ("lanes = 2\npin_threads = false", 2, false),
+        ("lanes = 0", workers, true),
+        ("lanes = 0\npin_threads = false", workers, false),
+    ] {
         let lb = balancer(&config(&[&engine], server, ""));
         let pid = lb.pid();
-        let lanes = if pinned { 3 } else { 2 };
-        let mut seen = Vec::new();
-        let started = eventually(Duration::from_secs(5), || {
-            seen = lane_cpus(pid);
-            let n = seen.len();
-            async move { n == lanes }
-        })
-        .await;
-        assert!(started, "{server}: lanes {seen:?}");
         let process = cpu_list(&std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap());
         assert!(!process.is_empty());
-        for (lane, cpus) in &seen {
-            let expected = if pinned {
-                vec![process[lane % process.len()]]
-            } else {
-                process.clone()
-            };
-            assert_eq!(
-                cpus, &expected,
-                "{server}: lane {lane} (process: {process:?})"
+        // A shared runtime's worker is pinned at its first park: wait for all of them.
+        let mut seen = Vec::new();
+        let started = eventually(Duration::from_secs(5), || {
+            seen = serving_cpus(pid, server.starts_with("lanes = 0"));
+            let pinned_now = seen.iter().filter(|cpus| cpus.len() == 1).count();
+            let done = seen.len() >= threads && (!pinned || pinned_now >= threads);
+            async move { done }
+        })
+        .await;
+        assert!(started, "{server}: serving threads {seen:?}");
+        if pinned {
+            // Lanes by number; the workers in the order they first parked.
+            let mut got: Vec<_> = seen.iter().filter(|c| c.len() == 1).map(|c| c[0]).collect();
+            let mut expected: Vec<_> = (0..threads).map(|n| process[n % process.len()]).collect();
+            if server.starts_with("lanes = 0") {
+                got.sort();
+                expected.sort();
+            }
+            assert_eq!(got, expected, "{server}: {seen:?} (process: {process:?})");
+        } else {
+            assert!(
+                seen.iter().all(|cpus| cpus == &process),
+                "{server}: {seen:?} (process: {process:?})"
             );
         }
-        // Pinned or not, the lanes serve.
+        // Pinned or not, they serve.
         let reply = post_json(
             &lb.url("/v1/chat/completions"),
             &chat(&[("user", "hi")], false, 4),
@@ -1054,23 +1066,31 @@ async fn lanes_are_pinned_one_cpu_each() {
     }
 }
 
-/// Each serving lane's thread by lane number, with the CPUs it may run on.
+/// The CPUs each serving thread may run on: the lanes' by lane number, or the shared
+/// runtime's workers (and any blocking threads, which share their name).
 #[cfg(target_os = "linux")]
-fn lane_cpus(pid: u32) -> Vec<(usize, Vec<usize>)> {
-    let mut lanes: Vec<_> = std::fs::read_dir(format!("/proc/{pid}/task"))
+fn serving_cpus(pid: u32, shared: bool) -> Vec<Vec<usize>> {
+    let mut threads: Vec<(usize, Vec<usize>)> = std::fs::read_dir(format!("/proc/{pid}/task"))
         .unwrap()
         .filter_map(|t| {
             let dir = t.ok()?.path();
             let comm = std::fs::read_to_string(dir.join("comm")).ok()?;
-            let lane = comm.trim().strip_prefix("prefixlb-lane-")?.parse().ok()?;
+            let order = match comm.trim() {
+                "tokio-rt-worker" if shared => 0,
+                name => name
+                    .strip_prefix("prefixlb-lane-")?
+                    .parse()
+                    .ok()
+                    .filter(|_| !shared)?,
+            };
             Some((
-                lane,
+                order,
                 cpu_list(&std::fs::read_to_string(dir.join("status")).ok()?),
             ))
         })
         .collect();
-    lanes.sort();
-    lanes
+    threads.sort();
+    threads.into_iter().map(|(_, cpus)| cpus).collect()
 }
 
 /// The CPUs of a `/proc` status file's `Cpus_allowed_list` ("0-3,6").

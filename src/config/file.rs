@@ -79,10 +79,10 @@ pub struct ServerSection {
     /// `SO_REUSEPORT` listener on `listen` and its own engine connections; 0 serves
     /// every connection from one shared multi-threaded runtime. Default 0.
     pub lanes: Spanned<usize>,
-    /// Pins each serving lane to a CPU of its own (the n-th of the CPUs the process may
-    /// run on, as `taskset` or a cpuset leaves them). Default `true`; no effect with
-    /// `lanes = 0`.
-    pub pin_lanes: bool,
+    /// Pins each serving thread to a CPU of its own: each lane, or with `lanes = 0` each
+    /// worker of the shared runtime (the n-th of the CPUs the process may run on, as
+    /// `taskset` or a cpuset leaves them). Default `true`.
+    pub pin_threads: bool,
     /// Time a client has to send its whole request body (408 after). Default `"30s"`.
     pub body_read_timeout: Dur,
     /// Request bytes buffered at once across all connections (queued requests
@@ -108,7 +108,7 @@ impl Default for ServerSection {
             http2_keep_alive_interval: Dur::secs(20),
             max_connections: unspanned(10_000),
             lanes: unspanned(0),
-            pin_lanes: true,
+            pin_threads: true,
             body_read_timeout: Dur::secs(30),
             max_buffered_bytes: unspanned(1 << 30),
         }

@@ -156,8 +156,8 @@ pub struct ServerConfig {
     pub max_connections: usize,
     /// Serving lanes (0: one shared runtime).
     pub lanes: usize,
-    /// Each lane pinned to a CPU of its own.
-    pub pin_lanes: bool,
+    /// Each serving thread (lane, or shared runtime worker) pinned to a CPU of its own.
+    pub pin_threads: bool,
     pub body_read_timeout: Duration,
     pub max_buffered_bytes: usize,
 }

@@ -536,7 +536,7 @@ fn validate_server(s: ServerSection) -> Result<ServerConfig, Invalid> {
         http2_keep_alive_interval: s.http2_keep_alive_interval.0,
         max_connections: within(&s.max_connections, 1..=1_000_000, "max_connections")?,
         lanes: within(&s.lanes, 0..=256, "lanes")?,
-        pin_lanes: s.pin_lanes,
+        pin_threads: s.pin_threads,
         body_read_timeout: s.body_read_timeout.0,
         max_buffered_bytes: max_buffered_bytes as usize,
     })

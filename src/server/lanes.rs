@@ -5,12 +5,7 @@
 //! lane counts its open connections (`prefixlb_client_connections{lane}`). The control
 //! plane (admin, health checks, reloads, Redis) stays on the shared runtime.
 //!
-//! Each lane is pinned to a CPU of its own (`server.pin_lanes`, on by default): the
-//! n-th of the CPUs the process may run on. Unpinned, the kernel at times stacked both
-//! lanes of a 2-core host on one core, where they took turns a scheduler tick (4 ms)
-//! at a time while the other core ran the engines and the client, and every request
-//! of the waiting lane waited with it: 1 KB p99 at 32 connections 2.2-4.5 ms, pinned
-//! 1.2-1.6 ms, HAProxy's 1.3-2.1 ms (docs/performance.md, "A tenth sitting").
+//! Each lane is pinned to a CPU of its own (`server.pin_threads`, see [`super::cpus`]).
 //!
 //! Handing each new connection to the lane with the fewest open (as Envoy's optional
 //! connection balancing does; its default, like this, leaves the spread to the
@@ -26,6 +21,7 @@ use prometheus::IntGaugeVec;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
+use super::cpus;
 use super::listener::{self, ConnLimits};
 use crate::config::ServerConfig;
 use crate::proxy::Proxy;
@@ -41,30 +37,9 @@ impl Lanes {
     pub fn of(server: &ServerConfig) -> Lanes {
         Lanes {
             count: server.lanes,
-            pin: server.pin_lanes,
+            pin: server.pin_threads,
         }
     }
-
-    /// The CPU of each lane: the n-th of the CPUs the process may run on (`allowed`),
-    /// round again when there are more lanes than CPUs; none when not pinned.
-    fn cpus(self, allowed: &[usize]) -> Vec<Option<usize>> {
-        (0..self.count)
-            .map(|lane| match allowed.len() {
-                0 => None,
-                n if self.pin => Some(allowed[lane % n]),
-                _ => None,
-            })
-            .collect()
-    }
-}
-
-/// The CPUs this thread may run on (the process's, as `taskset` or a cpuset left them).
-fn allowed_cpus() -> Vec<usize> {
-    core_affinity::get_core_ids()
-        .unwrap_or_default()
-        .into_iter()
-        .map(|core| core.id)
-        .collect()
 }
 
 /// Serves the client port from `lanes.count` lanes until `shutdown`, then lets each
@@ -99,26 +74,25 @@ pub async fn serve(
     // One connection cap for the port, whichever lane the kernel hands a client to.
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let (stop_tx, stop_rx) = watch::channel(false);
-    let cpus = lanes.cpus(&if lanes.pin {
-        allowed_cpus()
+    let allowed = if lanes.pin {
+        cpus::allowed()
     } else {
         Vec::new()
-    });
+    };
     if lanes.pin {
-        tracing::info!(cpus = ?cpus, "serving lanes pinned, one CPU each");
+        tracing::info!(cpus = ?allowed, "serving lanes pinned: lane n to the n-th of these CPUs");
     }
     let mut threads = Vec::new();
-    for ((lane, socket), cpu) in sockets.into_iter().enumerate().zip(cpus) {
+    for (lane, socket) in sockets.into_iter().enumerate() {
+        let cpu = cpus::nth(lane, &allowed);
         let slots = slots.clone();
         let open = open.with_label_values(&[&lane.to_string()]);
         let mut stop = stop_rx.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("prefixlb-lane-{lane}"))
             .spawn(move || {
-                if let Some(id) = cpu {
-                    if !core_affinity::set_for_current(core_affinity::CoreId { id }) {
-                        tracing::warn!(lane, cpu = id, "cannot pin the serving lane to its CPU; it runs unpinned");
-                    }
+                if let Some(cpu) = cpu {
+                    cpus::pin_this_thread(cpu, "lane");
                 }
                 crate::proxy::set_lane(lane);
                 // The lane's log lines go out in one write when it runs out of work.
@@ -166,19 +140,4 @@ pub async fn serve(
         }
     })
     .await;
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Lanes;
-
-    #[test]
-    fn each_lane_takes_the_next_allowed_cpu_round_again_past_the_last() {
-        let lanes = |count, pin| Lanes { count, pin };
-        assert_eq!(lanes(2, true).cpus(&[4, 6]), [Some(4), Some(6)]);
-        assert_eq!(lanes(3, true).cpus(&[0, 1]), [Some(0), Some(1), Some(0)]);
-        assert_eq!(lanes(2, false).cpus(&[0, 1]), [None, None]);
-        // The CPUs could not be read: the lanes run unpinned.
-        assert_eq!(lanes(2, true).cpus(&[]), [None, None]);
-    }
 }

@@ -6,6 +6,7 @@
 
 pub mod admin;
 pub mod control;
+pub mod cpus;
 pub mod h1;
 pub mod head_timer;
 pub mod health;
