@@ -193,8 +193,12 @@ fn serve(a: ConfigArg, format: LogFormat) -> anyhow::Result<ExitCode> {
     };
     // With no serving lanes, the shared runtime's workers serve the client port, and
     // are pinned as lanes would be (`server.pin_threads`).
-    let pinned = (config.server.lanes == 0 && config.server.pin_threads)
-        .then(prefixlb::server::cpus::allowed);
+    let pinned = {
+        use prefixlb::server::cpus;
+        let workers = cpus::shared_workers();
+        let cpus = cpus::chosen(config.server.pin_threads, workers, cpus::allowed());
+        (config.server.lanes == 0 && !cpus.is_empty()).then_some(cpus)
+    };
     let rt = runtime_pinned(pinned.clone().map(prefixlb::server::cpus::Workers::new))?;
     // The trace exporter's batches run on this runtime.
     let exporter = {

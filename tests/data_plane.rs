@@ -1011,20 +1011,24 @@ async fn lanes_serve_the_client_port_from_their_own_threads() {
     assert_eq!(lb.wait_exit(Duration::from_secs(10)), Some(0));
 }
 
-/// `server.pin_threads` (on by default): each serving thread runs on one CPU of its
-/// own, the n-th of those the process may use, round again past the last: each lane,
-/// or with no lanes each worker of the shared runtime. With it off, they may run on
-/// any of them. Read from the kernel (`Cpus_allowed_list` of each thread).
+/// `server.pin_threads`: each serving thread runs on one CPU of its own, the n-th of
+/// those the process may use, round again past the last: each lane, or with no lanes
+/// each worker of the shared runtime. `"auto"` (the default) pins only threads that
+/// cover the process's CPUs; `"always"` pins whatever the count; `"never"` leaves them
+/// to the scheduler. Read from the kernel (`Cpus_allowed_list` of each thread).
 #[cfg(target_os = "linux")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serving_threads_are_pinned_one_cpu_each() {
     let engine = engine("e0", &[]);
     let workers = std::thread::available_parallelism().unwrap().get();
+    let cpus = cpu_list(&std::fs::read_to_string("/proc/self/status").unwrap()).len();
     for (server, threads, pinned) in [
-        ("lanes = 3", 3, true),
-        ("lanes = 2\npin_threads = false", 2, false),
-        ("lanes = 0", workers, true),
-        ("lanes = 0\npin_threads = false", workers, false),
+        ("lanes = 3", 3, 3 >= cpus),
+        ("lanes = 1", 1, 1 >= cpus),
+        ("lanes = 1\npin_threads = \"always\"", 1, true),
+        ("lanes = 2\npin_threads = \"never\"", 2, false),
+        ("lanes = 0", workers, workers >= cpus),
+        ("lanes = 0\npin_threads = \"never\"", workers, false),
     ] {
         let lb = balancer(&config(&[&engine], server, ""));
         let pid = lb.pid();

@@ -79,10 +79,10 @@ pub struct ServerSection {
     /// `SO_REUSEPORT` listener on `listen` and its own engine connections; 0 serves
     /// every connection from one shared multi-threaded runtime. Default 0.
     pub lanes: Spanned<usize>,
-    /// Pins each serving thread to a CPU of its own: each lane, or with `lanes = 0` each
-    /// worker of the shared runtime (the n-th of the CPUs the process may run on, as
-    /// `taskset` or a cpuset leaves them). Default `true`.
-    pub pin_threads: bool,
+    /// Whether each serving thread (each lane, or with `lanes = 0` each worker of the
+    /// shared runtime) is pinned to a CPU of its own, the n-th of the CPUs the process
+    /// may run on (as `taskset` or a cpuset leaves them). Default `"auto"`.
+    pub pin_threads: PinThreads,
     /// Time a client has to send its whole request body (408 after). Default `"30s"`.
     pub body_read_timeout: Dur,
     /// Request bytes buffered at once across all connections (queued requests
@@ -108,7 +108,7 @@ impl Default for ServerSection {
             http2_keep_alive_interval: Dur::secs(20),
             max_connections: unspanned(10_000),
             lanes: unspanned(0),
-            pin_threads: true,
+            pin_threads: PinThreads::Auto,
             body_read_timeout: Dur::secs(30),
             max_buffered_bytes: unspanned(1 << 30),
         }
@@ -418,6 +418,48 @@ impl WhenSaturated {
             WhenSaturated::Reject => "reject",
             WhenSaturated::LeastLoaded => "least_loaded",
         }
+    }
+}
+
+/// `server.pin_threads`: `"auto"`, `"always"` or `"never"` (`true` and `false` read as
+/// `"always"` and `"never"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PinThreads {
+    /// Pinned when the serving threads are at least as many as the CPUs the process
+    /// may run on (a host or cpuset sized for them); left to the scheduler when there
+    /// are CPUs to spare, as in a container with a CPU quota on a large host.
+    Auto,
+    /// Pinned, whatever the count (with more threads than CPUs, round again).
+    Always,
+    /// Left to the scheduler.
+    Never,
+}
+
+impl<'de> Deserialize<'de> for PinThreads {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Spelling;
+        impl serde::de::Visitor<'_> for Spelling {
+            type Value = PinThreads;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("\"auto\", \"always\", \"never\", true or false")
+            }
+            fn visit_bool<E: serde::de::Error>(self, pin: bool) -> Result<PinThreads, E> {
+                Ok(if pin {
+                    PinThreads::Always
+                } else {
+                    PinThreads::Never
+                })
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<PinThreads, E> {
+                match v {
+                    "auto" => Ok(PinThreads::Auto),
+                    "always" => Ok(PinThreads::Always),
+                    "never" => Ok(PinThreads::Never),
+                    _ => Err(E::unknown_variant(v, &["auto", "always", "never"])),
+                }
+            }
+        }
+        d.deserialize_any(Spelling)
     }
 }
 

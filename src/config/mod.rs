@@ -18,7 +18,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 pub use duration::{parse_duration, Dur, MAX_DURATION};
-pub use file::{FileConfig, KeyMode, WhenSaturated};
+pub use file::{FileConfig, KeyMode, PinThreads, WhenSaturated};
 pub use tenancy::{ClassConfig, Tenancy, TenantConfig};
 pub use tls::TlsConfig;
 pub use validate::parse_node_url;
@@ -156,8 +156,8 @@ pub struct ServerConfig {
     pub max_connections: usize,
     /// Serving lanes (0: one shared runtime).
     pub lanes: usize,
-    /// Each serving thread (lane, or shared runtime worker) pinned to a CPU of its own.
-    pub pin_threads: bool,
+    /// Whether each serving thread (lane, or shared runtime worker) is pinned to a CPU.
+    pub pin_threads: PinThreads,
     pub body_read_timeout: Duration,
     pub max_buffered_bytes: usize,
 }

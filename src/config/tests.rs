@@ -31,6 +31,33 @@ fn minimal_config_gets_documented_defaults() {
 }
 
 #[test]
+fn pin_threads_reads_its_three_words_and_the_two_booleans() {
+    let pin =
+        |value: &str| Config::parse(&format!("[server]\npin_threads = {value}\n{MIN}"), "t.toml");
+    assert_eq!(
+        Config::parse(MIN, "t.toml").unwrap().server.pin_threads,
+        PinThreads::Auto
+    );
+    for (value, expected) in [
+        ("\"auto\"", PinThreads::Auto),
+        ("\"always\"", PinThreads::Always),
+        ("\"never\"", PinThreads::Never),
+        ("true", PinThreads::Always),
+        ("false", PinThreads::Never),
+    ] {
+        assert_eq!(pin(value).unwrap().server.pin_threads, expected, "{value}");
+    }
+    let e = pin("\"sometimes\"").unwrap_err();
+    assert_eq!((e.line, e.col), (2, 15), "{e}");
+    assert!(
+        e.message
+            .contains("expected one of `auto`, `always`, `never`"),
+        "{e}"
+    );
+    assert!(pin("3").unwrap_err().message.contains("true or false"));
+}
+
+#[test]
 fn shipped_example_is_valid() {
     let text = include_str!("../../config/prefixlb.toml");
     let c = Config::parse(text, "config/prefixlb.toml").unwrap();

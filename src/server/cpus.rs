@@ -1,7 +1,10 @@
-//! Serving threads pinned to CPUs (`server.pin_threads`, on by default): each serving
-//! lane, or each worker of the shared runtime when there are no lanes, runs on one CPU
-//! of its own, the n-th of the CPUs the process may run on (as `taskset` or a cpuset
-//! left them), round again past the last.
+//! Serving threads pinned to CPUs (`server.pin_threads`): each serving lane, or each
+//! worker of the shared runtime when there are no lanes, runs on one CPU of its own,
+//! the n-th of the CPUs the process may run on (as `taskset` or a cpuset left them),
+//! round again past the last. By default (`"auto"`) only when the serving threads
+//! cover those CPUs: with CPUs to spare (a container with a CPU quota on a large
+//! host) the scheduler has somewhere else to put a thread, and two threads pinned to
+//! the host's first CPUs would share them with whatever else the kernel puts there.
 //!
 //! Unpinned, the kernel at times stacked two busy serving threads of a 2-core host on
 //! one core, where they took turns a scheduler tick (4 ms) at a time while the other
@@ -12,6 +15,8 @@
 use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use crate::config::PinThreads;
+
 /// The CPUs this thread may run on (the process's, unless something pinned the
 /// thread); empty where they cannot be read.
 pub fn allowed() -> Vec<usize> {
@@ -20,6 +25,27 @@ pub fn allowed() -> Vec<usize> {
         .into_iter()
         .map(|core| core.id)
         .collect()
+}
+
+/// The CPUs `threads` serving threads are pinned over (none: not pinned), given the
+/// CPUs the process may run on.
+pub fn chosen(pin: PinThreads, threads: usize, allowed: Vec<usize>) -> Vec<usize> {
+    match pin {
+        PinThreads::Always => allowed,
+        PinThreads::Auto if threads >= allowed.len() => allowed,
+        PinThreads::Auto | PinThreads::Never => Vec::new(),
+    }
+}
+
+/// How many workers the shared runtime starts: tokio's choice (`TOKIO_WORKER_THREADS`,
+/// else the CPUs available, quotas counted).
+pub fn shared_workers() -> usize {
+    std::env::var("TOKIO_WORKER_THREADS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .filter(|&n| n > 0)
+        .or_else(|| std::thread::available_parallelism().ok().map(|n| n.get()))
+        .unwrap_or(1)
 }
 
 /// The CPU of the `n`-th serving thread: the n-th allowed one, round again past the
@@ -78,7 +104,8 @@ impl Workers {
 
 #[cfg(test)]
 mod tests {
-    use super::nth;
+    use super::{chosen, nth};
+    use crate::config::PinThreads;
 
     #[test]
     fn each_thread_takes_the_next_allowed_cpu_round_again_past_the_last() {
@@ -87,5 +114,16 @@ mod tests {
         assert_eq!(of(&[0, 1], 3), [Some(0), Some(1), Some(0)]);
         // The CPUs could not be read: the threads run unpinned.
         assert_eq!(of(&[], 2), [None, None]);
+    }
+
+    #[test]
+    fn auto_pins_only_threads_that_cover_the_cpus() {
+        let two = || vec![0, 1];
+        assert_eq!(chosen(PinThreads::Auto, 2, two()), [0, 1]);
+        assert_eq!(chosen(PinThreads::Auto, 3, two()), [0, 1]);
+        // CPUs to spare: left to the scheduler, unless asked.
+        assert_eq!(chosen(PinThreads::Auto, 1, two()), [0usize; 0]);
+        assert_eq!(chosen(PinThreads::Always, 1, two()), [0, 1]);
+        assert_eq!(chosen(PinThreads::Never, 2, two()), [0usize; 0]);
     }
 }

@@ -23,14 +23,14 @@ use tokio::sync::{watch, Semaphore};
 
 use super::cpus;
 use super::listener::{self, ConnLimits};
-use crate::config::ServerConfig;
+use crate::config::{PinThreads, ServerConfig};
 use crate::proxy::Proxy;
 
 /// How the client port is served: how many lanes, and whether each is pinned to a CPU.
 #[derive(Debug, Clone, Copy)]
 pub struct Lanes {
     pub count: usize,
-    pub pin: bool,
+    pub pin: PinThreads,
 }
 
 impl Lanes {
@@ -74,12 +74,8 @@ pub async fn serve(
     // One connection cap for the port, whichever lane the kernel hands a client to.
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let (stop_tx, stop_rx) = watch::channel(false);
-    let allowed = if lanes.pin {
-        cpus::allowed()
-    } else {
-        Vec::new()
-    };
-    if lanes.pin {
+    let allowed = cpus::chosen(lanes.pin, lanes.count, cpus::allowed());
+    if !allowed.is_empty() {
         tracing::info!(cpus = ?allowed, "serving lanes pinned: lane n to the n-th of these CPUs");
     }
     let mut threads = Vec::new();
