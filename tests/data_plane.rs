@@ -1070,6 +1070,39 @@ async fn serving_threads_are_pinned_one_cpu_each() {
     }
 }
 
+/// The serving threads are set at start: a reload that changes `lanes` or
+/// `pin_threads` says that takes a restart, applies the rest, and the lanes stay.
+#[cfg(target_os = "linux")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_says_lanes_and_pinning_take_a_restart() {
+    let engine = engine("e0", &[]);
+    let (lb, log) = balancer_logged(&config(&[&engine], "lanes = 2", ""), "warn", &[]);
+    let edited = config(&[&engine], "lanes = 3\npin_threads = \"never\"", "");
+    std::fs::write(log.with_extension("toml"), edited).unwrap();
+    let reload = call("POST", &lb.admin_url("/admin/reload"), &[], "").await;
+    assert_eq!(reload.status, 200, "{}", reload.text());
+    let warned = eventually(Duration::from_secs(5), || async {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        ["server.lanes changed", "server.pin_threads changed"]
+            .iter()
+            .all(|w| text.contains(w))
+    })
+    .await;
+    assert!(
+        warned,
+        "{}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    assert_eq!(serving_cpus(lb.pid(), false).len(), 2);
+    let reply = post_json(
+        &lb.url("/v1/chat/completions"),
+        &chat(&[("user", "hi")], false, 4),
+        &[],
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+}
+
 /// The CPUs each serving thread may run on: the lanes' by lane number, or the shared
 /// runtime's workers (and any blocking threads, which share their name).
 #[cfg(target_os = "linux")]

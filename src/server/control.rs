@@ -131,6 +131,8 @@ impl Control {
                 "max_connections",
                 was.max_connections != now.max_connections,
             ),
+            ("lanes", was.lanes != now.lanes),
+            ("pin_threads", was.pin_threads != now.pin_threads),
         ];
         for (key, changed) in restart_only {
             if changed {
