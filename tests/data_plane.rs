@@ -1060,13 +1060,7 @@ async fn serving_threads_are_pinned_one_cpu_each() {
             );
         }
         // Pinned or not, they serve.
-        let reply = post_json(
-            &lb.url("/v1/chat/completions"),
-            &chat(&[("user", "hi")], false, 4),
-            &[],
-        )
-        .await;
-        assert_eq!(reply.status, 200, "{}", reply.text());
+        answers_a_chat(&lb).await;
     }
 }
 
@@ -1077,6 +1071,8 @@ async fn serving_threads_are_pinned_one_cpu_each() {
 async fn a_reload_says_lanes_and_pinning_take_a_restart() {
     let engine = engine("e0", &[]);
     let (lb, log) = balancer_logged(&config(&[&engine], "lanes = 2", ""), "warn", &[]);
+    let two_lanes = || serving_cpus(lb.pid(), false).len() == 2;
+    assert!(eventually(Duration::from_secs(5), || async { two_lanes() }).await);
     let edited = config(&[&engine], "lanes = 3\npin_threads = \"never\"", "");
     std::fs::write(log.with_extension("toml"), edited).unwrap();
     let reload = call("POST", &lb.admin_url("/admin/reload"), &[], "").await;
@@ -1093,13 +1089,14 @@ async fn a_reload_says_lanes_and_pinning_take_a_restart() {
         "{}",
         std::fs::read_to_string(&log).unwrap_or_default()
     );
-    assert_eq!(serving_cpus(lb.pid(), false).len(), 2);
-    let reply = post_json(
-        &lb.url("/v1/chat/completions"),
-        &chat(&[("user", "hi")], false, 4),
-        &[],
-    )
-    .await;
+    answers_a_chat(&lb).await;
+    assert!(two_lanes(), "{:?}", serving_cpus(lb.pid(), false));
+}
+
+/// One short chat through the balancer gets a 200.
+async fn answers_a_chat(lb: &Proc) {
+    let body = chat(&[("user", "hi")], false, 4);
+    let reply = post_json(&lb.url("/v1/chat/completions"), &body, &[]).await;
     assert_eq!(reply.status, 200, "{}", reply.text());
 }
 
