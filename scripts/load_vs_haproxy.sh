@@ -13,6 +13,8 @@
 #   BARE=1 scripts/load_vs_haproxy.sh           # the floor as a third column: hyper's server
 #     and client with nothing of ours between them (examples/bare_proxy.rs, two lanes)
 #   LANES=2 scripts/load_vs_haproxy.sh          # prefixlb with server.lanes = 2
+#   HAPROXY_PIN=1 scripts/load_vs_haproxy.sh    # HAProxy's threads pinned too (cpu-map),
+#     as prefixlb pins its serving threads by default (server.pin_threads = "auto")
 # ENGINES=mock (the default): two zero-latency `mock-engine`s, which parse JSON and
 # build answers on the same cores (every ratio is squeezed toward 1). ENGINES=nginx:
 # two nginx servers (one worker each, no access log) answering every POST with a

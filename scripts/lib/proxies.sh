@@ -81,10 +81,15 @@ url = "http://127.0.0.1:19200"
 id = "e1"
 url = "http://127.0.0.1:19201"
 EOF
-    cat >"$WORK/haproxy.cfg" <<'EOF'
+    # HAPROXY_PIN=1 pins HAProxy's two threads to CPUs 0 and 1, as prefixlb pins its
+    # serving threads by default (`server.pin_threads`): the two compared both pinned.
+    local PIN=""
+    if [ "${HAPROXY_PIN:-0}" = 1 ]; then PIN="    cpu-map auto:1/1-2 0-1"; fi
+    cat >"$WORK/haproxy.cfg" <<EOF
 global
     maxconn 4096
     nbthread 2
+$PIN
 defaults
     mode http
     timeout connect 5s
