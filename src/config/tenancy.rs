@@ -64,9 +64,8 @@ pub struct Tenancy {
     pub tenant_header: Option<http::HeaderName>,
     /// A header by which a request may ask for a class at or below its tenant's.
     pub priority_header: Option<http::HeaderName>,
-    /// The names every request without its own shares: `default` and `other`.
+    /// The name every request without its own shares: `default`.
     pub default_tenant: std::sync::Arc<str>,
-    pub other_tenant: std::sync::Arc<str>,
 }
 
 impl Tenancy {
@@ -197,6 +196,5 @@ pub(super) fn validate(
         tenant_header: header(tenant_header, "tenant_header")?,
         priority_header: header(priority_header, "priority_header")?,
         default_tenant: "default".into(),
-        other_tenant: "other".into(),
     })
 }

@@ -32,8 +32,8 @@ pub(super) struct Asker<'t> {
     /// Its class's name, for the metrics (borrowed from the request's snapshot: a
     /// shared `Arc<str>` cloned per request moved its count between the lanes' cores).
     pub class_name: &'t str,
-    /// Its tenant's label for the metrics when that is not its name (`other`).
-    pub other_tenant: Option<&'t str>,
+    /// Its tenant is named in the config (else it is counted as `other`).
+    pub known_tenant: bool,
     /// Its charge to its tenant's token budget, settled when it ends.
     pub charge: Option<super::tenant::Charge>,
 }
@@ -41,7 +41,7 @@ pub(super) struct Asker<'t> {
 impl Asker<'_> {
     /// Its tenant's label, for the metrics (bounded: configured names, or `other`).
     pub fn tenant_label(&self) -> &str {
-        self.other_tenant.unwrap_or(&self.who.tenant)
+        super::tenant::label(&self.who.tenant, self.known_tenant)
     }
 }
 

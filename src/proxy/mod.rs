@@ -358,7 +358,7 @@ impl Proxy {
             class_max: tenancy.classes[who.class].max_queue,
             class_name: &tenancy.classes[who.class].name,
             charge,
-            other_tenant: (!who.known).then_some(&*tenancy.other_tenant),
+            known_tenant: who.known,
             who: crate::routing::fair::Waiting {
                 weight: who.config.weight,
                 class: who.class,

@@ -35,11 +35,16 @@ pub struct Identity {
 impl Identity {
     /// The tenant as a metric label (bounded: configured names, or `other`).
     pub fn label(&self) -> &str {
-        if self.known {
-            &self.tenant
-        } else {
-            "other"
-        }
+        label(&self.tenant, self.known)
+    }
+}
+
+/// A tenant's metric label: its name when the config names it, else `other`.
+pub fn label(tenant: &str, known: bool) -> &str {
+    if known {
+        tenant
+    } else {
+        "other"
     }
 }
 
