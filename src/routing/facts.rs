@@ -401,7 +401,9 @@ pub(super) fn read_messages<'a>(
         Some(b'[') => {}
         _ => return Err(sc.error(msg)),
     }
-    let mut messages = Vec::new();
+    // Room for a usual conversation at once: growing one message at a time cost a
+    // long one five reallocations and their copies.
+    let mut messages = Vec::with_capacity(16);
     sc.array(|sc| {
         if sc.peek() != Some(b'{') {
             return Err(sc.error(msg));
