@@ -209,7 +209,7 @@ impl<'a> Scanner<'a> {
     /// A key or a role: a string at the cursor whose closing quote is in its first 16
     /// bytes with no backslash before it, settled by one 16-byte compare without the
     /// general path's setup (a chat body has a hundred of them); `None` leaves the
-    /// cursor where it was.
+    /// cursor at the value (past any whitespace) for the general path.
     #[inline(always)]
     fn short_plain_string(&mut self) -> Option<&'a str> {
         self.skip_ws();
