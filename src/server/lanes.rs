@@ -11,7 +11,8 @@
 //! connection balancing does; its default, like this, leaves the spread to the
 //! kernel) was tried and not kept: the kernel's spread already left the lanes' work
 //! near even, and neither throughput nor p99 moved (docs/performance.md, "Balanced
-//! lanes").
+//! lanes"; tried again with the lanes pinned, "An eleventh sitting": even splits, the
+//! same p99).
 
 use std::future::Future;
 use std::sync::Arc;
