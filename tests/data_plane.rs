@@ -926,6 +926,14 @@ async fn a_queued_request_takes_a_node_that_comes_back_without_a_slot_freeing() 
 async fn lanes_serve_the_client_port_from_their_own_threads() {
     let engines = four_engines(&["--decode-ms-per-token", "5"]);
     let mut lb = balancer(&config(&refs(&engines), "lanes = 2", "max_in_flight = 64"));
+    // Both lanes' connection counts are on the first page the admin port serves.
+    let first = call("GET", &lb.admin_url("/metrics"), &[], bytes::Bytes::new())
+        .await
+        .text();
+    for lane in ["0", "1"] {
+        let series = format!("prefixlb_client_connections{{lane=\"{lane}\"}} 0");
+        assert!(first.contains(&series), "no {series} in the first scrape");
+    }
     let pid = lb.pid();
     let threads = move || -> Vec<String> {
         std::fs::read_dir(format!("/proc/{pid}/task"))

@@ -48,6 +48,13 @@ impl Control {
     pub fn with_lanes(config: Config, source: Option<PathBuf>, lanes: usize) -> Arc<Control> {
         let registry = Registry::default();
         let metrics = Arc::new(Metrics::new());
+        // Every lane's connection count is on the page from the first scrape: the
+        // admin listener answers before the lanes start counting.
+        for lane in 0..lanes {
+            metrics
+                .client_connections
+                .with_label_values(&[&lane.to_string()]);
+        }
         let table = Table::build(config.clone(), &registry);
         Arc::new(Control {
             proxy: Proxy::with_lanes(table, metrics.requests.clone(), lanes),
@@ -194,6 +201,25 @@ impl Members for Control {
             sources.members = members;
             tracing::info!(nodes_before = was, nodes_now = now, "membership changed");
             self.rebuild(&sources);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A scrape racing startup finds every lane's connection count, at zero.
+    #[test]
+    fn every_lanes_connection_count_is_on_the_first_page() {
+        let text =
+            "[[pools]]\nname = \"p\"\nnodes = [{ id = \"a\", url = \"http://127.0.0.1:1\" }]\n";
+        let config = Config::parse(text, "t.toml").unwrap();
+        let control = Control::with_lanes(config, None, 3);
+        let page = control.metrics().render(&control.table());
+        for lane in 0..3 {
+            let series = format!("prefixlb_client_connections{{lane=\"{lane}\"}} 0");
+            assert!(page.contains(&series), "no {series} in {page}");
         }
     }
 }
