@@ -1081,15 +1081,23 @@ async fn a_reload_says_lanes_and_pinning_take_a_restart() {
     let (lb, log) = balancer_logged(&config(&[&engine], "lanes = 2", ""), "warn", &[]);
     let two_lanes = || serving_cpus(lb.pid(), false).len() == 2;
     assert!(eventually(Duration::from_secs(5), || async { two_lanes() }).await);
-    let edited = config(&[&engine], "lanes = 3\npin_threads = \"never\"", "");
+    let edited = config(
+        &[&engine],
+        "lanes = 3\npin_threads = \"never\"\nyield_after = \"1ms\"",
+        "",
+    );
     std::fs::write(log.with_extension("toml"), edited).unwrap();
     let reload = call("POST", &lb.admin_url("/admin/reload"), &[], "").await;
     assert_eq!(reload.status, 200, "{}", reload.text());
     let warned = eventually(Duration::from_secs(5), || async {
         let text = std::fs::read_to_string(&log).unwrap_or_default();
-        ["server.lanes changed", "server.pin_threads changed"]
-            .iter()
-            .all(|w| text.contains(w))
+        [
+            "server.lanes changed",
+            "server.pin_threads changed",
+            "server.yield_after changed",
+        ]
+        .iter()
+        .all(|w| text.contains(w))
     })
     .await;
     assert!(
@@ -1099,6 +1107,46 @@ async fn a_reload_says_lanes_and_pinning_take_a_restart() {
     );
     answers_a_chat(&lb).await;
     assert!(two_lanes(), "{:?}", serving_cpus(lb.pid(), false));
+}
+
+/// `server.yield_after`: a lane kept busy by a burst of requests offers its CPU
+/// between them once it has run that long without a break (counted in
+/// `prefixlb_lane_yields_total{lane}`); at `"0s"` it never does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_lane_offers_its_cpu_after_yield_after() {
+    let engine = engine("e0", &[]);
+    for (yield_after, yields) in [("1us", true), ("0s", false)] {
+        let server = format!("lanes = 1\nyield_after = \"{yield_after}\"");
+        let lb = balancer(&config(&[&engine], &server, "max_in_flight = 64"));
+        // Three bursts of 48 at once: the lane takes many requests per wake.
+        for _ in 0..3 {
+            let sends: Vec<_> = (0..48)
+                .map(|i| {
+                    let url = lb.url("/v1/chat/completions");
+                    tokio::spawn(async move {
+                        let body = chat(&[("user", &format!("burst {i}"))], false, 4);
+                        post_json(&url, &body, &[]).await.status
+                    })
+                })
+                .collect();
+            for send in sends {
+                assert_eq!(send.await.unwrap(), 200);
+            }
+        }
+        let page = call("GET", &lb.admin_url("/metrics"), &[], bytes::Bytes::new())
+            .await
+            .text();
+        let counted = page
+            .lines()
+            .find_map(|l| l.strip_prefix("prefixlb_lane_yields_total{lane=\"0\"} "))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("no lane 0 yields in {page}"));
+        assert_eq!(
+            counted > 0.0,
+            yields,
+            "yield_after = {yield_after}: {counted} yields"
+        );
+    }
 }
 
 /// One short chat through the balancer gets a 200.

@@ -83,6 +83,10 @@ pub struct ServerSection {
     /// shared runtime) is pinned to a CPU of its own, the n-th of the CPUs the process
     /// may run on (as `taskset` or a cpuset leaves them). Default `"auto"`.
     pub pin_threads: PinThreads,
+    /// A serving lane that has run this long without running out of work offers its CPU
+    /// to other threads waiting for it before its next request; `"0s"` never does.
+    /// Lanes only. Default `"500us"`.
+    pub yield_after: Dur,
     /// Time a client has to send its whole request body (408 after). Default `"30s"`.
     pub body_read_timeout: Dur,
     /// Request bytes buffered at once across all connections (queued requests
@@ -109,6 +113,7 @@ impl Default for ServerSection {
             max_connections: unspanned(10_000),
             lanes: unspanned(0),
             pin_threads: PinThreads::Auto,
+            yield_after: Dur(std::time::Duration::from_micros(500)),
             body_read_timeout: Dur::secs(30),
             max_buffered_bytes: unspanned(1 << 30),
         }

@@ -250,3 +250,17 @@ fn upstream_uri_keeps_base_path() {
         "http://h:8000/engine/v1/chat/completions?x=1"
     );
 }
+
+#[test]
+fn yield_after_defaults_to_half_a_millisecond_and_is_at_most_a_second() {
+    let c = Config::parse(MIN, "t.toml").unwrap();
+    assert_eq!(c.server.yield_after, Duration::from_micros(500));
+    let off = Config::parse(&format!("[server]\nyield_after = \"0s\"\n{MIN}"), "t.toml").unwrap();
+    assert_eq!(off.server.yield_after, Duration::ZERO);
+    let e = err(&format!("[server]\nyield_after = \"2s\"\n{MIN}"));
+    assert!(
+        e.to_string()
+            .contains("server.yield_after must be at most 1s"),
+        "{e}"
+    );
+}

@@ -537,6 +537,10 @@ fn validate_server(s: ServerSection) -> Result<ServerConfig, Invalid> {
         max_connections: within(&s.max_connections, 1..=1_000_000, "max_connections")?,
         lanes: within(&s.lanes, 0..=256, "lanes")?,
         pin_threads: s.pin_threads,
+        yield_after: match s.yield_after.0 {
+            d if d <= std::time::Duration::from_secs(1) => d,
+            _ => return invalid(0..0, "server.yield_after must be at most 1s"),
+        },
         body_read_timeout: s.body_read_timeout.0,
         max_buffered_bytes: max_buffered_bytes as usize,
     })

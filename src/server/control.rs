@@ -140,6 +140,7 @@ impl Control {
             ),
             ("lanes", was.lanes != now.lanes),
             ("pin_threads", was.pin_threads != now.pin_threads),
+            ("yield_after", was.yield_after != now.yield_after),
         ];
         for (key, changed) in restart_only {
             if changed {

@@ -18,12 +18,12 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use prometheus::IntGaugeVec;
+use prometheus::{IntCounterVec, IntGaugeVec};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
-use super::cpus;
 use super::listener::{self, ConnLimits};
+use super::{cpus, yielding};
 use crate::config::{PinThreads, ServerConfig};
 use crate::proxy::Proxy;
 
@@ -32,6 +32,8 @@ use crate::proxy::Proxy;
 pub struct Lanes {
     pub count: usize,
     pub pin: PinThreads,
+    /// A lane busy this long without a break offers its CPU (see [`super::yielding`]).
+    pub yield_after: Duration,
 }
 
 impl Lanes {
@@ -39,8 +41,15 @@ impl Lanes {
         Lanes {
             count: server.lanes,
             pin: server.pin_threads,
+            yield_after: server.yield_after,
         }
     }
+}
+
+/// The lanes' own series: open connections and CPU yields, by lane.
+pub struct LaneSeries {
+    pub open: IntGaugeVec,
+    pub yields: IntCounterVec,
 }
 
 /// Serves the client port from `lanes.count` lanes until `shutdown`, then lets each
@@ -53,7 +62,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
     grace: Duration,
     limits: ConnLimits,
-    open: IntGaugeVec,
+    series: LaneSeries,
 ) {
     let addr = match first.local_addr() {
         Ok(a) => a,
@@ -83,7 +92,9 @@ pub async fn serve(
     for (lane, socket) in sockets.into_iter().enumerate() {
         let cpu = cpus::nth(lane, &allowed);
         let slots = slots.clone();
-        let open = open.with_label_values(&[&lane.to_string()]);
+        let open = series.open.with_label_values(&[&lane.to_string()]);
+        let yields = series.yields.with_label_values(&[&lane.to_string()]);
+        let yield_after = lanes.yield_after;
         let mut stop = stop_rx.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("prefixlb-lane-{lane}"))
@@ -97,6 +108,7 @@ pub async fn serve(
                 let rt = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
                     .on_thread_park(crate::telemetry::log_buffer::flush_this_thread)
+                    .on_thread_unpark(yielding::woke)
                     .build();
                 let rt = match rt {
                     Ok(rt) => rt,
@@ -114,7 +126,12 @@ pub async fn serve(
                     };
                     listener::serve_port(
                         port,
-                        move |req, peer| proxy.handle(req, peer),
+                        move |req, peer| {
+                            if yielding::before_request(yield_after) {
+                                yields.inc();
+                            }
+                            proxy.handle(req, peer)
+                        },
                         async move {
                             let _ = stop.wait_for(|s| *s).await;
                         },

@@ -15,3 +15,4 @@ pub mod listener;
 pub mod reload;
 pub mod serve;
 pub mod status;
+pub mod yielding;

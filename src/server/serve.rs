@@ -93,7 +93,11 @@ pub async fn run_on(
     // serving cores twice a request.
     let handler: &'static crate::proxy::Proxy = Box::leak(Box::new(proxy.clone()));
     if lanes.count > 0 {
-        super::lanes::serve(listener, handler, lanes, stopping, grace, limits, open).await;
+        let series = super::lanes::LaneSeries {
+            open,
+            yields: control.metrics().lane_yields.clone(),
+        };
+        super::lanes::serve(listener, handler, lanes, stopping, grace, limits, series).await;
     } else {
         let port = listener::Port::alone(listener, &limits, Some(open.with_label_values(&["0"])));
         listener::serve_port(

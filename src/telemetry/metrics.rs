@@ -52,6 +52,7 @@ pub struct Metrics {
     pub config_reloads: IntCounterVec,
     /// The client port's: open client connections, by serving lane.
     pub client_connections: IntGaugeVec,
+    pub lane_yields: IntCounterVec,
     /// Read from the routing snapshot at each scrape.
     snapshot: SnapshotGauges,
 }
@@ -220,12 +221,17 @@ impl Metrics {
             opts("client_connections", "Open client connections, by serving lane (`server.lanes`; lane 0 when the port is served by the shared runtime)."),
             &["lane"]
         ));
+        let lane_yields = reg!(IntCounterVec::new(
+            opts("lane_yields_total", "Times a serving lane, busy for `server.yield_after` without a break, offered its CPU to other waiting threads (sched_yield) before a request."),
+            &["lane"]
+        ));
         Metrics {
             registry,
             requests: Arc::new(requests),
             fleet: Arc::new(fleet),
             config_reloads,
             client_connections,
+            lane_yields,
             snapshot,
         }
     }
