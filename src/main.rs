@@ -427,8 +427,12 @@ fn runtime_pinned(
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         // A worker's log lines go out in one write when it runs out of work (blocking
-        // threads never unpark, so they write each line straight through).
-        .on_thread_unpark(prefixlb::telemetry::log_buffer::buffer_this_thread)
+        // threads never unpark, so they write each line straight through); a busy
+        // stretch starts (`server.yield_after`).
+        .on_thread_unpark(|| {
+            prefixlb::telemetry::log_buffer::buffer_this_thread();
+            prefixlb::server::yielding::woke();
+        })
         .on_thread_park(move || {
             prefixlb::telemetry::log_buffer::flush_this_thread();
             if let Some(pins) = &pins {

@@ -1109,14 +1109,20 @@ async fn a_reload_says_lanes_and_pinning_take_a_restart() {
     assert!(two_lanes(), "{:?}", serving_cpus(lb.pid(), false));
 }
 
-/// `server.yield_after`: a lane kept busy by a burst of requests offers its CPU
-/// between them once it has run that long without a break (counted in
-/// `prefixlb_lane_yields_total{lane}`); at `"0s"` it never does.
+/// `server.yield_after`: a serving thread kept busy by a burst of requests offers its
+/// CPU between them once it has run that long without a break (counted in
+/// `prefixlb_lane_yields_total{lane}`, lane 0 for the shared runtime's workers); at
+/// `"0s"` it never does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_busy_lane_offers_its_cpu_after_yield_after() {
+async fn a_busy_serving_thread_offers_its_cpu_after_yield_after() {
     let engine = engine("e0", &[]);
-    for (yield_after, yields) in [("1us", true), ("0s", false)] {
-        let server = format!("lanes = 1\nyield_after = \"{yield_after}\"");
+    for (lanes, yield_after, yields) in [
+        (1, "1us", true),
+        (1, "0s", false),
+        (0, "1us", true),
+        (0, "0s", false),
+    ] {
+        let server = format!("lanes = {lanes}\nyield_after = \"{yield_after}\"");
         let lb = balancer(&config(&[&engine], &server, "max_in_flight = 64"));
         // Three bursts of 48 at once: the lane takes many requests per wake.
         for _ in 0..3 {
@@ -1144,7 +1150,7 @@ async fn a_busy_lane_offers_its_cpu_after_yield_after() {
         assert_eq!(
             counted > 0.0,
             yields,
-            "yield_after = {yield_after}: {counted} yields"
+            "lanes = {lanes}, yield_after = {yield_after}: {counted} yields"
         );
     }
 }

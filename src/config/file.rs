@@ -83,9 +83,9 @@ pub struct ServerSection {
     /// shared runtime) is pinned to a CPU of its own, the n-th of the CPUs the process
     /// may run on (as `taskset` or a cpuset leaves them). Default `"auto"`.
     pub pin_threads: PinThreads,
-    /// A serving lane that has run this long without running out of work offers its CPU
-    /// to other threads waiting for it before its next request; `"0s"` never does.
-    /// Lanes only. Default `"500us"`.
+    /// A serving thread (a lane, or a worker of the shared runtime) that has run this
+    /// long without running out of work offers its CPU to other threads waiting for it
+    /// before its next request; `"0s"` never does. Default `"500us"`.
     pub yield_after: Dur,
     /// Time a client has to send its whole request body (408 after). Default `"30s"`.
     pub body_read_timeout: Dur,

@@ -32,7 +32,8 @@ use crate::proxy::Proxy;
 pub struct Lanes {
     pub count: usize,
     pub pin: PinThreads,
-    /// A lane busy this long without a break offers its CPU (see [`super::yielding`]).
+    /// A serving thread busy this long without a break offers its CPU (see
+    /// [`super::yielding`]); the shared runtime's workers too.
     pub yield_after: Duration,
 }
 

@@ -100,9 +100,18 @@ pub async fn run_on(
         super::lanes::serve(listener, handler, lanes, stopping, grace, limits, series).await;
     } else {
         let port = listener::Port::alone(listener, &limits, Some(open.with_label_values(&["0"])));
+        // The shared runtime's workers start their stretches in its unpark hook
+        // (src/main.rs); their yields count as lane 0's.
+        let yields = control.metrics().lane_yields.with_label_values(&["0"]);
+        let yield_after = lanes.yield_after;
         listener::serve_port(
             port,
-            move |req, peer| handler.handle(req, peer),
+            move |req, peer| {
+                if super::yielding::before_request(yield_after) {
+                    yields.inc();
+                }
+                handler.handle(req, peer)
+            },
             stopping,
             grace,
             limits,

@@ -1,12 +1,13 @@
-//! A serving lane that has run for `server.yield_after` without running out of work
-//! offers its CPU to any other thread waiting for it (`sched_yield`) before its next
-//! request. A lane under load never sleeps, and a lane pinned to its CPU cannot move:
-//! without this, a thread woken on that CPU (the engine's, a sidecar's, the load
-//! generator's in a benchmark) waits for the kernel's next tick, 4 ms on a kernel
-//! built with `HZ=250`, and so do the requests behind it. With no other thread
-//! waiting, the call returns at once. The stretch starts each time the lane's runtime
-//! wakes from waiting for work (its unpark hook), so a lane with idle moments never
-//! yields. Evidence: docs/performance.md, "A twelfth sitting".
+//! A serving thread (a lane, or a worker of the shared runtime) that has run for
+//! `server.yield_after` without running out of work offers its CPU to any other
+//! thread waiting for it (`sched_yield`) before its next request. A serving thread
+//! under load never sleeps, and one pinned to its CPU cannot move: without this, a
+//! thread woken on that CPU (the engine's, a sidecar's, the load generator's in a
+//! benchmark) waits for the kernel's next tick, 4 ms on a kernel built with `HZ=250`,
+//! and so do the requests behind it. With no other thread waiting, the call returns at
+//! once. The stretch starts each time the thread's runtime wakes from waiting for work
+//! (its unpark hook), so a thread with idle moments never yields. Evidence:
+//! docs/performance.md, "A twelfth sitting".
 
 use std::cell::Cell;
 use std::time::{Duration, Instant};

@@ -222,7 +222,7 @@ impl Metrics {
             &["lane"]
         ));
         let lane_yields = reg!(IntCounterVec::new(
-            opts("lane_yields_total", "Times a serving lane, busy for `server.yield_after` without a break, offered its CPU to other waiting threads (sched_yield) before a request."),
+            opts("lane_yields_total", "Times a serving thread, busy for `server.yield_after` without a break, offered its CPU to other waiting threads (sched_yield) before a request, by lane (lane 0 when the shared runtime serves the port)."),
             &["lane"]
         ));
         Metrics {
