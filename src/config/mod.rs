@@ -158,7 +158,8 @@ pub struct ServerConfig {
     pub lanes: usize,
     /// Whether each serving thread (lane, or shared runtime worker) is pinned to a CPU.
     pub pin_threads: PinThreads,
-    /// How long a lane runs without a break before it offers its CPU (zero: never).
+    /// How long a serving thread runs without a break before it offers its CPU (zero:
+    /// never).
     pub yield_after: Duration,
     pub body_read_timeout: Duration,
     pub max_buffered_bytes: usize,

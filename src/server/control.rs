@@ -48,12 +48,12 @@ impl Control {
     pub fn with_lanes(config: Config, source: Option<PathBuf>, lanes: usize) -> Arc<Control> {
         let registry = Registry::default();
         let metrics = Arc::new(Metrics::new());
-        // Every lane's connection count is on the page from the first scrape: the
-        // admin listener answers before the lanes start counting.
+        // Every lane's series are on the page from the first scrape: the admin
+        // listener answers before the lanes start counting.
         for lane in 0..lanes {
-            metrics
-                .client_connections
-                .with_label_values(&[&lane.to_string()]);
+            let lane = lane.to_string();
+            metrics.client_connections.with_label_values(&[&lane]);
+            metrics.lane_yields.with_label_values(&[&lane]);
         }
         let table = Table::build(config.clone(), &registry);
         Arc::new(Control {
@@ -210,7 +210,7 @@ impl Members for Control {
 mod tests {
     use super::*;
 
-    /// A scrape racing startup finds every lane's connection count, at zero.
+    /// A scrape racing startup finds every lane's connection count and yields, at zero.
     #[test]
     fn every_lanes_connection_count_is_on_the_first_page() {
         let text =
@@ -219,8 +219,10 @@ mod tests {
         let control = Control::with_lanes(config, None, 3);
         let page = control.metrics().render(&control.table());
         for lane in 0..3 {
-            let series = format!("prefixlb_client_connections{{lane=\"{lane}\"}} 0");
-            assert!(page.contains(&series), "no {series} in {page}");
+            for name in ["prefixlb_client_connections", "prefixlb_lane_yields_total"] {
+                let series = format!("{name}{{lane=\"{lane}\"}} 0");
+                assert!(page.contains(&series), "no {series} in {page}");
+            }
         }
     }
 }

@@ -55,7 +55,7 @@ pub struct LaneSeries {
 
 /// Serves the client port from `lanes.count` lanes until `shutdown`, then lets each
 /// lane drain its connections for up to `grace`. `first` is the port's listener (bound
-/// with `SO_REUSEPORT`); `open` counts each lane's connections.
+/// with `SO_REUSEPORT`); `series` counts each lane's connections and yields.
 pub async fn serve(
     first: TcpListener,
     proxy: &'static Proxy,

@@ -17,8 +17,8 @@ thread_local! {
     static AWAKE_SINCE: Cell<Option<Instant>> = const { Cell::new(None) };
 }
 
-/// The lane's runtime woke from waiting for work: a new stretch starts (its
-/// `on_thread_unpark` hook).
+/// This thread's runtime woke from waiting for work: a new stretch starts (the
+/// runtime's `on_thread_unpark` hook).
 pub fn woke() {
     AWAKE_SINCE.with(|s| s.set(Some(Instant::now())));
 }

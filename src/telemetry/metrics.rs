@@ -52,6 +52,7 @@ pub struct Metrics {
     pub config_reloads: IntCounterVec,
     /// The client port's: open client connections, by serving lane.
     pub client_connections: IntGaugeVec,
+    /// Serving threads' CPU yields (`server.yield_after`), by lane.
     pub lane_yields: IntCounterVec,
     /// Read from the routing snapshot at each scrape.
     snapshot: SnapshotGauges,
