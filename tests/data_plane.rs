@@ -1126,18 +1126,7 @@ async fn a_busy_serving_thread_offers_its_cpu_after_yield_after() {
         let lb = balancer(&config(&[&engine], &server, "max_in_flight = 64"));
         // Three bursts of 48 at once: the lane takes many requests per wake.
         for _ in 0..3 {
-            let sends: Vec<_> = (0..48)
-                .map(|i| {
-                    let url = lb.url("/v1/chat/completions");
-                    tokio::spawn(async move {
-                        let body = chat(&[("user", &format!("burst {i}"))], false, 4);
-                        post_json(&url, &body, &[]).await.status
-                    })
-                })
-                .collect();
-            for send in sends {
-                assert_eq!(send.await.unwrap(), 200);
-            }
+            chats_at_once(&lb.url("/v1/chat/completions"), 48, "burst").await;
         }
         let page = call("GET", &lb.admin_url("/metrics"), &[], bytes::Bytes::new())
             .await
@@ -1259,18 +1248,7 @@ async fn request_lines_are_written_when_the_balancer_idles_and_at_exit() {
             "lanes = {lanes}, {format}: colour codes in a log file: {text:?}"
         );
         // Many at once, then SIGTERM: every line is in the file after the exit.
-        let sends: Vec<_> = (0..60)
-            .map(|i| {
-                let url = url.clone();
-                tokio::spawn(async move {
-                    let body = chat(&[("user", &format!("all at once {i}"))], false, 4);
-                    post_json(&url, &body, &[]).await.status
-                })
-            })
-            .collect();
-        for send in sends {
-            assert_eq!(send.await.unwrap(), 200);
-        }
+        chats_at_once(&url, 60, "all at once").await;
         let pid = lb.pid().to_string();
         std::process::Command::new("kill")
             .args(["-TERM", &pid])

@@ -317,6 +317,23 @@ pub async fn in_flight(lb: &Proc) -> Vec<(String, u64)> {
         .collect()
 }
 
+/// Sends `n` short chats to `url` at once (`tag` and a number as their text) and
+/// asserts that every one got a 200.
+pub async fn chats_at_once(url: &str, n: usize, tag: &str) {
+    let sends: Vec<_> = (0..n)
+        .map(|i| {
+            let (url, text) = (url.to_string(), format!("{tag} {i}"));
+            tokio::spawn(async move {
+                let body = chat(&[("user", &text)], false, 4);
+                post_json(&url, &body, &[]).await.status
+            })
+        })
+        .collect();
+    for send in sends {
+        assert_eq!(send.await.unwrap(), 200);
+    }
+}
+
 /// Polls `cond` until it holds or `limit` passes.
 pub async fn eventually<F, Fut>(limit: Duration, mut cond: F) -> bool
 where
