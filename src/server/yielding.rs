@@ -30,25 +30,19 @@ pub fn due(since: Instant, now: Instant, limit: Duration) -> bool {
 }
 
 /// Before a request: yields the CPU once if this thread's stretch has run `limit`, and
-/// starts a new one. Returns whether it yielded.
+/// starts a new one. Returns whether it yielded. A thread whose runtime has no unpark
+/// hook (no stretch ever started: an embedding's own runtime) never yields.
 pub fn before_request(limit: Duration) -> bool {
     if limit.is_zero() {
         return false;
     }
-    AWAKE_SINCE.with(|s| {
-        let now = Instant::now();
-        match s.get() {
-            Some(since) if due(since, now, limit) => {
-                std::thread::yield_now();
-                s.set(Some(Instant::now()));
-                true
-            }
-            Some(_) => false,
-            None => {
-                s.set(Some(now));
-                false
-            }
+    AWAKE_SINCE.with(|s| match s.get() {
+        Some(since) if due(since, Instant::now(), limit) => {
+            std::thread::yield_now();
+            s.set(Some(Instant::now()));
+            true
         }
+        _ => false,
     })
 }
 
@@ -74,6 +68,10 @@ mod tests {
     fn a_busy_thread_yields_every_limit_and_a_woken_one_starts_again() {
         let limit = Duration::from_millis(100);
         std::thread::spawn(move || {
+            // No stretch started (a runtime without the hook): never.
+            assert!(!before_request(limit));
+            std::thread::sleep(limit);
+            assert!(!before_request(limit), "no hook, no stretch, no yield");
             woke();
             assert!(!before_request(limit), "a stretch just begun");
             std::thread::sleep(limit);
