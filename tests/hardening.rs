@@ -589,40 +589,53 @@ async fn request_heads_and_bodies_are_bounded() {
     );
 }
 
+/// `max_connections` caps the port's open connections, with four lanes (more lanes than
+/// slots: a lane must not hold a slot while the kernel queues a client on another
+/// lane's listener) and with the shared runtime.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_past_the_cap_wait_for_a_free_slot() {
     let e = engine("e0", &FAST);
-    let lb = balancer(&config(
-        &[&e],
-        "max_connections = 2\nheader_read_timeout = \"30s\"",
-        "",
-    ));
-    let idle: Vec<TcpStream> = vec![
-        TcpStream::connect(lb.addr).await.unwrap(),
-        TcpStream::connect(lb.addr).await.unwrap(),
-    ];
-    // The two are counted as open (one shared runtime: lane 0); the waiting third is not.
-    let open = || client_connections(&lb, 0);
-    let counted = eventually(Duration::from_secs(5), || async { open().await == 2.0 }).await;
-    assert!(counted, "{} open connections counted", open().await);
-    let url = lb.url("/v1/chat/completions");
-    let waiting = tokio::spawn(async move {
-        post_json(&url, &chat(&[("user", "let me in")], false, 1), &[]).await
-    });
-    tokio::time::sleep(Duration::from_millis(700)).await;
-    assert!(
-        !waiting.is_finished(),
-        "a third connection was served at the cap"
-    );
-    assert_eq!(open().await, 2.0, "the waiting third is not counted");
-    drop(idle);
-    let reply = tokio::time::timeout(Duration::from_secs(5), waiting)
-        .await
-        .expect("served once a slot freed")
-        .unwrap();
-    assert_eq!(reply.status, 200);
-    let closed = eventually(Duration::from_secs(5), || async { open().await == 0.0 }).await;
-    assert!(closed, "{} open connections counted", open().await);
+    for lanes in ["lanes = 4", "lanes = 0"] {
+        let lb = balancer(&config(
+            &[&e],
+            &format!("max_connections = 2\nheader_read_timeout = \"30s\"\n{lanes}"),
+            "",
+        ));
+        let idle: Vec<TcpStream> = vec![
+            TcpStream::connect(lb.addr).await.unwrap(),
+            TcpStream::connect(lb.addr).await.unwrap(),
+        ];
+        // The two are counted as open (on whichever lanes); the waiting third is not.
+        let open = || open_client_connections(&lb);
+        let counted = eventually(Duration::from_secs(5), || async { open().await == 2.0 }).await;
+        assert!(
+            counted,
+            "{lanes}: {} open connections counted",
+            open().await
+        );
+        let url = lb.url("/v1/chat/completions");
+        let waiting = tokio::spawn(async move {
+            post_json(&url, &chat(&[("user", "let me in")], false, 1), &[]).await
+        });
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        assert!(
+            !waiting.is_finished(),
+            "{lanes}: a third connection was served at the cap"
+        );
+        assert_eq!(
+            open().await,
+            2.0,
+            "{lanes}: the waiting third is not counted"
+        );
+        drop(idle);
+        let reply = tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("served once a slot freed")
+            .unwrap();
+        assert_eq!(reply.status, 200);
+        let closed = eventually(Duration::from_secs(5), || async { open().await == 0.0 }).await;
+        assert!(closed, "{lanes}: {} open connections counted", open().await);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

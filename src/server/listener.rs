@@ -47,7 +47,8 @@ pub struct ConnLimits {
     pub max_header_bytes: usize,
     /// HTTP/2 keep-alive PING interval, and the time to answer one.
     pub http2_keep_alive_interval: Duration,
-    /// Open connections at most; past it, new ones wait in the kernel's backlog.
+    /// Open connections at most; past it, new ones wait unserved (one per accept loop
+    /// accepted, the rest in the kernel's backlog).
     pub max_connections: usize,
     /// A response write the client does not take for this long closes the connection
     /// (so a client that stops reading cannot hold a node's slot).
@@ -142,29 +143,21 @@ impl Port {
         }
     }
 
-    /// Accepts one connection once a slot is free (until then new clients wait in the
-    /// kernel's backlog); `None` once `shutdown` resolves. Accept errors (typically
-    /// EMFILE) back off, doubling up to a second, instead of spinning.
+    /// Accepts one connection and waits for a free slot for it; `None` once `shutdown`
+    /// resolves. At the cap the accepted connection waits here, not served nor
+    /// counted, and the next ones in the kernel's backlog: a slot is taken only for a
+    /// connection in hand, since a lane that took one before its `accept` would hold it
+    /// while the kernel queued the next client on another lane's listener. Accept
+    /// errors (typically EMFILE) back off, doubling up to a second, instead of spinning.
     async fn accept<S: Future<Output = ()>>(
         &self,
         shutdown: &mut Pin<&mut S>,
     ) -> Option<(TcpStream, SocketAddr, Hold)> {
-        let slot = tokio::select! {
-            slot = self.slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
-            _ = shutdown.as_mut() => return None,
-        };
         let mut backoff = Duration::from_millis(5);
-        loop {
+        let (stream, peer) = loop {
             tokio::select! {
                 accepted = self.listener.accept() => match accepted {
-                    Ok((stream, peer)) => {
-                        let _ = stream.set_nodelay(true);
-                        if let Some(open) = &self.open {
-                            open.inc();
-                        }
-                        let hold = Hold { _slot: slot, open: self.open.clone() };
-                        return Some((stream, peer, hold));
-                    }
+                    Ok(accepted) => break accepted,
                     Err(e) => {
                         tracing::warn!(error = %e, "accept failed; backing off {backoff:?}");
                         tokio::select! {
@@ -176,7 +169,20 @@ impl Port {
                 },
                 _ = shutdown.as_mut() => return None,
             }
+        };
+        let slot = tokio::select! {
+            slot = self.slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
+            _ = shutdown.as_mut() => return None,
+        };
+        let _ = stream.set_nodelay(true);
+        if let Some(open) = &self.open {
+            open.inc();
         }
+        let hold = Hold {
+            _slot: slot,
+            open: self.open.clone(),
+        };
+        Some((stream, peer, hold))
     }
 }
 

@@ -301,6 +301,18 @@ pub async fn client_connections(lb: &Proc, lane: usize) -> f64 {
     metric(&lb.admin_url("/metrics"), &name).await
 }
 
+/// `prefixlb_client_connections` summed over the serving lanes: the port's open
+/// connections, whichever lane the kernel gave each.
+pub async fn open_client_connections(lb: &Proc) -> f64 {
+    let page = call("GET", &lb.admin_url("/metrics"), &[], Bytes::new())
+        .await
+        .text();
+    page.lines()
+        .filter(|l| l.starts_with("prefixlb_client_connections{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// In-flight count per node id from `/admin/nodes`.
 pub async fn in_flight(lb: &Proc) -> Vec<(String, u64)> {
     let nodes = get_json(&lb.admin_url("/admin/nodes")).await;
