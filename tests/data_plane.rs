@@ -809,7 +809,13 @@ fn connections_to(port: u16) -> HashSet<u16> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_connections_are_reused_and_one_left_mid_stream_is_not() {
     let e = engine("e0", &["--decode-ms-per-token", "5"]);
-    let lb = balancer(&config_ext(&[&e], "[health]\ninterval = \"60s\"\n", ""));
+    // One lane: each lane keeps its own engine connections, and which lane the kernel
+    // hands the client's connections to is not this test's business.
+    let lb = balancer(&config_ext(
+        &[&e],
+        "lanes = 1\n[health]\ninterval = \"60s\"\n",
+        "",
+    ));
     let engine_port = e.addr.port();
     // The health checker's first round has connected (it makes no other for 60 s).
     assert!(
@@ -1017,6 +1023,56 @@ async fn lanes_serve_the_client_port_from_their_own_threads() {
     }
     assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
     assert_eq!(lb.wait_exit(Duration::from_secs(10)), Some(0));
+}
+
+/// Lanes (the default, `lanes = "auto"`) bind the port with `SO_REUSEPORT`, which the
+/// kernel lets any process of the same user share. A second balancer started on a port
+/// the first serves must fail with "address in use", as it does with `lanes = 0`, not
+/// start and take part of the first one's connections; the first keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_balancer_on_a_served_port_fails_to_start() {
+    let engine = engine("e0", &[]);
+    let first = balancer(&config(&[&engine], "", ""));
+    for lanes in ["lanes = 2", "lanes = 0"] {
+        let second = config(&[&engine], lanes, "").replacen(
+            "listen = \"127.0.0.1:0\"",
+            &format!("listen = \"{}\"", first.addr),
+            1,
+        );
+        let mut child = std::process::Command::new(BIN)
+            .args(["serve", "--config", write_config(&second).to_str().unwrap()])
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let start = Instant::now();
+        let status = loop {
+            match child.try_wait().unwrap() {
+                Some(status) => break status,
+                None if start.elapsed() > Duration::from_secs(10) => {
+                    let _ = child.kill();
+                    panic!("{lanes}: a second balancer started on {}", first.addr);
+                }
+                None => std::thread::sleep(Duration::from_millis(20)),
+            }
+        };
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+        assert!(!status.success(), "{lanes}: {stderr}");
+        assert!(
+            stderr.contains(&format!("cannot bind server.listen {}", first.addr))
+                && stderr.contains("in use"),
+            "{lanes}: {stderr}"
+        );
+    }
+    let reply = post_json(
+        &first.url("/v1/chat/completions"),
+        &chat(&[("user", "still here")], false, 4),
+        &[],
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
 }
 
 /// `server.pin_threads`: each serving thread runs on one CPU of its own, the n-th of

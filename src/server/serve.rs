@@ -19,7 +19,11 @@ pub async fn run(
     source: PathBuf,
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()> {
-    let listener = bind(config.server.listen, "listen", config.server.lanes > 0)?;
+    let lanes = config.server.lanes > 0;
+    if lanes {
+        claim(config.server.listen, "listen")?;
+    }
+    let listener = bind(config.server.listen, "listen", lanes)?;
     let admin_listener = bind(config.server.admin_listen, "admin_listen", false)?;
     let (addr, admin_addr) = (listener.local_addr()?, admin_listener.local_addr()?);
     // Tests and scripts read this line to find ports chosen by the OS.
@@ -35,7 +39,9 @@ pub async fn run(
     Ok(())
 }
 
-/// Serves on listeners already bound until `shutdown`, then drains.
+/// Serves on listeners already bound until `shutdown`, then drains. With serving lanes
+/// (`server.lanes` > 0), `listener` must be bound with `SO_REUSEPORT`, as [`run`] binds
+/// it, for the other lanes to bind the same port; `lanes = 0` serves any listener.
 pub async fn run_on(
     listener: TcpListener,
     admin_listener: TcpListener,
@@ -126,20 +132,44 @@ pub async fn run_on(
     tracing::info!("stopped");
 }
 
+/// Fails if another socket listens on `addr` already. Serving lanes bind the port with
+/// `SO_REUSEPORT`, which the kernel lets every process of the same user share: without
+/// this, a second `prefixlb serve` on a busy port would start and take part of its
+/// connections, where without lanes it fails with "address in use". The probe is
+/// bound, never listens, and is closed at once.
+fn claim(addr: SocketAddr, key: &str) -> std::io::Result<()> {
+    if addr.port() == 0 {
+        return Ok(());
+    }
+    socket(addr)
+        .and_then(|probe| probe.bind(addr))
+        .map_err(|e| cannot_bind(e, key, addr))
+}
+
 /// Binds a listener; with `reuse_port`, `SO_REUSEPORT` so serving lanes share the port.
 pub(super) fn bind(addr: SocketAddr, key: &str, reuse_port: bool) -> std::io::Result<TcpListener> {
     let bound = (|| {
-        let socket = match addr {
-            SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
-            SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
-        };
-        socket.set_reuseaddr(true)?;
+        let socket = socket(addr)?;
         if reuse_port {
             socket.set_reuseport(true)?;
         }
         socket.bind(addr)?;
         socket.listen(1024)
     })();
-    bound
-        .map_err(|e| std::io::Error::new(e.kind(), format!("cannot bind server.{key} {addr}: {e}")))
+    bound.map_err(|e| cannot_bind(e, key, addr))
+}
+
+/// A socket for `addr` with `SO_REUSEADDR` (a restart binds while the last run's
+/// connections linger in `TIME_WAIT`).
+fn socket(addr: SocketAddr) -> std::io::Result<tokio::net::TcpSocket> {
+    let socket = match addr {
+        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+    };
+    socket.set_reuseaddr(true)?;
+    Ok(socket)
+}
+
+fn cannot_bind(e: std::io::Error, key: &str, addr: SocketAddr) -> std::io::Error {
+    std::io::Error::new(e.kind(), format!("cannot bind server.{key} {addr}: {e}"))
 }
