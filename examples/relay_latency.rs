@@ -85,7 +85,7 @@ async fn main() {
     let lb_addr = lb_listener.local_addr().unwrap();
     let admin = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let config = Config::parse(
-        &format!("[[pools]]\nname = \"mock\"\nnodes = [{{ id = \"e\", url = \"http://{engine_addr}\" }}]\n"),
+        &format!("[server]\nlanes = 0\n[[pools]]\nname = \"mock\"\nnodes = [{{ id = \"e\", url = \"http://{engine_addr}\" }}]\n"),
         "relay_latency",
     )
     .unwrap();

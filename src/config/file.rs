@@ -72,13 +72,15 @@ pub struct ServerSection {
     /// HTTP/2 keep-alive PING interval; a PING unanswered for as long closes the
     /// connection. Default `"20s"`.
     pub http2_keep_alive_interval: Dur,
-    /// Open client connections at most; past it, new ones wait in the kernel's backlog.
+    /// Open client connections at most; past it, new ones wait unserved (one per
+    /// lane accepted, the rest in the kernel's backlog).
     /// Default 10000.
     pub max_connections: Spanned<usize>,
     /// Serving lanes: that many threads, each a single-threaded runtime with its own
     /// `SO_REUSEPORT` listener on `listen` and its own engine connections; 0 serves
-    /// every connection from one shared multi-threaded runtime. Default 0.
-    pub lanes: Spanned<usize>,
+    /// every connection from one shared multi-threaded runtime. Default `"auto"`: one
+    /// lane per CPU the process may use.
+    pub lanes: Spanned<LaneCount>,
     /// Whether each serving thread (each lane, or with `lanes = 0` each worker of the
     /// shared runtime) is pinned to a CPU of its own, the n-th of the CPUs the process
     /// may run on (as `taskset` or a cpuset leaves them). Default `"auto"`.
@@ -111,7 +113,7 @@ impl Default for ServerSection {
             max_header_bytes: unspanned(64 * 1024),
             http2_keep_alive_interval: Dur::secs(20),
             max_connections: unspanned(10_000),
-            lanes: unspanned(0),
+            lanes: unspanned(LaneCount::Auto),
             pin_threads: PinThreads::Auto,
             yield_after: Dur(std::time::Duration::from_micros(500)),
             body_read_timeout: Dur::secs(30),
@@ -423,6 +425,43 @@ impl WhenSaturated {
             WhenSaturated::Reject => "reject",
             WhenSaturated::LeastLoaded => "least_loaded",
         }
+    }
+}
+
+/// `server.lanes`: a count, or `"auto"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LaneCount {
+    /// One lane per CPU the process may use (its affinity mask and any cgroup CPU
+    /// quota, as `std::thread::available_parallelism` reads them).
+    Auto,
+    /// That many lanes; 0 serves the port from the shared runtime.
+    Count(u64),
+}
+
+impl<'de> Deserialize<'de> for LaneCount {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Spelling;
+        impl serde::de::Visitor<'_> for Spelling {
+            type Value = LaneCount;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("\"auto\" or a count of lanes (0: the shared runtime)")
+            }
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<LaneCount, E> {
+                u64::try_from(n)
+                    .map(LaneCount::Count)
+                    .map_err(|_| E::custom("lanes must be \"auto\" or 0 or more"))
+            }
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<LaneCount, E> {
+                Ok(LaneCount::Count(n))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<LaneCount, E> {
+                match v {
+                    "auto" => Ok(LaneCount::Auto),
+                    _ => Err(E::invalid_value(serde::de::Unexpected::Str(v), &self)),
+                }
+            }
+        }
+        d.deserialize_any(Spelling)
     }
 }
 

@@ -264,3 +264,24 @@ fn yield_after_defaults_to_half_a_millisecond_and_is_at_most_a_second() {
         "{e}"
     );
 }
+
+#[test]
+fn lanes_default_to_one_per_cpu_the_process_may_use() {
+    let per_cpu = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let c = Config::parse(MIN, "t.toml").unwrap();
+    assert_eq!(c.server.lanes, per_cpu.min(256));
+    let auto = Config::parse(&format!("[server]\nlanes = \"auto\"\n{MIN}"), "t.toml").unwrap();
+    assert_eq!(auto.server.lanes, c.server.lanes);
+    let shared = Config::parse(&format!("[server]\nlanes = 0\n{MIN}"), "t.toml").unwrap();
+    assert_eq!(shared.server.lanes, 0);
+    let three = Config::parse(&format!("[server]\nlanes = 3\n{MIN}"), "t.toml").unwrap();
+    assert_eq!(three.server.lanes, 3);
+    for (bad, says) in [
+        ("lanes = 257", "lanes 257 is out of range 0..=256"),
+        ("lanes = -1", "lanes must be \"auto\" or 0 or more"),
+        ("lanes = \"all\"", "expected \"auto\" or a count of lanes"),
+    ] {
+        let e = err(&format!("[server]\n{bad}\n{MIN}"));
+        assert!(e.to_string().contains(says), "{bad}: {e}");
+    }
+}

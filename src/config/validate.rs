@@ -10,8 +10,8 @@ use std::path::Path;
 use toml::Spanned;
 
 use super::file::{
-    AuthSection, BreakerSection, FileConfig, HealthSection, NodeSection, PoolSection, RedisSection,
-    RoutingSection, ServerSection, ShuntStepSection,
+    AuthSection, BreakerSection, FileConfig, HealthSection, LaneCount, NodeSection, PoolSection,
+    RedisSection, RoutingSection, ServerSection, ShuntStepSection,
 };
 use super::{
     AuthConfig, BreakerSettings, Config, HealthConfig, NodeConfig, PoolConfig, RedisConfig,
@@ -28,6 +28,17 @@ fn invalid<T>(span: Range<usize>, msg: impl Into<String>) -> Result<T, Invalid> 
         Some(span)
     };
     Err((span, msg.into()))
+}
+
+/// Most serving lanes (`server.lanes`).
+const MAX_LANES: usize = 256;
+
+/// `server.lanes = "auto"`: one lane per CPU this process may use (its affinity mask
+/// and any cgroup CPU quota), at most [`MAX_LANES`].
+fn lanes_for_this_process() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(MAX_LANES)
 }
 
 /// `value` if it lies in `range`, else an error at its span.
@@ -535,7 +546,16 @@ fn validate_server(s: ServerSection) -> Result<ServerConfig, Invalid> {
         max_header_bytes: within(&s.max_header_bytes, 8192..=16 << 20, "max_header_bytes")?,
         http2_keep_alive_interval: s.http2_keep_alive_interval.0,
         max_connections: within(&s.max_connections, 1..=1_000_000, "max_connections")?,
-        lanes: within(&s.lanes, 0..=256, "lanes")?,
+        lanes: match *s.lanes.get_ref() {
+            LaneCount::Auto => lanes_for_this_process(),
+            LaneCount::Count(n) if n <= MAX_LANES as u64 => n as usize,
+            LaneCount::Count(n) => {
+                return invalid(
+                    s.lanes.span(),
+                    format!("lanes {n} is out of range 0..={MAX_LANES} (or \"auto\")"),
+                )
+            }
+        },
         pin_threads: s.pin_threads,
         yield_after: match s.yield_after.0 {
             d if d <= std::time::Duration::from_secs(1) => d,

@@ -91,9 +91,11 @@ pub async fn run() -> std::io::Result<String> {
     Ok(report(&opts, &rr, &lb, started.elapsed()))
 }
 
+/// The demo's balancer: served from the runtime its engines and clients share (`lanes =
+/// 0`; lanes would bind more listeners beside the one `compare` hands it).
 fn balancer_config(engines: &[SocketAddr]) -> Config {
     let mut text = String::from(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nshutdown_grace = \"1s\"\n[[pools]]\nname = \"demo\"\nmodels = [\"demo\"]\n",
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nshutdown_grace = \"1s\"\nlanes = 0\n[[pools]]\nname = \"demo\"\nmodels = [\"demo\"]\n",
     );
     for (i, e) in engines.iter().enumerate() {
         let _ = writeln!(
