@@ -12,7 +12,7 @@
 #   SGLANG=1 scripts/load_vs_haproxy.sh         # SGLang's router (cache_aware) as a third column
 #   BARE=1 scripts/load_vs_haproxy.sh           # the floor as a third column: hyper's server
 #     and client with nothing of ours between them (examples/bare_proxy.rs, two lanes)
-#   LANES=2 scripts/load_vs_haproxy.sh          # prefixlb with server.lanes = 2
+#   LANES=0 scripts/load_vs_haproxy.sh          # prefixlb with server.lanes = 0 (default "auto")
 #   HAPROXY_PIN=1 scripts/load_vs_haproxy.sh    # HAProxy's threads pinned too (cpu-map),
 #     as prefixlb pins its serving threads by default (server.pin_threads = "auto")
 # ENGINES=mock (the default): two zero-latency `mock-engine`s, which parse JSON and
@@ -40,7 +40,7 @@ if [ "$BARE" = 1 ]; then
     if [ -n "$THIRD" ]; then echo "SGLANG=1 and BARE=1: one third column at a time" >&2; exit 2; fi
     THIRD=bare
 fi
-LANES=${LANES:-0}
+LANES=${LANES:-auto}
 VENV=${VENV:-target/sglang-venv}
 BODIES=${BODIES:-1k 18k}
 CONNS=${CONNS:-32 256}

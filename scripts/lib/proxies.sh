@@ -61,11 +61,13 @@ EOF
 # and HAProxy's ($WORK/haproxy.cfg, listening on 19181), over the two engines.
 write_configs() {
     if [ "$LOAD_FACTOR" = off ]; then RELATIVE=""; else RELATIVE="load_factor = $LOAD_FACTOR"; fi
+    # A count as is; "auto" (the balancer's default) as a TOML string.
+    if [[ "$LANES" =~ ^[0-9]+$ ]]; then LANES_TOML=$LANES; else LANES_TOML="\"$LANES\""; fi
     cat >"$WORK/prefixlb.toml" <<EOF
 [server]
 listen = "127.0.0.1:19180"
 admin_listen = "127.0.0.1:19190"
-lanes = $LANES
+lanes = $LANES_TOML
 [routing]
 # High enough never to bind: this measures the proxy, not bounded loads.
 max_in_flight = 100000

@@ -33,6 +33,7 @@ pub async fn run(
         %admin_addr,
         pools = config.pools.len(),
         nodes = config.pools.iter().map(|p| p.nodes.len()).sum::<usize>(),
+        lanes = config.server.lanes,
         "prefixlb serving"
     );
     run_on(listener, admin_listener, config, Some(source), shutdown).await;
