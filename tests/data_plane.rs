@@ -1046,16 +1046,9 @@ async fn a_second_balancer_on_a_served_port_fails_to_start() {
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
-        let start = Instant::now();
-        let status = loop {
-            match child.try_wait().unwrap() {
-                Some(status) => break status,
-                None if start.elapsed() > Duration::from_secs(10) => {
-                    let _ = child.kill();
-                    panic!("{lanes}: a second balancer started on {}", first.addr);
-                }
-                None => std::thread::sleep(Duration::from_millis(20)),
-            }
+        let Some(status) = exit_within(&mut child, Duration::from_secs(10)) else {
+            let _ = child.kill();
+            panic!("{lanes}: a second balancer started on {}", first.addr);
         };
         let mut stderr = String::new();
         std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();

@@ -36,14 +36,7 @@ impl Daemon {
     }
 
     fn wait_exit(&mut self, limit: Duration) -> Option<i32> {
-        let start = Instant::now();
-        while start.elapsed() < limit {
-            if let Ok(Some(status)) = self.0.try_wait() {
-                return status.code();
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        None
+        exit_within(&mut self.0, limit).and_then(|status| status.code())
     }
 }
 

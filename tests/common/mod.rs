@@ -54,15 +54,21 @@ impl Proc {
 
     /// Waits for the process to exit by itself; returns its exit code.
     pub fn wait_exit(&mut self, limit: Duration) -> Option<i32> {
-        let start = Instant::now();
-        while start.elapsed() < limit {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                return status.code();
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        None
+        exit_within(&mut self.child, limit).and_then(|status| status.code())
     }
+}
+
+/// Waits up to `limit` for `child` to exit by itself; its status, or `None` if it
+/// still runs.
+pub fn exit_within(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Some(status);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
 }
 
 /// Starts a process and reads its "listening on http://ADDR [(admin http://ADDR)]" line.
