@@ -93,8 +93,9 @@ pub async fn serve(
     for (lane, socket) in sockets.into_iter().enumerate() {
         let cpu = cpus::nth(lane, &allowed);
         let slots = slots.clone();
-        let open = series.open.with_label_values(&[&lane.to_string()]);
-        let yields = series.yields.with_label_values(&[&lane.to_string()]);
+        let label = lane.to_string();
+        let open = series.open.with_label_values(&[&label]);
+        let yields = series.yields.with_label_values(&[&label]);
         let yield_after = lanes.yield_after;
         let mut stop = stop_rx.clone();
         let spawned = std::thread::Builder::new()
@@ -128,9 +129,7 @@ pub async fn serve(
                     listener::serve_port(
                         port,
                         move |req, peer| {
-                            if yielding::before_request(yield_after) {
-                                yields.inc();
-                            }
+                            yielding::before_request_counted(yield_after, &yields);
                             proxy.handle(req, peer)
                         },
                         async move {

@@ -114,9 +114,7 @@ pub async fn run_on(
         listener::serve_port(
             port,
             move |req, peer| {
-                if super::yielding::before_request(yield_after) {
-                    yields.inc();
-                }
+                super::yielding::before_request_counted(yield_after, &yields);
                 handler.handle(req, peer)
             },
             stopping,

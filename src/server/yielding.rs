@@ -46,6 +46,13 @@ pub fn before_request(limit: Duration) -> bool {
     })
 }
 
+/// [`before_request`], counting a yield in `yields` (`prefixlb_lane_yields_total`).
+pub fn before_request_counted(limit: Duration, yields: &prometheus::IntCounter) {
+    if before_request(limit) {
+        yields.inc();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
