@@ -1177,14 +1177,11 @@ async fn a_busy_serving_thread_offers_its_cpu_after_yield_after() {
         for _ in 0..3 {
             chats_at_once(&lb.url("/v1/chat/completions"), 48, "burst").await;
         }
-        let page = call("GET", &lb.admin_url("/metrics"), &[], bytes::Bytes::new())
-            .await
-            .text();
-        let counted = page
-            .lines()
-            .find_map(|l| l.strip_prefix("prefixlb_lane_yields_total{lane=\"0\"} "))
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or_else(|| panic!("no lane 0 yields in {page}"));
+        let counted = metric(
+            &lb.admin_url("/metrics"),
+            "prefixlb_lane_yields_total{lane=\"0\"}",
+        )
+        .await;
         assert_eq!(
             counted > 0.0,
             yields,
