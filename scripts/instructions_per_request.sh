@@ -15,7 +15,7 @@
 #   LOCKS=1 PROXIES=prefixlb TOP=20 scripts/instructions_per_request.sh   # and the
 #     locked (atomic) instructions per request, by function (scripts/lib/locked_per_request.py)
 #     (prefixlb's default level; the log goes to a file; the default here is warn)
-# PROXIES: any of prefixlb (LANES=2 by default, as load_vs_haproxy.sh's runs), haproxy
+# PROXIES: any of prefixlb (LANES=2 by default: what load_vs_haproxy.sh's "auto" starts on 2 cores), haproxy
 # (2.6, the configuration of load_vs_haproxy.sh) and bare (examples/bare_proxy.rs:
 # hyper's server and client with nothing of prefixlb's between them).
 set -euo pipefail
