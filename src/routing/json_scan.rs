@@ -208,8 +208,9 @@ impl<'a> Scanner<'a> {
 
     /// A key or a role: a string at the cursor whose closing quote is in its first 16
     /// bytes with no backslash before it, settled by one 16-byte compare without the
-    /// general path's setup (a chat body has a hundred of them); `None` leaves the
-    /// cursor at the value (past any whitespace) for the general path.
+    /// general path's setup (a chat body has a hundred of them; the last key of a body,
+    /// `"stream": true}`, has fewer than 16 bytes after it and is settled the same);
+    /// `None` leaves the cursor at the value (past any whitespace) for the general path.
     #[inline(always)]
     fn short_plain_string(&mut self) -> Option<&'a str> {
         self.skip_ws();
@@ -218,8 +219,8 @@ impl<'a> Scanner<'a> {
         if b.get(self.pos) != Some(&b'"') {
             return None;
         }
-        let window = b.get(start..)?.first_chunk::<16>()?;
-        let (quotes, backslashes) = (lane_mask(window, b'"'), lane_mask(window, b'\\'));
+        let window = lane_at(b, start);
+        let (quotes, backslashes) = (lane_mask(&window, b'"'), lane_mask(&window, b'\\'));
         if quotes == 0 || quotes.trailing_zeros() > backslashes.trailing_zeros() {
             return None;
         }
@@ -346,11 +347,10 @@ fn closing_quote(b: &[u8], from: usize) -> Option<(usize, Escapes)> {
     let rest = b.get(from..)?;
     // Keys and roles are short and plain: one 16-byte compare settles them (a quote
     // with no backslash before it in the string closes it) before blocks are set up.
-    if let Some(window) = rest.first_chunk::<16>() {
-        let (quotes, backslashes) = (lane_mask(window, b'"'), lane_mask(window, b'\\'));
-        if quotes != 0 && quotes.trailing_zeros() < backslashes.trailing_zeros() {
-            return Some((from + quotes.trailing_zeros() as usize, Escapes::None));
-        }
+    let window = lane_at(b, from);
+    let (quotes, backslashes) = (lane_mask(&window, b'"'), lane_mask(&window, b'\\'));
+    if quotes != 0 && quotes.trailing_zeros() < backslashes.trailing_zeros() {
+        return Some((from + quotes.trailing_zeros() as usize, Escapes::None));
     }
     // Whole 64-byte blocks (fixed-size arrays: no bounds checks in the loop), then the
     // last partial one padded with zeros (neither quote nor backslash).
@@ -439,6 +439,21 @@ fn halves(block: &[u8; 64]) -> impl Iterator<Item = &[u8; 32]> {
 #[inline(always)]
 fn half_mask(half: &[u8; 32], byte: u8) -> u32 {
     u8x32::new(*half).simd_eq(u8x32::splat(byte)).to_bitmask()
+}
+
+/// The 16 bytes of `b` from `start`, padded with zeros (neither quote nor backslash)
+/// past its end.
+#[inline(always)]
+fn lane_at(b: &[u8], start: usize) -> [u8; 16] {
+    match b.get(start..).and_then(|rest| rest.first_chunk::<16>()) {
+        Some(whole) => *whole,
+        None => {
+            let rest = b.get(start..).unwrap_or_default();
+            let mut lane = [0u8; 16];
+            lane[..rest.len()].copy_from_slice(rest);
+            lane
+        }
+    }
 }
 
 /// The bit mask of the bytes of a 16-byte lane that equal `byte`.
@@ -599,6 +614,41 @@ mod tests {
         assert_eq!(
             seen,
             vec!["k1=v\n", r#"skip raw=[1, {"x": "]"}]"#, "b=Some(true)"]
+        );
+    }
+
+    /// A body's last key has fewer than 16 bytes after its opening quote, and is
+    /// settled by the short compare over a zero-padded window: the padding is neither
+    /// a quote nor a backslash, so an escape or a missing quote near the end still
+    /// takes the general path.
+    #[test]
+    fn strings_near_the_end_of_the_text() {
+        let keys = |text: &str| {
+            let mut s = Scanner::new(text);
+            let mut keys = Vec::new();
+            let done = s.object(|s, k| {
+                keys.push(k.into_owned());
+                s.value().map(|_| ())
+            });
+            done.map(|()| keys)
+        };
+        assert_eq!(
+            keys(r#"{"model": "m", "stream": true}"#).unwrap(),
+            ["model", "stream"]
+        );
+        assert_eq!(keys(r#"{"a":1}"#).unwrap(), ["a"]);
+        assert_eq!(keys(r#"{"a\"b": 1}"#).unwrap(), ["a\"b"]);
+        assert_eq!(keys(r#"{"ab"#).unwrap_err().msg, "unterminated string");
+        assert_eq!(keys(r#"{"a\"#).unwrap_err().msg, "unterminated string");
+        assert_eq!(
+            keys(r#"{"a": "b\"}"#).unwrap_err().msg,
+            "unterminated string"
+        );
+        let mut s = Scanner::new(r#""x""#);
+        assert_eq!(s.opt_string("string").unwrap().as_deref(), Some("x"));
+        assert_eq!(
+            Scanner::new(r#""x"#).raw_string().unwrap_err().msg,
+            "unterminated string"
         );
     }
 
