@@ -145,8 +145,21 @@ echo
 echo "== medians over $ROUNDS rounds (rps, p50 ms, p99 ms, CPU s per 1,000 requests; ratio = prefixlb / haproxy)"
 CELLS=$(( ROUNDS * $(echo $BODIES | wc -w) * $(echo $CONNS | wc -w) ))
 python3 - "$WORK/rows.txt" "$CELLS" "$THIRD" <<'EOF'
-import statistics, sys
+import math, statistics, sys
 rows = [l.split() for l in open(sys.argv[1]).read().splitlines()][-int(sys.argv[2]):]
+
+def median_range(xs):
+    # A distribution-free 95 % interval for the median: the k-th smallest and k-th
+    # largest of n values, k the largest rank with P(Binomial(n, 1/2) < k) <= 2.5 %
+    # (n = 12: the 3rd and the 10th, 96 % coverage). Too few rounds: the whole range.
+    xs, n = sorted(xs), len(xs)
+    k, below = 0, 0.0
+    while below + math.comb(n, k) / 2**n <= 0.025:
+        below += math.comb(n, k) / 2**n
+        k += 1
+    k = max(k, 1)
+    return xs[k - 1], xs[n - k]
+
 cells = {}
 for r in rows:
     key = (r[1], int(r[2]))
@@ -154,26 +167,31 @@ for r in rows:
     b = [float(x) for x in r[10:14]]
     c = [float(x) for x in r[16:20]] if len(r) >= 20 else None
     cells.setdefault(key, []).append((a, b, c))
-print(f"{'body':>5} {'conns':>5} | {'prefixlb rps':>12} {'p50':>7} {'p99':>7} {'cpu/1k':>7} | {'haproxy rps':>11} {'p50':>7} {'p99':>7} {'cpu/1k':>7} | {'rps x':>6} {'p99 x':>6} | {'paired':>6} {'won':>5}")
+print(f"{'body':>5} {'conns':>5} | {'prefixlb rps':>12} {'p50':>7} {'p99':>7} {'cpu/1k':>7} | {'haproxy rps':>11} {'p50':>7} {'p99':>7} {'cpu/1k':>7} | {'rps x':>6} {'p99 x':>6} | {'paired':>6} {'95% range':>11} {'won':>5}")
 for (body, conns), runs in sorted(cells.items()):
     med = lambda side, i: statistics.median(r[side][i] for r in runs)
     a = [med(0, i) for i in range(4)]
     b = [med(1, i) for i in range(4)]
     # Each round's two cells ran back to back: their ratio cancels the machine's
     # slower spells better than the ratio of the medians does.
-    paired = statistics.median(r[0][0] / r[1][0] for r in runs)
+    ratios = [r[0][0] / r[1][0] for r in runs]
+    paired = statistics.median(ratios)
+    lo, hi = median_range(ratios)
     won = sum(r[0][0] > r[1][0] for r in runs)
-    print(f"{body:>5} {conns:>5} | {a[0]:>12.0f} {a[1]:>7.2f} {a[2]:>7.2f} {a[3]:>7.3f} | {b[0]:>11.0f} {b[1]:>7.2f} {b[2]:>7.2f} {b[3]:>7.3f} | {a[0] / b[0]:>6.2f} {a[2] / b[2]:>6.2f} | {paired:>6.2f} {won:>2}/{len(runs):<2}")
-print("paired: the median of the rounds' prefixlb/haproxy throughput ratios; won: rounds prefixlb was faster")
+    print(f"{body:>5} {conns:>5} | {a[0]:>12.0f} {a[1]:>7.2f} {a[2]:>7.2f} {a[3]:>7.3f} | {b[0]:>11.0f} {b[1]:>7.2f} {b[2]:>7.2f} {b[3]:>7.3f} | {a[0] / b[0]:>6.2f} {a[2] / b[2]:>6.2f} | {paired:>6.2f} {lo:>5.2f}-{hi:<5.2f} {won:>2}/{len(runs):<2}")
+print("paired: the median of the rounds' prefixlb/haproxy throughput ratios; 95% range: where that median")
+print("lies, from the rounds alone (a range holding 1.00 cannot tell the two apart); won: rounds prefixlb was faster")
 if all(r[2] for runs in cells.values() for r in runs):
     print()
     third = sys.argv[3]
-    print(f"{'body':>5} {'conns':>5} | {third + ' rps':>10} {'p50':>7} {'p99':>7} {'cpu/1k':>7} | {'prefixlb/' + third:>15} {'won':>5}")
+    print(f"{'body':>5} {'conns':>5} | {third + ' rps':>10} {'p50':>7} {'p99':>7} {'cpu/1k':>7} | {'prefixlb/' + third:>15} {'95% range':>11} {'won':>5}")
     for (body, conns), runs in sorted(cells.items()):
         c = [statistics.median(r[2][i] for r in runs) for i in range(4)]
-        paired = statistics.median(r[0][0] / r[2][0] for r in runs)
+        ratios = [r[0][0] / r[2][0] for r in runs]
+        paired = statistics.median(ratios)
+        lo, hi = median_range(ratios)
         won = sum(r[0][0] > r[2][0] for r in runs)
-        print(f"{body:>5} {conns:>5} | {c[0]:>10.0f} {c[1]:>7.2f} {c[2]:>7.2f} {c[3]:>7.3f} | {paired:>15.2f} {won:>2}/{len(runs):<2}")
+        print(f"{body:>5} {conns:>5} | {c[0]:>10.0f} {c[1]:>7.2f} {c[2]:>7.2f} {c[3]:>7.3f} | {paired:>15.2f} {lo:>5.2f}-{hi:<5.2f} {won:>2}/{len(runs):<2}")
     what = {
         "sglang": "SGLang's router, policy cache_aware",
         "bare": "hyper's server and client with nothing of prefixlb's between them (examples/bare_proxy.rs)",
