@@ -151,6 +151,9 @@ async fn a_malformed_head_is_an_error_naming_it() {
     );
 }
 
+/// An expired connection is not reused, and is not closed on the path of the
+/// request that finds it expired either: it waits for the sweep (off the serving
+/// threads), which closes it.
 #[tokio::test]
 async fn a_dropped_body_closes_its_connection_and_expired_ones_go() {
     let (authority, accepted) = engine().await;
@@ -160,7 +163,17 @@ async fn a_dropped_body_closes_its_connection_and_expired_ones_go() {
     assert_eq!(accepted.load(SeqCst), 2);
     tokio::time::sleep(Duration::from_millis(80)).await;
     let _unreleased = send(&up, &authority).await.unwrap();
-    assert_eq!(accepted.load(SeqCst), 3);
+    assert_eq!(
+        accepted.load(SeqCst),
+        3,
+        "the expired connection was reused"
+    );
+    assert_eq!(
+        up.idle_count(),
+        1,
+        "the request closed the expired connection"
+    );
+    up.sweep();
     assert_eq!(up.idle_count(), 0);
 }
 
