@@ -473,7 +473,7 @@ impl Upstream {
 
     /// The newest usable idle connection at `now`. Expired ones are left for
     /// [`Upstream::sweep`]: after a burst (a thousand streams) hundreds expire
-    /// together, and closing them here put every close on one request's path (1–3 ms
+    /// together, and closing them here put every close on one request's path (about 3 ms
     /// for the first request 4 s after a burst of 1,000 connections).
     fn checkout(&self, origin: &Origin, now: Instant) -> Option<Conn> {
         let mut idle = self.idle.lock();
