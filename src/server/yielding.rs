@@ -32,7 +32,7 @@ pub fn due(since: Instant, now: Instant, limit: Duration) -> bool {
 /// Before a request: yields the CPU once if this thread's stretch has run `limit`, and
 /// starts a new one. Returns whether it yielded. A thread whose runtime has no unpark
 /// hook (no stretch ever started: an embedding's own runtime) never yields.
-pub fn before_request(limit: Duration) -> bool {
+fn before_request(limit: Duration) -> bool {
     if limit.is_zero() {
         return false;
     }
