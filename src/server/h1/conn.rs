@@ -187,6 +187,13 @@ where
             version,
             keep_alive: keep_alive && feed.can_finish() && !stop.is_stopping(),
         };
+        // The other connections this thread has ready run first (tokio polls a
+        // yielded task again once it has polled for I/O events): the responses whose
+        // engine answers came in together then go out back to back, after their reads,
+        // as HAProxy sends its own, and a client holding many connections wakes once
+        // for several of them rather than once each (docs/performance.md, "A fifteenth
+        // sitting").
+        tokio::task::yield_now().await;
         let Ok(keep) = conn.write_response(response, asked).await else {
             return Ended::Closed;
         };
