@@ -63,11 +63,15 @@ write_configs() {
     if [ "$LOAD_FACTOR" = off ]; then RELATIVE=""; else RELATIVE="load_factor = $LOAD_FACTOR"; fi
     # A count as is; "auto" (the balancer's default) as a TOML string.
     if [[ "$LANES" =~ ^[0-9]+$ ]]; then LANES_TOML=$LANES; else LANES_TOML="\"$LANES\""; fi
+    # YIELD_AFTER: server.yield_after (unset: the balancer's default).
+    local YIELD=""
+    if [ -n "${YIELD_AFTER:-}" ]; then YIELD="yield_after = \"$YIELD_AFTER\""; fi
     cat >"$WORK/prefixlb.toml" <<EOF
 [server]
 listen = "127.0.0.1:19180"
 admin_listen = "127.0.0.1:19190"
 lanes = $LANES_TOML
+$YIELD
 [routing]
 # High enough never to bind: this measures the proxy, not bounded loads.
 max_in_flight = 100000
