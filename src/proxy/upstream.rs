@@ -413,6 +413,12 @@ impl Upstream {
             authority: authority.clone(),
             tls: req.tls.is_some(),
         };
+        // The other connections this thread has ready run first (tokio polls a yielded
+        // task again once it has polled for I/O events): the requests whose client
+        // reads came in together then go to the engines back to back, and an engine
+        // wakes once for several of them rather than once each, as the client does for
+        // the responses (`server::h1`; docs/performance.md, "A sixteenth sitting").
+        tokio::task::yield_now().await;
         let mut conn = loop {
             let mut conn = match self.checkout(&origin, now) {
                 Some(conn) => conn,
