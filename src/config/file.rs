@@ -87,7 +87,7 @@ pub struct ServerSection {
     pub pin_threads: PinThreads,
     /// A serving thread (a lane, or a worker of the shared runtime) that has run this
     /// long without running out of work offers its CPU to other threads waiting for it
-    /// before its next request; `"0s"` never does. Default `"500us"`.
+    /// before its next request; `"0s"` never does. Default `"750us"`.
     pub yield_after: Dur,
     /// Time a client has to send its whole request body (408 after). Default `"30s"`.
     pub body_read_timeout: Dur,
@@ -115,7 +115,7 @@ impl Default for ServerSection {
             max_connections: unspanned(10_000),
             lanes: unspanned(LaneCount::Auto),
             pin_threads: PinThreads::Auto,
-            yield_after: Dur(std::time::Duration::from_micros(500)),
+            yield_after: Dur(std::time::Duration::from_micros(750)),
             body_read_timeout: Dur::secs(30),
             max_buffered_bytes: unspanned(1 << 30),
         }

@@ -252,9 +252,9 @@ fn upstream_uri_keeps_base_path() {
 }
 
 #[test]
-fn yield_after_defaults_to_half_a_millisecond_and_is_at_most_a_second() {
+fn yield_after_defaults_to_three_quarters_of_a_millisecond_and_is_at_most_a_second() {
     let c = Config::parse(MIN, "t.toml").unwrap();
-    assert_eq!(c.server.yield_after, Duration::from_micros(500));
+    assert_eq!(c.server.yield_after, Duration::from_micros(750));
     let off = Config::parse(&format!("[server]\nyield_after = \"0s\"\n{MIN}"), "t.toml").unwrap();
     assert_eq!(off.server.yield_after, Duration::ZERO);
     let e = err(&format!("[server]\nyield_after = \"2s\"\n{MIN}"));
