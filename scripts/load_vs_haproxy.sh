@@ -13,7 +13,7 @@
 #   BARE=1 scripts/load_vs_haproxy.sh           # the floor as a third column: hyper's server
 #     and client with nothing of ours between them (examples/bare_proxy.rs, two lanes)
 #   LANES=0 scripts/load_vs_haproxy.sh          # prefixlb with server.lanes = 0 (default "auto")
-#   YIELD_AFTER=0s scripts/load_vs_haproxy.sh   # prefixlb with server.yield_after = "0s" (default "500us")
+#   YIELD_AFTER=0s scripts/load_vs_haproxy.sh   # prefixlb with server.yield_after = "0s" (default "750us")
 #   HAPROXY_PIN=1 scripts/load_vs_haproxy.sh    # HAProxy's threads pinned too (cpu-map),
 #     as prefixlb pins its serving threads by default (server.pin_threads = "auto")
 # ENGINES=mock (the default): two zero-latency `mock-engine`s, which parse JSON and
