@@ -9,7 +9,7 @@ use std::ops::Range;
 
 use super::canonical::without_cache_control;
 use super::group::Grouping;
-use super::json_scan::{ScanError, Scanner};
+use super::json_scan::{ScanError, Scanner, StringValue};
 
 /// The API a request path belongs to; it decides where the prompt is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -405,6 +405,14 @@ pub(super) fn read_messages<'a>(
     // allocated four times over, each time copied.
     let mut messages = Vec::with_capacity(16);
     sc.array(|sc| {
+        // The usual message (a role and a string content) first; anything else, in full.
+        if let Some([role, content]) = sc.string_members(["role", "content"]) {
+            messages.push(Message {
+                role: role.map(StringValue::decoded),
+                content: content.map(|c| Cow::Borrowed(c.literal())),
+            });
+            return Ok(());
+        }
         if sc.peek() != Some(b'{') {
             return Err(sc.error(msg));
         }
