@@ -69,3 +69,32 @@ fn a_chunk_all_traffic_shares_counts_every_request_and_is_written_seldom() {
     // Written on each of the first STRIDE_FROM requests, then once a stride at most.
     assert!(writes < 1200, "written {writes} times in 4,000 requests");
 }
+
+proptest::proptest! {
+    /// The chunk hash is xxh3's own seeded hash, at every length and seed (the chain
+    /// hashes, and so every prefix group's place on the ring, stay as they were).
+    #[test]
+    fn seeded_xxh3_is_xxh3_with_the_seed(
+        piece in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..1200),
+        seed in proptest::prelude::any::<u64>(),
+    ) {
+        proptest::prop_assert_eq!(
+            seeded_xxh3(&piece, seed),
+            xxh3_64_with_seed(&piece, seed)
+        );
+    }
+}
+
+#[test]
+fn seeded_xxh3_is_xxh3_with_the_seed_for_whole_chunks() {
+    let chunk: Vec<u8> = (0..CHUNK).map(|i| (i * 31 % 251) as u8).collect();
+    for seed in [0, 1, 0x7072_6566_6978_6c62, u64::MAX] {
+        for len in [240, 241, CHUNK] {
+            assert_eq!(
+                seeded_xxh3(&chunk[..len], seed),
+                xxh3_64_with_seed(&chunk[..len], seed),
+                "{len} bytes, seed {seed:#x}"
+            );
+        }
+    }
+}
