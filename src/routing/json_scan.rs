@@ -419,7 +419,7 @@ fn closing_quote(b: &[u8], from: usize) -> Option<(usize, Escapes)> {
         .filter_map(|c| <&[u8; 64]>::try_from(c).ok())
         .enumerate()
     {
-        // Most blocks of prose hold no quote: their mask is 0 and nothing more is done.
+        // Most blocks of prose hold no quote: one folded compare settles them.
         if holds(block, b'"') {
             if let Some(found) = block_quote(b, from, 64 * n, block, mask(block, b'"')) {
                 return Some(found);
