@@ -7,7 +7,7 @@
 //! Pure but for the prefix table's counters.
 
 use smallvec::SmallVec;
-use xxhash_rust::xxh3::{xxh3_64_with_seed, Xxh3};
+use xxhash_rust::xxh3::Xxh3;
 
 use super::facts::{
     self, Api, BodySpans, Envelope, KeyError, KeySource, Message, PrefixFound, RequestFacts,
@@ -15,7 +15,7 @@ use super::facts::{
 };
 use super::group::Grouping;
 use super::key_text::KeyText;
-use super::prefix::{Chunks, Pos, PrefixTable, Segment, Stop};
+use super::prefix::{seeded_xxh3, Chunks, Pos, PrefixTable, Segment, Stop};
 use super::Mode;
 use crate::config::KeyMode;
 
@@ -216,7 +216,7 @@ pub fn key_hashes(pool: &str, facts: &RequestFacts, seed: u64) -> (u64, Grouping
         return (key_hash(pool, &facts.key, seed), placement);
     };
     let group_hash = key_hash(pool, &prefix.hash.to_le_bytes(), seed);
-    let hash = xxh3_64_with_seed(&facts.key, group_hash);
+    let hash = seeded_xxh3(&facts.key, group_hash);
     match facts.group {
         Grouping::Group(_) => (hash, Grouping::Group(group_hash)),
         Grouping::Pool | Grouping::Ring => (hash, Grouping::Pool),

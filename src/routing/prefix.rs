@@ -182,7 +182,7 @@ const DEFAULT_SECRET: [u8; 192] = const_custom_default_secret(0);
 /// stores, a 512-byte chunk hashes about 3 ns sooner (docs/performance.md, "A
 /// seventeenth sitting"). The secret's words are little-endian, as the lanes are only
 /// on a little-endian CPU; elsewhere xxh3 derives it.
-fn seeded_xxh3(piece: &[u8], seed: u64) -> u64 {
+pub(super) fn seeded_xxh3(piece: &[u8], seed: u64) -> u64 {
     if piece.len() <= 240 || seed == 0 || cfg!(target_endian = "big") {
         return xxh3_64_with_seed(piece, seed);
     }
