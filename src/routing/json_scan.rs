@@ -232,7 +232,11 @@ impl<'a> Scanner<'a> {
         Some(plain)
     }
 
-    /// A string literal, quotes included, and whether it may hold escapes.
+    /// A string literal, quotes included, and whether it may hold escapes. Inlined:
+    /// called, its `Result` came back through memory, written 8 bytes at a time and
+    /// read back 16 at a time, which stalled the CPU's store forwarding once a message
+    /// (docs/performance.md, "An eighteenth sitting").
+    #[inline(always)]
     fn literal_string(&mut self) -> Result<(&'a str, Escapes), ScanError> {
         self.expect(b'"', "expected a string")?;
         let start = self.pos - 1;
