@@ -128,6 +128,7 @@ impl<'s, 'a> Chunks<'s, 'a> {
 impl Iterator for Chunks<'_, '_> {
     type Item = Chunk;
 
+    #[inline(always)]
     fn next(&mut self) -> Option<Chunk> {
         loop {
             let s = self.segments.get(self.seg)?;
@@ -220,6 +221,7 @@ fn token_chunk_end(body: &[u8], from: usize) -> (usize, bool) {
 
 /// Chains the token values of a piece of a token-id array (digits, separators and
 /// brackets; anything else is skipped), each as 4 little-endian bytes.
+#[inline(never)]
 fn hash_token_ids(piece: &[u8], chain: u64) -> u64 {
     let mut h = xxhash_rust::xxh3::Xxh3::with_seed(chain);
     let mut n: u32 = 0;
