@@ -128,6 +128,9 @@ impl<'s, 'a> Chunks<'s, 'a> {
 impl Iterator for Chunks<'_, '_> {
     type Item = Chunk;
 
+    /// Inlined: called, its `Option<Chunk>` came back through memory, written 8 bytes
+    /// at a time and read back 16 at a time, a store-forwarding stall a chunk
+    /// (docs/performance.md, "An eighteenth sitting").
     #[inline(always)]
     fn next(&mut self) -> Option<Chunk> {
         loop {
@@ -220,7 +223,8 @@ fn token_chunk_end(body: &[u8], from: usize) -> (usize, bool) {
 }
 
 /// Chains the token values of a piece of a token-id array (digits, separators and
-/// brackets; anything else is skipped), each as 4 little-endian bytes.
+/// brackets; anything else is skipped), each as 4 little-endian bytes. Out of line, so
+/// that [`Chunks::next`], inlined, stays small.
 #[inline(never)]
 fn hash_token_ids(piece: &[u8], chain: u64) -> u64 {
     let mut h = xxhash_rust::xxh3::Xxh3::with_seed(chain);
