@@ -642,3 +642,23 @@ fn slow_extra(fault: Fault) -> Duration {
         Duration::ZERO
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::future::Future;
+    use std::task::{Context, Waker};
+
+    use super::*;
+
+    /// A zero pause must not wait for the timer's next tick (it cost a mock engine set
+    /// to cost nothing 1–2 ms a request); with `tokio::time::sleep(ZERO)` the first
+    /// poll is pending.
+    #[tokio::test]
+    async fn a_zero_pause_is_over_at_once_and_another_waits_for_the_timer() {
+        let mut cx = Context::from_waker(Waker::noop());
+        let mut zero = std::pin::pin!(pause(Duration::ZERO));
+        assert!(zero.as_mut().poll(&mut cx).is_ready());
+        let mut some = std::pin::pin!(pause(Duration::from_millis(50)));
+        assert!(some.as_mut().poll(&mut cx).is_pending());
+    }
+}
