@@ -624,11 +624,11 @@ impl MockEngine {
     }
 }
 
-/// Waits `d`, and not at all when it is zero. Tokio's timer rounds a deadline up to
-/// its next millisecond tick, so an engine set to cost nothing (`--decode-ms-per-token
-/// 0 --prefill-us-per-token 0`) slept 1–2 ms a request: at 32 connections a mock
-/// engine served 13,000 requests a second at a fifth of a core (docs/performance.md,
-/// "A twentieth sitting").
+/// Waits `d`, and not at all when it is zero. A zero `tokio::time::sleep` is not over
+/// at its first poll: it waits for the timer, so an engine set to cost nothing
+/// (`--decode-ms-per-token 0 --prefill-us-per-token 0`) served 13,000 requests a second
+/// at 32 connections, at 2.54 ms p50 and a fifth of a core (docs/performance.md, "A
+/// twentieth sitting").
 async fn pause(d: Duration) {
     if !d.is_zero() {
         tokio::time::sleep(d).await;
@@ -650,9 +650,9 @@ mod tests {
 
     use super::*;
 
-    /// A zero pause must not wait for the timer's next tick (it cost a mock engine set
-    /// to cost nothing 1–2 ms a request); with `tokio::time::sleep(ZERO)` the first
-    /// poll is pending.
+    /// A zero pause must not wait for the timer (it held a mock engine set to cost
+    /// nothing at 2.54 ms p50); with `tokio::time::sleep(ZERO)` the first poll is
+    /// pending.
     #[tokio::test]
     async fn a_zero_pause_is_over_at_once_and_another_waits_for_the_timer() {
         let mut cx = Context::from_waker(Waker::noop());
