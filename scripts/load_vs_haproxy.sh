@@ -16,6 +16,8 @@
 #   YIELD_AFTER=0s scripts/load_vs_haproxy.sh   # prefixlb with server.yield_after = "0s" (default "750us")
 #   HAPROXY_PIN=1 scripts/load_vs_haproxy.sh    # HAProxy's threads pinned too (cpu-map),
 #     as prefixlb pins its serving threads by default (server.pin_threads = "auto")
+#   ENGINE_THREADS=1 scripts/load_vs_haproxy.sh  # each mock engine on one tokio worker
+#     (TOKIO_WORKER_THREADS; unset: one per CPU), an engine with one event loop
 # ENGINES=mock (the default): two zero-latency `mock-engine`s, which parse JSON and
 # build answers on the same cores (every ratio is squeezed toward 1). ENGINES=nginx:
 # two nginx servers (one worker each, no access log) answering every POST with a

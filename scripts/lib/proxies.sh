@@ -23,7 +23,8 @@ need_proxies() {
     if [ "$ENGINES" = nginx ]; then need nginx nginx-light; fi
 }
 
-# Two engines on 127.0.0.1:19200 and :19201 (their pids appended to PIDS).
+# Two engines on 127.0.0.1:19200 and :19201 (their pids appended to PIDS). With
+# ENGINE_THREADS, each mock engine runs that many tokio workers.
 start_engines() {
     for i in 0 1; do
         if [ "$ENGINES" = nginx ]; then
@@ -50,7 +51,7 @@ http {
 EOF
             nginx -p "$PWD/$WORK/nginx$i" -c "$PWD/$WORK/nginx$i/nginx.conf" >/dev/null 2>&1 &
         else
-            "$BIN" mock-engine --listen "127.0.0.1:1920$i" --id "e$i" \
+            env ${ENGINE_THREADS:+TOKIO_WORKER_THREADS=$ENGINE_THREADS} "$BIN" mock-engine --listen "127.0.0.1:1920$i" --id "e$i" \
                 --decode-ms-per-token 0 --prefill-us-per-token 0 >/dev/null 2>&1 &
         fi
         PIDS+=($!)
