@@ -187,6 +187,97 @@ async fn a_scripted_run_shows_in_the_metrics_and_the_dashboard_queries_exist() {
     }
 }
 
+/// A client who leaves before the answer's head (waiting in the queue, waiting on an
+/// engine, or halfway through sending the body) is counted and logged as cancelled,
+/// with the pool and node it had reached, and its slot comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_who_leaves_before_the_answer_is_counted_and_logged_as_cancelled() {
+    use tokio::io::AsyncWriteExt;
+    let e = engines(
+        1,
+        &["--decode-ms-per-token", "5", "--prefill-us-per-token", "0"],
+    );
+    let (lb, log) = balancer_logged(&config(&refs(&e), "", "max_in_flight = 1"), "info", &[]);
+    // The engine takes requests and never answers them.
+    set_fault(&e[0], "stall", 0).await;
+    let url = lb.url("/v1/chat/completions");
+    // The first holds n0's one slot, waiting on the engine; the second waits in the
+    // queue for that slot. Both clients give up.
+    let asking = {
+        let url = url.clone();
+        tokio::spawn(async move {
+            let body = chat(&[("user", "the first")], false, 5);
+            tokio::time::timeout(Duration::from_millis(1500), post_json(&url, &body, &[])).await
+        })
+    };
+    assert!(
+        eventually(Duration::from_secs(1), || async {
+            in_flight(&lb).await[0].1 == 1
+        })
+        .await,
+        "the first request holds n0's slot"
+    );
+    let body = chat(&[("user", "the second")], true, 5);
+    let queued =
+        tokio::time::timeout(Duration::from_millis(300), post_json(&url, &body, &[])).await;
+    assert!(queued.is_err(), "the second waited in the queue");
+    assert!(asking.await.unwrap().is_err(), "the first was not answered");
+    // The third sends half its body and hangs up.
+    let mut half = tokio::net::TcpStream::connect(lb.addr).await.unwrap();
+    half.write_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+          content-length: 100\r\n\r\n{\"model\"",
+    )
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(half);
+
+    let cancelled = |pool: &'static str, node: &'static str| {
+        let lb = &lb;
+        async move {
+            let (_, s) = scrape(lb).await;
+            let labels = [("pool", pool), ("node", node), ("outcome", "cancelled")];
+            total(&s, "prefixlb_requests_total", &labels)
+        }
+    };
+    let counted = eventually(Duration::from_secs(2), || async {
+        cancelled("mock", "n0").await == 1.0
+            && cancelled("mock", "none").await == 1.0
+            && cancelled("none", "none").await == 1.0
+    })
+    .await;
+    assert!(
+        counted,
+        "cancelled: n0 {}, queued {}, mid-body {}",
+        cancelled("mock", "n0").await,
+        cancelled("mock", "none").await,
+        cancelled("none", "none").await
+    );
+    assert_eq!(in_flight(&lb).await[0].1, 0, "the slot came back");
+    let lines = || {
+        std::fs::read_to_string(&log)
+            .unwrap()
+            .lines()
+            .filter(|l| l.contains("request cancelled") && l.contains("outcome=\"cancelled\""))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    assert!(
+        eventually(Duration::from_secs(5), || async { lines().len() == 3 }).await,
+        "three cancelled lines: {:?}",
+        lines()
+    );
+    let lines = lines();
+    for (pool, node) in [("mock", "n0"), ("mock", "none"), ("none", "none")] {
+        let named = format!("pool=\"{pool}\" node=\"{node}\"");
+        assert!(
+            lines.iter().any(|l| l.contains(&named)),
+            "no line with {named}: {lines:?}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hot_reload_under_load_loses_nothing_and_rejects_bad_files() {
     let e = engines(2, &["--decode-ms-per-token", "10"]);

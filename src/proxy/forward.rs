@@ -30,6 +30,7 @@ use crate::routing::route::Route;
 use crate::routing::table::{Pool, Table};
 use crate::telemetry::metrics::RequestMetrics;
 use crate::telemetry::outcome::{FailoverReason, RequestOutcome};
+use crate::telemetry::series::NodeSeries;
 use crate::telemetry::traces;
 
 /// How much of a plain (not streamed) answer is read before it goes to the client: an
@@ -126,8 +127,12 @@ impl Exchange<'_> {
     }
 
     /// Admission, the exchange and failover, until an answer commits or nothing is
-    /// left to try.
-    pub async fn run(&mut self) -> Result<Response<BoxBody>, ProxyError> {
+    /// left to try. `asking` names the node of the attempt in progress (none while the
+    /// request waits), for a client who leaves before the answer.
+    pub async fn run(
+        &mut self,
+        asking: &mut Option<&'static NodeSeries>,
+    ) -> Result<Response<BoxBody>, ProxyError> {
         let mut body = self.body_for(&self.placement);
         let max_attempts = self.routing().max_attempts;
         // Engines that do not serve the adapter asked for count as tried from the start.
@@ -182,13 +187,18 @@ impl Exchange<'_> {
                 span.record("prefixlb.route", route.label().as_ref());
             }
             traces::inject(&span, &mut self.headers.map);
+            let series = self
+                .metrics
+                .series(&ticket.pool().config.name, ticket.node().id());
+            *asking = Some(series);
             let failure = match self
                 .ask(ticket.pool(), ticket.node(), &body, at, &span)
                 .await
             {
-                Ok(answer) => return Ok(self.commit(ticket, route, attempt, answer, span)),
+                Ok(answer) => return Ok(self.commit(ticket, series, route, attempt, answer, span)),
                 Err(f) => f,
             };
+            *asking = None;
             traces::record_failed_attempt(&span, failure.reason.as_str(), &failure.text);
             let pool = &ticket.pool().config.name;
             self.metrics.count_failover(pool, failure.reason);
@@ -357,6 +367,7 @@ impl Exchange<'_> {
     fn commit(
         &self,
         mut ticket: Ticket,
+        series: &'static NodeSeries,
         route: Route,
         attempts: u32,
         answer: Answer,
@@ -368,9 +379,6 @@ impl Exchange<'_> {
             self.span.record("prefixlb.node", ticket.node().id());
             self.span.record("prefixlb.attempts", attempts);
         }
-        let series = self
-            .metrics
-            .series(&ticket.pool().config.name, ticket.node().id());
         series.count_decision(&route, ticket.distance());
         let committed_at = Instant::now();
         ticket.settle(committed_at.into_std());

@@ -16,6 +16,7 @@ mod relay;
 pub mod request_body;
 pub mod sse;
 pub mod tenant;
+mod unanswered;
 mod upstream;
 
 use std::net::SocketAddr;
@@ -41,6 +42,7 @@ use crate::telemetry::outcome::RequestOutcome;
 use crate::telemetry::traces;
 use body::{full, BoxBody};
 use ingress::{BodyLimits, ByteBudget};
+use unanswered::{Progress, Unanswered};
 
 /// The data plane's shared state: the current routing snapshot (swapped whole by the
 /// control plane), the engine connections, the metric families it updates, and the
@@ -205,19 +207,22 @@ impl Proxy {
     ) -> Response<BoxBody> {
         let table = self.table();
         let started = Instant::now();
-        let mut pool = None;
         // Errors take the shape of the API asked.
         let api = Api::from_path(req.uri().path());
         let span = traces::request_span(req.method(), req.uri().path(), req.headers());
-        match self
-            .route(&table, req, peer, started, &mut pool, &span)
-            .await
-        {
+        // Counted as cancelled if this future is dropped before the answer.
+        let mut request = Unanswered::new(&self.metrics, started, span);
+        let routed = self
+            .route(&table, req, peer, started, &mut request.at, &request.span)
+            .await;
+        request.answered();
+        match routed {
             Ok(resp) => resp,
             Err(e) => {
-                let pool = pool.unwrap_or("none");
+                let pool = request.at.pool.unwrap_or("none");
                 let outcome = RequestOutcome::of_status(e.status().as_u16());
-                traces::record_refusal(&span, e.status().as_u16(), outcome.as_str(), e.code());
+                let span = &request.span;
+                traces::record_refusal(span, e.status().as_u16(), outcome.as_str(), e.code());
                 self.metrics.count_unanswered(pool, outcome);
                 tracing::info!(
                     pool,
@@ -238,7 +243,7 @@ impl Proxy {
         req: Request<RequestBody>,
         peer: SocketAddr,
         started: Instant,
-        pool: &mut Option<&'t str>,
+        at: &mut Progress<'t>,
         span: &tracing::Span,
     ) -> Result<Response<BoxBody>, ProxyError> {
         let path = req.uri().path();
@@ -290,7 +295,7 @@ impl Proxy {
                 .get(&table.config.routing.key_header)
                 .map(HeaderValue::as_bytes);
             let placement = table.place(parts.uri.path(), header_key, &body, Mode::Route)?;
-            *pool = Some(&table.pools[placement.own_pool()].config.name);
+            at.pool = Some(&table.pools[placement.own_pool()].config.name);
             traces::record_placement(span, &placement);
             let asker = self.ask(table, key_name, &parts.headers, &placement, started)?;
             traces::record_asker(span, asker.tenant_label(), asker.class_name);
@@ -314,7 +319,7 @@ impl Proxy {
                 queue_wait: Duration::ZERO,
             }
         };
-        exchange.run().await
+        exchange.run(&mut at.asking).await
     }
 }
 

@@ -182,6 +182,17 @@ pub fn record_refusal(span: &Span, status: u16, outcome: &str, code: &str) {
     }
 }
 
+/// How a request ended when its client left before its answer: no status was sent.
+/// Marked as an error, as a stream the client leaves is ([`record_end`]).
+pub fn record_cancelled(span: &Span) {
+    if span.is_disabled() {
+        return;
+    }
+    span.record("prefixlb.outcome", "cancelled");
+    span.record("error.type", "cancelled");
+    span.record("otel.status_code", "ERROR");
+}
+
 /// The span of one attempt on `node` (the `attempt`-th), a child of the request's.
 pub fn attempt_span(request: &Span, node: &str, attempt: u32) -> Span {
     tracing::info_span!(

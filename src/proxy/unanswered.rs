@@ -1,0 +1,80 @@
+//! A request until the head of its answer (or its error) is ready. It records where
+//! the request stands: its pool once placed, and the node of the attempt in progress.
+//! The client may leave before then: a closed connection or an HTTP/2 reset drops the
+//! request's future while it reads the body, waits in the queue, or waits for the
+//! engine through a cold prefill. Such a request is then counted and logged as
+//! `cancelled`, as one whose client leaves during the body is ([`super::relay`]).
+//! Without this it would be in neither the metrics nor the log.
+
+use tokio::time::Instant;
+
+use crate::telemetry::metrics::RequestMetrics;
+use crate::telemetry::outcome::RequestOutcome;
+use crate::telemetry::series::NodeSeries;
+use crate::telemetry::traces;
+
+/// Where a request stands before its answer.
+#[derive(Default)]
+pub struct Progress<'t> {
+    /// Its pool, once placed.
+    pub pool: Option<&'t str>,
+    /// The node asked now, by its metric series (none in the queue or between
+    /// attempts).
+    pub asking: Option<&'static NodeSeries>,
+}
+
+/// A request not answered yet: counted and logged as `cancelled` if dropped so.
+pub struct Unanswered<'t> {
+    metrics: &'t RequestMetrics,
+    started: Instant,
+    /// The request's trace span.
+    pub span: tracing::Span,
+    pub at: Progress<'t>,
+    answered: bool,
+}
+
+impl<'t> Unanswered<'t> {
+    pub fn new(metrics: &'t RequestMetrics, started: Instant, span: tracing::Span) -> Self {
+        Unanswered {
+            metrics,
+            started,
+            span,
+            at: Progress::default(),
+            answered: false,
+        }
+    }
+
+    /// The answer (or the error) is ready: from here on it is the response's to count.
+    pub fn answered(&mut self) {
+        self.answered = true;
+    }
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if self.answered {
+            return;
+        }
+        let outcome = RequestOutcome::Cancelled;
+        let duration = self.started.elapsed();
+        let (pool, node) = match self.at.asking {
+            Some(series) => {
+                series.observe_request(outcome, duration);
+                series.names()
+            }
+            None => {
+                let pool = self.at.pool.unwrap_or("none");
+                self.metrics.count_unanswered(pool, outcome);
+                (pool, "none")
+            }
+        };
+        traces::record_cancelled(&self.span);
+        tracing::info!(
+            pool,
+            node,
+            outcome = outcome.as_str(),
+            duration_ms = duration.as_millis() as u64,
+            "request cancelled: the client left before the answer"
+        );
+    }
+}
