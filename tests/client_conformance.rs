@@ -100,7 +100,7 @@ fn split_responses(mut bytes: &[u8]) -> Vec<(u16, String)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn smuggling_shaped_heads_get_one_refusal_and_nothing_reaches_the_engine() {
     let e = engine("e0", &FAST);
-    let lb = balancer(&config(&[&e], "", ""));
+    let (lb, log) = balancer_logged(&config(&[&e], "", ""), "info", &[]);
     let smuggled = request("/v1/chat/completions", &chat_body("smuggled"));
     let post =
         "POST /v1/chat/completions HTTP/1.1\r\nhost: lb\r\ncontent-type: application/json\r\n";
@@ -207,6 +207,25 @@ async fn smuggling_shaped_heads_get_one_refusal_and_nothing_reaches_the_engine()
         "a request reached the engine"
     );
     assert_eq!(in_flight(&lb).await[0].1, 0);
+    // Each refusal is in the log with its status: a head's by the connection, a
+    // chunked body's by the proxy.
+    let refused = || {
+        std::fs::read_to_string(&log)
+            .unwrap()
+            .lines()
+            .filter(|l| l.contains("request head refused") || l.contains("request refused"))
+            .filter(|l| l.contains(" status="))
+            .count()
+    };
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            refused() == cases.len() + 1
+        })
+        .await,
+        "{} refusal lines for {} refusals",
+        refused(),
+        cases.len() + 1
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -546,8 +546,10 @@ impl Conn {
 
     /// Answers a head that cannot be served, and closes.
     async fn refuse(&mut self, e: &HeadError) {
-        tracing::debug!(error = %e, "request head refused");
         let status = e.status();
+        // As a request the proxy refuses is (never a header's value: the reasons name
+        // at most a method or a header's name, clipped).
+        tracing::info!(status = status.as_u16(), error = %e, "request head refused");
         let body = serde_json::json!({
             "error": {
                 "message": e.to_string(),
