@@ -226,6 +226,21 @@ async fn smuggling_shaped_heads_get_one_refusal_and_nothing_reaches_the_engine()
         refused(),
         cases.len() + 1
     );
+    // And each is counted, with pool and node `none`: the 501 as an error, the rest
+    // (400s) as the client's.
+    let metrics = lb.admin_url("/metrics");
+    let counted = |outcome: &str| {
+        let name =
+            format!("prefixlb_requests_total{{node=\"none\",outcome=\"{outcome}\",pool=\"none\"}}");
+        let metrics = metrics.clone();
+        async move { metric(&metrics, &name).await }
+    };
+    let fives = cases.iter().filter(|c| c.2 == 501).count() as f64;
+    assert_eq!(counted("error").await, fives);
+    assert_eq!(
+        counted("client_error").await,
+        (cases.len() + 1) as f64 - fives
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

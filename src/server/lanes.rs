@@ -26,6 +26,7 @@ use super::listener::{self, ConnLimits};
 use super::{cpus, yielding};
 use crate::config::{PinThreads, ServerConfig};
 use crate::proxy::Proxy;
+use crate::telemetry::metrics::RequestMetrics;
 
 /// How the client port is served: how many lanes, and whether each is pinned to a CPU.
 #[derive(Debug, Clone, Copy)]
@@ -47,10 +48,12 @@ impl Lanes {
     }
 }
 
-/// The lanes' own series: open connections and CPU yields, by lane.
+/// The lanes' own series: open connections and CPU yields, by lane; and where the
+/// request heads they refuse are counted.
 pub struct LaneSeries {
     pub open: IntGaugeVec,
     pub yields: IntCounterVec,
+    pub requests: Arc<RequestMetrics>,
 }
 
 /// Serves the client port from `lanes.count` lanes until `shutdown`, then lets each
@@ -96,6 +99,7 @@ pub async fn serve(
         let label = lane.to_string();
         let open = series.open.with_label_values(&[&label]);
         let yields = series.yields.with_label_values(&[&label]);
+        let requests = series.requests.clone();
         let yield_after = lanes.yield_after;
         let mut stop = stop_rx.clone();
         let spawned = std::thread::Builder::new()
@@ -125,6 +129,7 @@ pub async fn serve(
                         listener,
                         slots,
                         open: Some(open),
+                        refusals: Some(requests),
                     };
                     listener::serve_port(
                         port,

@@ -32,6 +32,8 @@ use super::head_timer::{Activity, Answer, HeadWatch};
 use crate::config::ServerConfig;
 use crate::proxy::body::BoxBody;
 use crate::proxy::request_body::RequestBody;
+use crate::telemetry::metrics::RequestMetrics;
+use crate::telemetry::outcome::RequestOutcome;
 
 /// Per-listener connection limits.
 #[derive(Debug, Clone, Copy)]
@@ -105,7 +107,7 @@ pub async fn serve<H, F>(
     H: Fn(Request<RequestBody>, SocketAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<BoxBody>> + Send + 'static,
 {
-    let port = Port::alone(listener, &limits, None);
+    let port = Port::alone(listener, &limits, None, None);
     serve_port(port, handler, shutdown, grace, limits).await;
 }
 
@@ -116,6 +118,9 @@ pub struct Port {
     pub slots: Arc<Semaphore>,
     /// Counts its open connections, where they are counted.
     pub open: Option<IntGauge>,
+    /// Counts the request heads it refuses (`requests_total`, pool and node `none`),
+    /// where requests are counted.
+    pub refusals: Option<Arc<RequestMetrics>>,
 }
 
 /// What an open client connection holds until it closes: its slot under the port's
@@ -135,11 +140,17 @@ impl Drop for Hold {
 
 impl Port {
     /// A port served by one accept loop: `max_connections` slots of its own.
-    pub fn alone(listener: TcpListener, limits: &ConnLimits, open: Option<IntGauge>) -> Port {
+    pub fn alone(
+        listener: TcpListener,
+        limits: &ConnLimits,
+        open: Option<IntGauge>,
+        refusals: Option<Arc<RequestMetrics>>,
+    ) -> Port {
         Port {
             listener,
             slots: Arc::new(Semaphore::new(limits.max_connections)),
             open,
+            refusals,
         }
     }
 
@@ -204,8 +215,10 @@ pub async fn serve_port<H, F>(
     // `closed()` resolves when the last has dropped its receiver.
     let (stop, stop_rx) = watch::channel(false);
     let mut shutdown = std::pin::pin!(shutdown);
+    let refusals = port.refusals.clone();
     while let Some((stream, peer, hold)) = port.accept(&mut shutdown).await {
         let handler = handler.clone();
+        let refusals = refusals.clone();
         let stop = Stop::new(stop_rx.clone());
         let h2 = h2.clone();
         let watcher = graceful.watcher();
@@ -213,6 +226,12 @@ pub async fn serve_port<H, F>(
             let _hold = hold;
             match conn::serve(stream, peer, &handler, &limits, stop).await {
                 Ended::Closed => {}
+                Ended::Refused(status) => {
+                    if let Some(requests) = &refusals {
+                        let outcome = RequestOutcome::of_status(status.as_u16());
+                        requests.count_unanswered("none", outcome);
+                    }
+                }
                 Ended::Http2(stream, read) => {
                     serve_http2(&h2, watcher, stream, read, peer, handler, &limits).await
                 }

@@ -103,10 +103,13 @@ pub async fn run_on(
         let series = super::lanes::LaneSeries {
             open,
             yields: control.metrics().lane_yields.clone(),
+            requests: control.metrics().requests.clone(),
         };
         super::lanes::serve(listener, handler, lanes, stopping, grace, limits, series).await;
     } else {
-        let port = listener::Port::alone(listener, &limits, Some(open.with_label_values(&["0"])));
+        let open = Some(open.with_label_values(&["0"]));
+        let requests = Some(control.metrics().requests.clone());
+        let port = listener::Port::alone(listener, &limits, open, requests);
         // The shared runtime's workers start their stretches in its unpark hook
         // (src/main.rs); their yields count as lane 0's.
         let yields = control.metrics().lane_yields.with_label_values(&["0"]);

@@ -50,6 +50,8 @@ const EAGER_BODY: u64 = 256 * 1024;
 pub enum Ended {
     /// Done: closed, or to be closed.
     Closed,
+    /// A head was refused with this status (answered, and the connection closed).
+    Refused(http::StatusCode),
     /// The client opened with the HTTP/2 preface: these bytes have been read.
     Http2(TcpStream, BytesMut),
 }
@@ -158,7 +160,7 @@ where
             HeadRead::Closed => return Ended::Closed,
             HeadRead::Refused(e) => {
                 conn.refuse(&e).await;
-                return Ended::Closed;
+                return Ended::Refused(e.status());
             }
         };
         first = false;
