@@ -4,7 +4,8 @@
 //! request's future while it reads the body, waits in the queue, or waits for the
 //! engine through a cold prefill. Such a request is then counted and logged as
 //! `cancelled`, as one whose client leaves during the body is ([`super::relay`]).
-//! Without this it would be in neither the metrics nor the log.
+//! Without this it would be in neither the metrics nor the log. (A shutdown whose
+//! grace runs out drops the requests left the same way, after its own warning.)
 
 use tokio::time::Instant;
 
@@ -74,7 +75,7 @@ impl Drop for Unanswered<'_> {
             node,
             outcome = outcome.as_str(),
             duration_ms = duration.as_millis() as u64,
-            "request cancelled: the client left before the answer"
+            "request cancelled before its answer"
         );
     }
 }
