@@ -225,10 +225,9 @@ fn serve(a: ConfigArg, format: LogFormat) -> anyhow::Result<ExitCode> {
 }
 
 fn agent(a: AgentArgs) -> anyhow::Result<ExitCode> {
-    let backend: http::Uri = a
-        .backend
-        .parse()
-        .map_err(|e| anyhow::anyhow!("--backend {:?}: {e}", a.backend))?;
+    // The balancers check a record's URL the same way, and skip one that fails.
+    let backend = prefixlb::config::parse_node_url(a.backend.trim_end_matches('/'))
+        .map_err(|why| anyhow::anyhow!("--backend: {why}"))?;
     let Some(authority) = backend.authority().map(|x| x.to_string()) else {
         anyhow::bail!(
             "--backend {:?} needs a host, e.g. http://10.0.0.5:8000",

@@ -90,6 +90,41 @@ fn semantic_errors_point_at_the_value() {
         "the secret is not echoed: {creds}"
     );
 
+    let node_url = |url: &str| {
+        Config::parse(
+            &format!("[[pools]]\nname=\"p\"\n[[pools.nodes]]\nid=\"a\"\nurl=\"{url}\"\n"),
+            "t.toml",
+        )
+    };
+    for bad in ["http://h:99999", "http://h:0", "http://[::1]:70000"] {
+        let e = node_url(bad).unwrap_err();
+        assert_eq!((e.line, e.col), (5, 5), "{e}");
+        assert!(e.message.contains("a port is 1 to 65535"), "{bad}: {e}");
+    }
+    // An OpenAI base URL given for an engine: the client's path has its own /v1.
+    for bad in [
+        "http://h:8000/v1",
+        "http://h:8000/v1/",
+        "https://gw/llama/v1",
+    ] {
+        let e = node_url(bad).unwrap_err();
+        assert!(e.message.contains("ends in /v1"), "{bad}: {e}");
+    }
+    let e = node_url("http://h:8000/v1").unwrap_err();
+    assert!(
+        e.message.contains("\"http://h:8000\""),
+        "names the root: {e}"
+    );
+    for good in [
+        "http://h:8000",
+        "http://h",
+        "http://[::1]:8000",
+        "http://gw/llama",
+        "http://h:65535/",
+    ] {
+        assert!(node_url(good).is_ok(), "{good}: {:?}", node_url(good).err());
+    }
+
     let pool = |extra: &str| {
         format!("[[pools]]\nname=\"p\"\nmodels=[\"m\"]\n{extra}\n[[pools.nodes]]\nid=\"a\"\nurl=\"http://h:1\"\n")
     };

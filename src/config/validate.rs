@@ -616,8 +616,9 @@ fn validate_routing(r: RoutingSection) -> Result<RoutingConfig, Invalid> {
     })
 }
 
-/// A node's base URL: `http` or `https` (see `[tls]`), a host, no credentials, no
-/// query.
+/// A node's base URL: `http` or `https` (see `[tls]`), a host, a port if any in
+/// 1..=65535, no credentials, no query, and a base path (prepended to each request's
+/// path) that does not end in `/v1`: the client's own path starts with it.
 pub fn parse_node_url(s: &str) -> Result<http::Uri, String> {
     let uri: http::Uri = s
         .parse()
@@ -642,6 +643,18 @@ pub fn parse_node_url(s: &str) -> Result<http::Uri, String> {
     }
     if uri.query().is_some() {
         return Err(format!("url {s:?} must not have a query"));
+    }
+    // `http` reads a port past 65535 as none (and connects to 80).
+    let port = authority.as_str()[authority.host().len()..].trim_start_matches(':');
+    if !port.is_empty() && !port.parse::<u16>().is_ok_and(|p| p > 0) {
+        return Err(format!("url {s:?} has port {port}: a port is 1 to 65535"));
+    }
+    let base = uri.path().trim_end_matches('/');
+    if base.ends_with("/v1") {
+        let root = &s[..s.len() - uri.path().len()];
+        return Err(format!(
+            "url {s:?} ends in /v1, but requests keep their own path (/v1/chat/completions), so the engine would get {base}/v1/…; give the engine's root, {root:?}"
+        ));
     }
     Ok(uri)
 }
