@@ -110,11 +110,14 @@ fn semantic_errors_point_at_the_value() {
         let e = node_url(bad).unwrap_err();
         assert!(e.message.contains("ends in /v1"), "{bad}: {e}");
     }
-    let e = node_url("http://h:8000/v1").unwrap_err();
-    assert!(
-        e.message.contains("\"http://h:8000\""),
-        "names the root: {e}"
-    );
+    for (bad, root) in [
+        ("http://h:8000/v1", "\"http://h:8000\""),
+        ("http://[::1]:8000/v1/", "\"http://[::1]:8000\""),
+        ("https://gw/llama/v1", "\"https://gw/llama\""),
+    ] {
+        let e = node_url(bad).unwrap_err();
+        assert!(e.message.contains(root), "names the root {root}: {e}");
+    }
     for good in [
         "http://h:8000",
         "http://h",

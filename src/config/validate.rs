@@ -650,8 +650,11 @@ pub fn parse_node_url(s: &str) -> Result<http::Uri, String> {
         return Err(format!("url {s:?} has port {port}: a port is 1 to 65535"));
     }
     let base = uri.path().trim_end_matches('/');
-    if base.ends_with("/v1") {
-        let root = &s[..s.len() - uri.path().len()];
+    if let Some(root_path) = base.strip_suffix("/v1") {
+        let root = format!(
+            "{}://{authority}{root_path}",
+            uri.scheme_str().unwrap_or("http")
+        );
         return Err(format!(
             "url {s:?} ends in /v1, but requests keep their own path (/v1/chat/completions), so the engine would get {base}/v1/…; give the engine's root, {root:?}"
         ));
