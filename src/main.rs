@@ -652,6 +652,11 @@ mod tools {
         /// request for a model not served gets vLLM's 404.
         #[arg(long, value_delimiter = ',')]
         adapters: Vec<String>,
+        /// Answer `/v1/embeddings` with a 501, as llama.cpp's server started without
+        /// `--embeddings` does. (Chat messages with an image part always get
+        /// llama.cpp's 500 for a text-only model.)
+        #[arg(long)]
+        no_embeddings: bool,
     }
 
     /// The workload of `simulate` and `bench`: a Mooncake trace file or a synthetic one.
@@ -790,6 +795,7 @@ mod tools {
             max_num_seqs: a.max_num_seqs,
             max_model_len: a.max_model_len,
             adapters: a.adapters,
+            no_embeddings: a.no_embeddings,
         };
         let listen = a.listen;
         runtime()?.block_on(async move {

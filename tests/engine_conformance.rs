@@ -252,7 +252,8 @@ fn corpus() -> Vec<Case> {
         case("status", "a four-digit status", with("HTTP/1.1 2000 OK\r\ncontent-length: 0", ""), Got::Status(502), false),
         case("status", "HTTP/2.0 on an HTTP/1.1 connection", with("HTTP/2.0 200 OK\r\ncontent-length: 0", ""), Got::Status(502), false),
         case("status", "no reason phrase", with(&cl(&good_len).replace(" OK", ""), JSON), ok(JSON), true),
-        case("status", "a 500 is failed over, its body never relayed", with("HTTP/1.1 500 Internal Server Error\r\ncontent-length: 5", "oops!"), Got::Status(502), false),
+        case("status", "a 500 with no other engine to ask is relayed whole", with("HTTP/1.1 500 Internal Server Error\r\ncontent-length: 5", "oops!"), Got::Whole(500, b"oops!".to_vec()), true),
+        case("status", "a 502 is failed over, its body never relayed", with("HTTP/1.1 502 Bad Gateway\r\ncontent-length: 5", "oops!"), Got::Status(502), false),
         case("status", "a 400 is the client's, relayed whole", with("HTTP/1.1 400 Bad Request\r\ncontent-length: 11", "bad request"), Got::Whole(400, b"bad request".to_vec()), true),
         // Heads.
         case("head", "a 70 KiB head, arrived whole", with(&format!("{}\r\nx-big: {}", cl(&good_len), "a".repeat(70 * 1024)), JSON), Got::Status(502), false),

@@ -136,7 +136,8 @@ async fn a_messages_stream_that_breaks_ends_with_an_anthropic_error_event() {
         .await
     );
     // Before the first token the same failure is failed over or answered as a whole
-    // Anthropic error: with the one engine erroring, a 502 in Anthropic's shape.
+    // Anthropic error: with the one engine erroring, its own 500 (no other engine to
+    // ask), in Anthropic's shape.
     set_fault(&e, "error", 0).await;
     let r = post_json(
         &lb.url("/v1/messages"),
@@ -144,9 +145,25 @@ async fn a_messages_stream_that_breaks_ends_with_an_anthropic_error_event() {
         &[],
     )
     .await;
-    assert_eq!(r.status, 502);
+    assert_eq!(r.status, 500);
     assert_eq!(r.json()["type"], "error");
     assert_eq!(r.json()["error"]["type"], "api_error");
+    // With the engine gone the error is ours (a 502, or a 503 once its breaker has
+    // opened), in Anthropic's shape too.
+    drop(e);
+    let r = post_json(
+        &lb.url("/v1/messages"),
+        &messages("s", &["hi"], true, 16),
+        &[],
+    )
+    .await;
+    let kind = match r.status.as_u16() {
+        502 => "api_error",
+        503 => "overloaded_error",
+        other => panic!("{other}: {}", r.text()),
+    };
+    assert_eq!(r.json()["type"], "error");
+    assert_eq!(r.json()["error"]["type"], kind, "{}", r.text());
 }
 
 #[tokio::test]

@@ -158,6 +158,109 @@ async fn an_engine_400_is_passed_through_and_does_not_count() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_500_every_engine_gives_the_request_is_passed_through_and_opens_no_breaker() {
+    // An image sent to text-only engines: llama.cpp answers 500 (the mock does the
+    // same). Before, the balancer failed it over to every engine, counted a failure on
+    // each, and a client's two retries opened every breaker in the pool.
+    let e = engines(3, FAST);
+    let lb = balancer(&config_ext(
+        &refs(&e),
+        "[breaker]\nfailure_threshold = 2\n[health]\ninterval = \"60s\"\n",
+        "",
+    ));
+    let image = json!({"model": "mock", "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]});
+    for _ in 0..3 {
+        let r = post_json(&lb.url("/v1/chat/completions"), &image, &[]).await;
+        assert_eq!(r.status, 500, "{}", r.text());
+        assert!(
+            r.json()["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("image input is not supported"),
+            "the engine's own answer: {}",
+            r.text()
+        );
+        assert_eq!(r.header("x-prefixlb-attempts"), "2");
+    }
+    for n in ["n0", "n1", "n2"] {
+        assert_eq!(node_info(&lb, n).await["state"], "closed", "{n}");
+    }
+    let r = stream_chat(&lb, "after", 2).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-prefixlb-attempts"), "1");
+    assert!(
+        eventually(Duration::from_secs(2), || async {
+            in_flight(&lb).await.iter().all(|(_, n)| *n == 0)
+        })
+        .await
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_500_no_other_engine_could_check_is_passed_through_and_blamed_once_per_request() {
+    let e = engines(1, FAST);
+    let lb = balancer(&config_ext(
+        &refs(&e),
+        "[breaker]\nfailure_threshold = 2\n[health]\ninterval = \"60s\"\n",
+        "",
+    ));
+    let image = |question: &str| {
+        json!({"model": "mock", "max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": question},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
+    };
+    // One request and a client's two retries: the engine's own answer, blamed once.
+    for _ in 0..3 {
+        let r = post_json(&lb.url("/v1/chat/completions"), &image("what?"), &[]).await;
+        assert_eq!(r.status, 500, "{}", r.text());
+        assert!(
+            r.text().contains("image input is not supported"),
+            "{}",
+            r.text()
+        );
+        assert_eq!(r.header("x-prefixlb-attempts"), "1");
+    }
+    assert_eq!(node_info(&lb, "n0").await["state"], "closed");
+    // A second failing request is a second failure in a row: the breaker still counts.
+    let r = post_json(&lb.url("/v1/chat/completions"), &image("and this?"), &[]).await;
+    assert_eq!(r.status, 500);
+    assert_eq!(node_info(&lb, "n0").await["state"], "open");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_501_is_passed_through_and_does_not_count() {
+    // llama.cpp started without `--embeddings` answers them 501: the request asks
+    // for what the engine does not serve, which says nothing of its health.
+    let e = engines(2, &["--no-embeddings"]);
+    let lb = balancer(&config_ext(
+        &refs(&e),
+        "[breaker]\nfailure_threshold = 1\n",
+        "",
+    ));
+    for _ in 0..3 {
+        let r = post_json(
+            &lb.url("/v1/embeddings"),
+            &json!({"model": "mock", "input": "hi"}),
+            &[],
+        )
+        .await;
+        assert_eq!(r.status, 501, "{}", r.text());
+        assert!(r.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("does not support embeddings"));
+        assert_eq!(r.header("x-prefixlb-attempts"), "1");
+    }
+    for n in ["n0", "n1"] {
+        assert_eq!(node_info(&lb, n).await["state"], "closed", "{n}");
+    }
+    let r = stream_chat(&lb, "after", 2).await;
+    assert_eq!(r.status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_killed_mid_stream_ends_the_stream_with_an_error_event() {
     let mut e = engines(1, &["--decode-ms-per-token", "50"]);
     let lb = balancer(&config(&refs(&e), "", ""));

@@ -1,7 +1,8 @@
 //! One request's trip to the engines: admission on the key's successor walk (spill,
 //! shunt, queue, reject or overcommit), the upstream exchange, the first-packet probe
 //! for streams, and failover to the next untried successor (then to the pool's
-//! fallbacks) on anything that fails before a byte has gone to the client.
+//! fallbacks) on anything that fails before a byte has gone to the client. An
+//! engine's 500 is kept until a second engine says whether the request caused it.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -23,7 +24,7 @@ use super::{headers, now, ProxyError};
 use crate::clip::clip;
 use crate::config::RoutingConfig;
 use crate::routing::breaker::Outcome;
-use crate::routing::decision::{Placement, Ticket};
+use crate::routing::decision::{Placement, Suspect, Ticket};
 use crate::routing::facts::Api;
 use crate::routing::node::Node;
 use crate::routing::route::Route;
@@ -42,12 +43,30 @@ const PLAIN_HOLD: usize = 1 << 20;
 struct Failure {
     reason: FailoverReason,
     text: String,
+    /// An HTTP 500 whose answer may be the request's own error, read whole: it goes to
+    /// the client if a second engine answers the request the same way.
+    answer: Option<Answer>,
 }
 
 impl Failure {
     fn new(reason: FailoverReason, text: String) -> Self {
-        Failure { reason, text }
+        Failure {
+            reason,
+            text,
+            answer: None,
+        }
     }
+}
+
+/// An engine's HTTP 500, kept until a second engine's answer to the same request says
+/// whether the request caused it.
+struct Kept {
+    node: String,
+    suspect: Suspect,
+    answer: Answer,
+    series: &'static NodeSeries,
+    route: Route,
+    span: tracing::Span,
 }
 
 /// One client request on its way to the engines: what every attempt needs.
@@ -139,6 +158,9 @@ impl Exchange<'_> {
         let mut tried: SmallVec<[usize; 4]> = SmallVec::new();
         tried.extend_from_slice(self.placement.unserved());
         let mut failures: Vec<Failure> = Vec::new();
+        // The last HTTP 500 answered, until another engine's answer says whose error
+        // it was (its node blamed when dropped).
+        let mut kept: Option<Kept> = None;
         let mut attempt = 0;
         while attempt < max_attempts {
             // One reading of the clock for the walk, the ticket and the send, unless
@@ -181,7 +203,7 @@ impl Exchange<'_> {
             attempt += 1;
             tried.push(choice.index);
             let route = route_of(&self.placement, queued, choice.distance, choice.shunted);
-            let ticket = self.placement.ticket(choice, at.into_std());
+            let mut ticket = self.placement.ticket(choice, at.into_std());
             let span = traces::attempt_span(&self.span, ticket.node().id(), attempt);
             if !span.is_disabled() {
                 span.record("prefixlb.route", route.label().as_ref());
@@ -191,7 +213,7 @@ impl Exchange<'_> {
                 .metrics
                 .series(&ticket.pool().config.name, ticket.node().id());
             *asking = Some(series);
-            let failure = match self
+            let mut failure = match self
                 .ask(ticket.pool(), ticket.node(), &body, at, &span)
                 .await
             {
@@ -201,14 +223,45 @@ impl Exchange<'_> {
             *asking = None;
             traces::record_failed_attempt(&span, failure.reason.as_str(), &failure.text);
             let pool = &ticket.pool().config.name;
-            self.metrics.count_failover(pool, failure.reason);
-            if failure.reason == FailoverReason::Busy {
-                ticket.fail(Outcome::Neutral, now());
-            } else {
+            if let Some(answer) = failure.answer.take() {
+                if let Some(earlier) = kept.take() {
+                    // A second engine answered the same 500: the request is the cause
+                    // (an image sent to a text-only model, say). The client reads the
+                    // engine's answer, and neither node is blamed, so a client's
+                    // retries cannot open every breaker in the pool.
+                    tracing::info!(pool = %pool, nodes = %format_args!("{}, {}", earlier.node, ticket.node().id()), "two engines answered HTTP 500: the request's own error, passed to the client");
+                    earlier.suspect.excuse(now());
+                    ticket.excuse(now());
+                    return Ok(self.commit(ticket, series, route, attempt, answer, span));
+                }
+                self.metrics.count_failover(pool, failure.reason);
                 tracing::info!(pool = %pool, reason = %failure.text, attempt, "attempt failed; failing over");
-                ticket.fail(Outcome::Failure, now());
+                kept = Some(Kept {
+                    node: ticket.node().id().to_string(),
+                    suspect: ticket.suspect(),
+                    answer,
+                    series,
+                    route,
+                    span,
+                });
+            } else {
+                self.metrics.count_failover(pool, failure.reason);
+                if failure.reason == FailoverReason::Busy {
+                    ticket.fail(Outcome::Neutral, now());
+                } else {
+                    tracing::info!(pool = %pool, reason = %failure.text, attempt, "attempt failed; failing over");
+                    ticket.fail(Outcome::Failure, now());
+                }
             }
             failures.push(failure);
+        }
+        // No other engine was left to ask: the client reads the engine's own 500 (it
+        // says more than ours would), and the node is blamed.
+        if let Some(k) = kept {
+            let request = xxhash_rust::xxh3::xxh3_64(&self.body);
+            if let Some(ticket) = k.suspect.blame(request, now()) {
+                return Ok(self.commit(ticket, k.series, k.route, attempt, k.answer, k.span));
+            }
         }
         Err(final_error(&failures))
     }
@@ -283,49 +336,27 @@ impl Exchange<'_> {
                 format!("{}: HTTP 429", node.id()),
             ));
         }
-        if status.is_server_error() {
-            return Err(Failure::new(
+        // 501 and 505 answer what the request asked for (an endpoint or a feature
+        // this engine does not serve, as llama.cpp answers embeddings without
+        // `--embeddings`): the client's to read, like a 4xx, and no fault of the node
+        // (HAProxy's rule for its layer-7 health too).
+        let requests_own = matches!(
+            status,
+            StatusCode::NOT_IMPLEMENTED | StatusCode::HTTP_VERSION_NOT_SUPPORTED
+        );
+        if status.is_server_error() && !requests_own {
+            let mut failure = Failure::new(
                 FailoverReason::Http5xx,
                 format!("{}: HTTP {}", node.id(), status.as_u16()),
-            ));
+            );
+            if status == StatusCode::INTERNAL_SERVER_ERROR {
+                // Kept for a second opinion: a 500 may be the request's own error.
+                failure.answer = Some(self.read_plain(node, resp, sent, budget).await?);
+            }
+            return Err(failure);
         }
         if !(stream && status.is_success() && is_event_stream(resp.headers())) {
-            // Nothing has gone to the client yet: a plain body is read whole (up to
-            // `PLAIN_HOLD`) before it commits, so one that breaks, or stalls for
-            // `idle_stream_timeout`, is a failure like any other (failed over, or a
-            // 502), never a cut answer.
-            let (head, mut body) = resp.into_parts();
-            let idle = self.table.config.server.idle_stream_timeout;
-            let mut held = BytesMut::new();
-            while held.len() < PLAIN_HOLD && !http_body::Body::is_end_stream(&body) {
-                let until = (sent + budget).min(Instant::now() + idle);
-                let frame = match tokio::time::timeout_at(until, body.frame()).await {
-                    Err(_) => {
-                        return Err(Failure::new(
-                            FailoverReason::Timeout,
-                            format!(
-                                "{}: the body stalled (no whole body within {} ms, or {} ms of silence)",
-                                node.id(),
-                                budget.as_millis(),
-                                idle.as_millis()
-                            ),
-                        ))
-                    }
-                    Ok(Some(Err(e))) => {
-                        return Err(Failure::new(
-                            FailoverReason::Error,
-                            format!("{}: {e}", node.id()),
-                        ))
-                    }
-                    Ok(Some(Ok(frame))) => frame,
-                    Ok(None) => break,
-                };
-                if let Ok(data) = frame.into_data() {
-                    held.extend_from_slice(&data);
-                }
-            }
-            let held = held.freeze();
-            return Ok(Answer::Plain { head, held, body });
+            return self.read_plain(node, resp, sent, budget).await;
         }
         let (head, body) = resp.into_parts();
         let deadline = sent + pool.config.first_token_timeout;
@@ -364,6 +395,51 @@ impl Exchange<'_> {
     /// Sends an answer to the client: the ticket settled (the node's health, the
     /// conversation's home), the decision counted, the ticket handed to the relayed
     /// body, which holds the slot to the end.
+    /// A plain (not streamed) answer. Nothing has gone to the client yet: its body is
+    /// read whole (up to `PLAIN_HOLD`) before it commits, so one that breaks, or stalls
+    /// for `idle_stream_timeout`, is a failure like any other (failed over, or a 502),
+    /// never a cut answer.
+    async fn read_plain(
+        &self,
+        node: &Node,
+        resp: Response<EngineBody>,
+        sent: Instant,
+        budget: std::time::Duration,
+    ) -> Result<Answer, Failure> {
+        let (head, mut body) = resp.into_parts();
+        let idle = self.table.config.server.idle_stream_timeout;
+        let mut held = BytesMut::new();
+        while held.len() < PLAIN_HOLD && !http_body::Body::is_end_stream(&body) {
+            let until = (sent + budget).min(Instant::now() + idle);
+            let frame = match tokio::time::timeout_at(until, body.frame()).await {
+                Err(_) => {
+                    return Err(Failure::new(
+                        FailoverReason::Timeout,
+                        format!(
+                        "{}: the body stalled (no whole body within {} ms, or {} ms of silence)",
+                        node.id(),
+                        budget.as_millis(),
+                        idle.as_millis()
+                    ),
+                    ))
+                }
+                Ok(Some(Err(e))) => {
+                    return Err(Failure::new(
+                        FailoverReason::Error,
+                        format!("{}: {e}", node.id()),
+                    ))
+                }
+                Ok(Some(Ok(frame))) => frame,
+                Ok(None) => break,
+            };
+            if let Ok(data) = frame.into_data() {
+                held.extend_from_slice(&data);
+            }
+        }
+        let held = held.freeze();
+        Ok(Answer::Plain { head, held, body })
+    }
+
     fn commit(
         &self,
         mut ticket: Ticket,

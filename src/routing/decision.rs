@@ -368,6 +368,21 @@ impl Ticket {
         self.record(outcome, now);
     }
 
+    /// The engine answered with an error that may be the request's rather than its own
+    /// (an HTTP 500): the slot goes back now, and the breaker's verdict waits for
+    /// another engine's answer to the same request ([`Suspect`]).
+    pub fn suspect(mut self) -> Suspect {
+        self.reservation = None;
+        self.prefilling = None;
+        Suspect(Some(self))
+    }
+
+    /// The engine's answer is the request's own error, not the node's fault: it goes
+    /// to the client and moves no breaker state (not even a success's reset).
+    pub fn excuse(&mut self, now: Instant) {
+        self.record(Outcome::Neutral, now);
+    }
+
     /// The answer commits: the node served (a trial's success starts its canary), and
     /// the request's place in the prefill backlog is read and left.
     pub fn settle(&mut self, now: Instant) {
@@ -415,6 +430,49 @@ impl Ticket {
         self.node()
             .state()
             .record(outcome, self.trial, settings, now);
+    }
+}
+
+/// A node that answered a request with an error the request itself may have caused
+/// (llama.cpp's 500 for an image sent to a text-only model, say), its slot already
+/// given back. If another engine fails the same request the same way, the request is
+/// the cause and neither node is blamed ([`Suspect::excuse`]); otherwise (another
+/// engine served it, failed it otherwise, or none was left to ask) the failure counts
+/// against the node when the suspect is dropped.
+#[derive(Debug)]
+pub struct Suspect(Option<Ticket>);
+
+impl Suspect {
+    pub fn excuse(mut self, now: Instant) {
+        if let Some(mut ticket) = self.0.take() {
+            ticket.excuse(now);
+        }
+    }
+
+    /// No other engine's answer came: the failure counts against the node (once for
+    /// the same request, its body hashed to `request`, retried: see
+    /// [`NodeState::blamed_again`]), and the ticket is back (settled) to carry the
+    /// node's answer to the client.
+    ///
+    /// [`NodeState::blamed_again`]: super::node::NodeState::blamed_again
+    pub fn blame(mut self, request: u64, now: Instant) -> Option<Ticket> {
+        let mut ticket = self.0.take()?;
+        let again = ticket.node().state().blamed_again(request);
+        let outcome = if again {
+            Outcome::Neutral
+        } else {
+            Outcome::Failure
+        };
+        ticket.record(outcome, now);
+        Some(ticket)
+    }
+}
+
+impl Drop for Suspect {
+    fn drop(&mut self) {
+        if let Some(mut ticket) = self.0.take() {
+            ticket.record(Outcome::Failure, Instant::now());
+        }
     }
 }
 

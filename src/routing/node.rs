@@ -211,6 +211,9 @@ pub struct NodeState {
     /// against the cap. Only `simulate --share-load` sets it (the upper bound of a
     /// budget shared between replicas); `serve` has no feed for it yet, so it stays 0.
     others: AtomicU32,
+    /// The body hash of the last request this node was blamed for answering with an
+    /// HTTP 500 that no other engine was asked about (see [`NodeState::blamed_again`]).
+    lone_500: AtomicU64,
 }
 
 impl NodeState {
@@ -233,6 +236,7 @@ impl NodeState {
             prefill_backlog: AtomicU32::new(0),
             prefill_arrived: AtomicU64::new(0),
             others: AtomicU32::new(0),
+            lone_500: AtomicU64::new(0),
         }
     }
 
@@ -267,6 +271,14 @@ impl NodeState {
     /// How many times the breaker entered `state`.
     pub fn transitions(&self, state: BreakerState) -> u64 {
         self.transitions[state as usize].load(Ordering::Relaxed)
+    }
+
+    /// Notes an HTTP 500 that no other engine was asked about, for the request whose
+    /// body hashes to `hash`; true when the last such 500 was for the same body: a
+    /// client retrying a request only this node could answer, blamed once, not on
+    /// every retry (the openai clients retry a 500 twice).
+    pub fn blamed_again(&self, hash: u64) -> bool {
+        self.lone_500.swap(hash, Ordering::AcqRel) == hash
     }
 
     /// Records how an exchange with this node ended (see [`Breaker::record`]).

@@ -120,8 +120,7 @@ async fn start_engines(
             costs: opts.costs,
             cache_tokens: opts.cache_tokens,
             max_num_seqs: 8,
-            max_model_len: 0,
-            adapters: Vec::new(),
+            ..MockConfig::default()
         });
         let mut stop = stop_rx.clone();
         tokio::spawn(engine.serve(listener, async move {

@@ -42,6 +42,9 @@ pub struct MockConfig {
     pub max_model_len: usize,
     /// LoRA adapters served beside `model`; with any, other models get a 404.
     pub adapters: Vec<String>,
+    /// Answer `/v1/embeddings` with llama.cpp's 501, as a server started without
+    /// `--embeddings` does.
+    pub no_embeddings: bool,
 }
 
 impl Default for MockConfig {
@@ -54,6 +57,7 @@ impl Default for MockConfig {
             max_num_seqs: 64,
             max_model_len: 0,
             adapters: Vec::new(),
+            no_embeddings: false,
         }
     }
 }
@@ -202,6 +206,10 @@ impl MockEngine {
             (&Method::POST, "/v1/completions") => self.clone().generate(req, Kind::Text).await,
             (&Method::POST, "/v1/messages") => self.clone().generate(req, Kind::Messages).await,
             (&Method::POST, "/v1/messages/count_tokens") => self.count_tokens(req).await,
+            (&Method::POST, "/v1/embeddings") if self.config.no_embeddings => json_response(
+                StatusCode::NOT_IMPLEMENTED,
+                &json!({"error": {"code": 501, "message": "This server does not support embeddings. Start it with `--embeddings`", "type": "not_supported_error"}}),
+            ),
             (&Method::POST, "/v1/embeddings") => match req.into_body().collect().await {
                 Ok(body) => match wire::embeddings(&body.to_bytes(), &self.config.model) {
                     Ok(v) => json_response(StatusCode::OK, &v),
@@ -292,6 +300,13 @@ impl MockEngine {
             );
         }
         self.requests.fetch_add(1, Ordering::Relaxed);
+        if job.image {
+            // What llama.cpp answers for an image sent to a model without a projector.
+            return error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "image input is not supported - hint: if this is unexpected, you may need to provide the mmproj",
+            );
+        }
         let limit = self.config.max_model_len;
         if limit > 0 && job.prompt.tokens + job.max_tokens > limit {
             // What vLLM answers when a request does not fit the context window.

@@ -39,14 +39,23 @@ pub(super) struct Job {
     /// The first tool's function name, when the request offers `tools`: a stream
     /// then calls it instead of writing text.
     pub(super) tool: Option<String>,
+    /// A chat message has an image part (`image_url`): this text-only engine answers
+    /// it with llama.cpp's 500.
+    pub(super) image: bool,
 }
 
 pub(super) fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<Job, String> {
     let v: Value = serde_json::from_slice(body).map_err(|e| format!("invalid JSON: {e}"))?;
+    let mut image = false;
     let text = match kind {
         Kind::Chat => {
             let messages = v["messages"].as_array().ok_or("'messages' is required")?;
             let mut text = String::new();
+            image = messages.iter().any(|m| {
+                m["content"]
+                    .as_array()
+                    .is_some_and(|parts| parts.iter().any(|p| p["type"] == "image_url"))
+            });
             for m in messages {
                 text.push_str(m["role"].as_str().unwrap_or(""));
                 text.push('\n');
@@ -88,6 +97,7 @@ pub(super) fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<
             .as_str()
             .or(v["tools"][0]["name"].as_str())
             .map(str::to_string),
+        image,
     })
 }
 
