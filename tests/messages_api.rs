@@ -247,6 +247,10 @@ async fn count_tokens_answers_at_once_while_every_slot_is_taken() {
         "it did not queue behind the stream"
     );
     assert_eq!(r.header("x-prefixlb-route"), "primary");
+    // Counting prefills nothing: its `input_tokens` are no prompt tokens served (the
+    // stream still running has not reported its own yet).
+    let page = lb.admin_url("/metrics");
+    assert_eq!(sum_metric(&page, "prefixlb_prompt_tokens_total").await, 0.0);
     drop(held);
     assert!(
         eventually(Duration::from_secs(5), || async {

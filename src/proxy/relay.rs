@@ -53,7 +53,8 @@ pub struct RequestLog {
     /// Its tenant's token budget, charged an estimate at admission: corrected to what
     /// the engine reports when it ends.
     pub charge: Option<super::tenant::Charge>,
-    /// The pool learns from it when it succeeds (not from a `count_tokens`).
+    /// The pool learns from it when it succeeds, and its prompt tokens are counted
+    /// (not a `count_tokens`'s).
     pub teaches: bool,
     /// Its trace spans (the request's, the answering attempt's): they end with it.
     pub spans: [tracing::Span; 2],
@@ -79,7 +80,8 @@ impl RequestLog {
         }
         let (pool_name, node) = self.series.names();
         self.series.observe_request(outcome, duration);
-        if let Some(prompt) = usage.prompt_tokens() {
+        // A `count_tokens` answer's `input_tokens` were counted, not prefilled.
+        if let (Some(prompt), true) = (usage.prompt_tokens(), self.teaches) {
             self.series
                 .count_tokens(prompt, usage.cached_tokens().unwrap_or(0));
         }
