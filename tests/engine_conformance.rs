@@ -270,7 +270,10 @@ fn corpus() -> Vec<Case> {
         case("connection", "HTTP/1.0 with a length", with(&cl(&good_len).replace("HTTP/1.1", "HTTP/1.0"), JSON), ok(JSON), false),
         closing(case("connection", "HTTP/1.0 read to close", with("HTTP/1.0 200 OK\r\ncontent-type: application/json", JSON), ok(JSON), false)),
         closing(case("connection", "no length: read to close", with("HTTP/1.1 200 OK\r\ncontent-type: application/json", JSON), ok(JSON), false)),
-        closing(case("connection", "closed before any answer", Vec::new(), Got::Status(502), false)),
+        // It comes on the connection the last case's second request left idle: a
+        // reused connection closed unanswered (an engine's idle close, just as the
+        // request came), so the request goes again on a new one and gets its answer.
+        closing(case("connection", "closed before any answer, on a reused connection", Vec::new(), ok(SECOND), false)),
         closing(case("connection", "closed inside the head", b"HTTP/1.1 200 OK\r\ncontent-le".to_vec(), Got::Status(502), false)),
         case("connection", "a second response sent unasked", {
             let mut w = with(&cl(&good_len), JSON);
@@ -358,8 +361,12 @@ async fn every_case_of_the_corpus_reaches_the_client_whole_or_as_an_error() {
         // connection only where the first left it clean.
         let (second_status, second) = ask(&url, small.clone()).await;
         let seen = std::mem::take(&mut state.lock().seen);
+        // The case's connection, and the second request's (after the case's own
+        // second try, if it had one).
         let same = match seen[..] {
-            [(a, "case"), (b, "second")] => Some(a == b),
+            [(a, "case"), (b, "second")] | [(a, "case"), (_, "second"), (b, "second")] => {
+                Some(a == b)
+            }
             _ => None,
         };
         let verdict = (

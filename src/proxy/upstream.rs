@@ -345,6 +345,16 @@ impl Conn {
     }
 }
 
+/// The engine closed the connection with no answer at all (EOF, or a reset: the
+/// request arrived after its close).
+fn unanswered(e: &UpstreamError) -> bool {
+    match e {
+        UpstreamError::Closed => true,
+        UpstreamError::Io(e) => e.kind() == io::ErrorKind::ConnectionReset,
+        _ => false,
+    }
+}
+
 /// An idle connection and since when.
 struct Idle {
     conn: Conn,
@@ -396,7 +406,8 @@ impl Upstream {
     /// Sends `req` to the engine at `authority` and reads the response head: on the
     /// most recently idle connection that is still open, else on a new one. A reused
     /// connection that fails while the request is written goes again on the next (the
-    /// engine cannot have acted on part of a request).
+    /// engine cannot have acted on part of a request); one the engine closes with no
+    /// answer at all goes again once, on a new connection.
     ///
     /// With a `deadline`, a response head that has not come by then is
     /// [`UpstreamError::Timeout`] (connecting and writing count towards it). `now` is
@@ -419,15 +430,22 @@ impl Upstream {
         // wakes once for several of them rather than once each, as the client does for
         // the responses (`server::h1`; docs/performance.md, "A sixteenth sitting").
         tokio::task::yield_now().await;
-        let mut conn = loop {
-            let mut conn = match self.checkout(&origin, now) {
+        // Set once a reused connection closed unanswered: the next goes on a new one.
+        let mut new_only = false;
+        let (conn, head) = loop {
+            let checked_out = if new_only {
+                None
+            } else {
+                self.checkout(&origin, now)
+            };
+            let mut conn = match checked_out {
                 Some(conn) => conn,
                 // Boxed: connecting (TLS included) is a large future and a rare one;
                 // inline, its size would be copied with every request's future.
                 None => Box::pin(within(deadline, self.connect(authority, req.tls))).await??,
             };
             match within(deadline, conn.write_request(&req)).await? {
-                Ok(()) => break conn,
+                Ok(()) => {}
                 Err(e) => {
                     // An engine may answer before it has read the whole body (a 413 for
                     // one too large) and close: that answer, not the broken write, is
@@ -446,8 +464,20 @@ impl Upstream {
                     }
                 }
             }
+            match conn.read_head(req.method, deadline).await {
+                Ok(head) => break (conn, head),
+                // A reused connection closed (or reset) without a byte of answer: the
+                // engine closed it as idle while the request was on its way (llama.cpp
+                // and uvicorn close idle connections after 5 s; a busy host can hold
+                // a request past the pool's 4 s). The request goes again, once, on a
+                // new connection, as nginx retries one that fails on a cached
+                // keepalive connection. An engine that died fails to connect then.
+                Err(e) if conn.reused && !new_only && conn.buf.is_empty() && unanswered(&e) => {
+                    new_only = true;
+                }
+                Err(e) => return Err(e),
+            }
         };
-        let head = conn.read_head(req.method, deadline).await?;
         Ok(self.response(origin, head, conn))
     }
 

@@ -115,6 +115,65 @@ async fn a_connection_the_engine_closed_is_not_reused() {
     assert_eq!(accepted.load(SeqCst), 3);
 }
 
+/// An HTTP/1.1 server that answers the first `answered` requests of each connection,
+/// then reads the next and closes the connection without a byte of answer (as an
+/// engine closing an idle connection just as a request comes), counting connections.
+async fn engine_closing_after(answered: usize) -> (Authority, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        loop {
+            let (mut s, _) = listener.accept().await.unwrap();
+            count.fetch_add(1, SeqCst);
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                for _ in 0..answered {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(_) => {
+                            let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                            if s.write_all(ok).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                }
+                let _ = s.read(&mut buf).await;
+            });
+        }
+    });
+    (addr.to_string().parse().unwrap(), accepted)
+}
+
+#[tokio::test]
+async fn a_reused_connection_closed_unanswered_sends_the_request_again_on_a_new_one() {
+    let (authority, accepted) = engine_closing_after(1).await;
+    let up = Upstream::new(Duration::from_secs(1), Duration::from_secs(4));
+    assert_eq!(&round_trip(&up, &authority).await[..], b"ok");
+    // The second request goes on the idle connection, which the engine closes: it goes
+    // again on a new one, and is answered.
+    assert_eq!(&round_trip(&up, &authority).await[..], b"ok");
+    assert_eq!(accepted.load(SeqCst), 2);
+}
+
+#[tokio::test]
+async fn a_new_connection_closed_unanswered_is_an_error() {
+    // Once only: a new connection the engine closes unanswered says the engine is
+    // the trouble, and the request fails (over, in the proxy).
+    let (authority, accepted) = engine_closing_after(0).await;
+    let up = Upstream::new(Duration::from_secs(1), Duration::from_secs(4));
+    let Err(err) = send(&up, &authority).await else {
+        panic!("answered")
+    };
+    assert!(
+        matches!(err, UpstreamError::Closed | UpstreamError::Io(_)),
+        "{err}"
+    );
+    assert_eq!(accepted.load(SeqCst), 1);
+}
+
 #[tokio::test]
 async fn a_body_cut_short_is_an_error_and_its_connection_closed() {
     let (authority, _) =
