@@ -44,8 +44,9 @@ struct Failure {
     reason: FailoverReason,
     text: String,
     /// An HTTP 500 whose answer may be the request's own error, read whole: it goes to
-    /// the client if a second engine answers the request the same way.
-    answer: Option<Answer>,
+    /// the client if a second engine answers the request the same way. (Boxed, as
+    /// `Kept`: a rare path that would otherwise enlarge every request's future.)
+    answer: Option<Box<Answer>>,
 }
 
 impl Failure {
@@ -63,7 +64,7 @@ impl Failure {
 struct Kept {
     node: String,
     suspect: Suspect,
-    answer: Answer,
+    answer: Box<Answer>,
     series: &'static NodeSeries,
     route: Route,
     span: tracing::Span,
@@ -160,7 +161,7 @@ impl Exchange<'_> {
         let mut failures: Vec<Failure> = Vec::new();
         // The last HTTP 500 answered, until another engine's answer says whose error
         // it was (its node blamed when dropped).
-        let mut kept: Option<Kept> = None;
+        let mut kept: Option<Box<Kept>> = None;
         let mut attempt = 0;
         while attempt < max_attempts {
             // One reading of the clock for the walk, the ticket and the send, unless
@@ -232,18 +233,18 @@ impl Exchange<'_> {
                     tracing::info!(pool = %pool, nodes = %format_args!("{}, {}", earlier.node, ticket.node().id()), "two engines answered HTTP 500: the request's own error, passed to the client");
                     earlier.suspect.excuse(now());
                     ticket.excuse(now());
-                    return Ok(self.commit(ticket, series, route, attempt, answer, span));
+                    return Ok(self.commit(ticket, series, route, attempt, *answer, span));
                 }
                 self.metrics.count_failover(pool, failure.reason);
                 tracing::info!(pool = %pool, reason = %failure.text, attempt, "attempt failed; failing over");
-                kept = Some(Kept {
+                kept = Some(Box::new(Kept {
                     node: ticket.node().id().to_string(),
                     suspect: ticket.suspect(),
                     answer,
                     series,
                     route,
                     span,
-                });
+                }));
             } else {
                 self.metrics.count_failover(pool, failure.reason);
                 if failure.reason == FailoverReason::Busy {
@@ -257,10 +258,10 @@ impl Exchange<'_> {
         }
         // No other engine was left to ask: the client reads the engine's own 500 (it
         // says more than ours would), and the node is blamed.
-        if let Some(k) = kept {
+        if let Some(k) = kept.map(|k| *k) {
             let request = xxhash_rust::xxh3::xxh3_64(&self.body);
             if let Some(ticket) = k.suspect.blame(request, now()) {
-                return Ok(self.commit(ticket, k.series, k.route, attempt, k.answer, k.span));
+                return Ok(self.commit(ticket, k.series, k.route, attempt, *k.answer, k.span));
             }
         }
         Err(final_error(&failures))
@@ -351,7 +352,7 @@ impl Exchange<'_> {
             );
             if status == StatusCode::INTERNAL_SERVER_ERROR {
                 // Kept for a second opinion: a 500 may be the request's own error.
-                failure.answer = Some(self.read_plain(node, resp, sent, budget).await?);
+                failure.answer = Some(Box::new(self.read_plain(node, resp, sent, budget).await?));
             }
             return Err(failure);
         }
