@@ -215,12 +215,7 @@ async fn hot_key_fills_successors_in_ring_order_and_rejects_beyond() {
     for e in &engines {
         assert!(metric(&e.url("/metrics"), "mock_engine_peak_running").await <= 4.0);
     }
-    assert!(
-        eventually(Duration::from_secs(2), || async {
-            in_flight(&lb).await.iter().all(|(_, n)| *n == 0)
-        })
-        .await
-    );
+    assert!(in_flight_settles(&lb, Duration::from_secs(2)).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -849,12 +844,7 @@ async fn engine_connections_are_reused_and_one_left_mid_stream_is_not() {
     .await;
     assert!(next_chunk(resp.body_mut()).await.is_some());
     drop(resp);
-    assert!(
-        eventually(Duration::from_secs(5), || async {
-            in_flight(&lb).await.iter().all(|(_, n)| *n == 0)
-        })
-        .await
-    );
+    assert!(in_flight_settles(&lb, Duration::from_secs(5)).await);
     let r = post_json(
         &lb.url("/v1/chat/completions"),
         &chat(&[("user", "after")], false, 3),

@@ -129,12 +129,7 @@ async fn a_messages_stream_that_breaks_ends_with_an_anthropic_error_event() {
         .as_str()
         .unwrap()
         .contains("mid-stream"));
-    assert!(
-        eventually(Duration::from_secs(5), || async {
-            in_flight(&lb).await.iter().all(|(_, n)| *n == 0)
-        })
-        .await
-    );
+    assert!(in_flight_settles(&lb, Duration::from_secs(5)).await);
     // Before the first token the same failure is failed over or answered as a whole
     // Anthropic error: with the one engine erroring, its own 500 (no other engine to
     // ask), in Anthropic's shape.
@@ -252,10 +247,5 @@ async fn count_tokens_answers_at_once_while_every_slot_is_taken() {
     let page = lb.admin_url("/metrics");
     assert_eq!(sum_metric(&page, "prefixlb_prompt_tokens_total").await, 0.0);
     drop(held);
-    assert!(
-        eventually(Duration::from_secs(5), || async {
-            in_flight(&lb).await.iter().all(|(_, n)| *n == 0)
-        })
-        .await
-    );
+    assert!(in_flight_settles(&lb, Duration::from_secs(5)).await);
 }

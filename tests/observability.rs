@@ -342,12 +342,7 @@ async fn hot_reload_under_load_loses_nothing_and_rejects_bad_files() {
             assert!(complete, "a stream was cut by a reload");
         }
     }
-    assert!(
-        eventually(Duration::from_secs(1), || async {
-            in_flight(&lb).await.iter().all(|(_, n)| *n == 0)
-        })
-        .await
-    );
+    assert!(in_flight_settles(&lb, Duration::from_secs(1)).await);
     let (_, s) = scrape(&lb).await;
     assert_eq!(
         total(&s, "prefixlb_config_reloads_total", &[("result", "ok")]),

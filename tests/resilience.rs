@@ -69,12 +69,7 @@ async fn a_stalled_empty_or_failing_primary_is_invisible_to_the_client() {
         }
         set_fault(engine_of(&e, &walk[0]), "ok", 0).await;
     }
-    assert!(
-        eventually(Duration::from_secs(2), || async {
-            in_flight(&lb).await.iter().all(|(_, n)| *n == 0)
-        })
-        .await
-    );
+    assert!(in_flight_settles(&lb, Duration::from_secs(2)).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -190,12 +185,7 @@ async fn a_500_every_engine_gives_the_request_is_passed_through_and_opens_no_bre
     let r = stream_chat(&lb, "after", 2).await;
     assert_eq!(r.status, 200);
     assert_eq!(r.header("x-prefixlb-attempts"), "1");
-    assert!(
-        eventually(Duration::from_secs(2), || async {
-            in_flight(&lb).await.iter().all(|(_, n)| *n == 0)
-        })
-        .await
-    );
+    assert!(in_flight_settles(&lb, Duration::from_secs(2)).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -352,6 +352,14 @@ pub async fn chats_at_once(url: &str, n: usize, tag: &str) {
     }
 }
 
+/// Whether every node's in-flight count is back to 0 within `limit`.
+pub async fn in_flight_settles(lb: &Proc, limit: Duration) -> bool {
+    eventually(limit, || async {
+        in_flight(lb).await.iter().all(|(_, n)| *n == 0)
+    })
+    .await
+}
+
 /// Polls `cond` until it holds or `limit` passes.
 pub async fn eventually<F, Fut>(limit: Duration, mut cond: F) -> bool
 where

@@ -6,33 +6,43 @@ use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpListener;
 
-/// An HTTP/1.1 server that answers every request on a connection with `answer`
-/// (then closes it if `close`), counting connections accepted.
-async fn engine_answering(answer: &'static [u8], close: bool) -> (Authority, Arc<AtomicUsize>) {
+/// A server on loopback that runs `serve` on each connection it accepts, counting them.
+async fn engine_serving<F, Fut>(serve: F) -> (Authority, Arc<AtomicUsize>)
+where
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let accepted = Arc::new(AtomicUsize::new(0));
     let count = accepted.clone();
     tokio::spawn(async move {
         loop {
-            let (mut s, _) = listener.accept().await.unwrap();
+            let (s, _) = listener.accept().await.unwrap();
             count.fetch_add(1, SeqCst);
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 4096];
-                loop {
-                    match s.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(_) => {
-                            if s.write_all(answer).await.is_err() || close {
-                                return;
-                            }
-                        }
-                    }
-                }
-            });
+            tokio::spawn(serve(s));
         }
     });
     (addr.to_string().parse().unwrap(), accepted)
+}
+
+/// An HTTP/1.1 server that answers every request on a connection with `answer`
+/// (then closes it if `close`), counting connections accepted.
+async fn engine_answering(answer: &'static [u8], close: bool) -> (Authority, Arc<AtomicUsize>) {
+    engine_serving(move |mut s| async move {
+        let mut buf = vec![0u8; 4096];
+        loop {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {
+                    if s.write_all(answer).await.is_err() || close {
+                        return;
+                    }
+                }
+            }
+        }
+    })
+    .await
 }
 
 async fn engine() -> (Authority, Arc<AtomicUsize>) {
@@ -119,32 +129,22 @@ async fn a_connection_the_engine_closed_is_not_reused() {
 /// then reads the next and closes the connection without a byte of answer (as an
 /// engine closing an idle connection just as a request comes), counting connections.
 async fn engine_closing_after(answered: usize) -> (Authority, Arc<AtomicUsize>) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let accepted = Arc::new(AtomicUsize::new(0));
-    let count = accepted.clone();
-    tokio::spawn(async move {
-        loop {
-            let (mut s, _) = listener.accept().await.unwrap();
-            count.fetch_add(1, SeqCst);
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 4096];
-                for _ in 0..answered {
-                    match s.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(_) => {
-                            let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
-                            if s.write_all(ok).await.is_err() {
-                                return;
-                            }
-                        }
+    engine_serving(move |mut s| async move {
+        let mut buf = vec![0u8; 4096];
+        for _ in 0..answered {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {
+                    let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                    if s.write_all(ok).await.is_err() {
+                        return;
                     }
                 }
-                let _ = s.read(&mut buf).await;
-            });
+            }
         }
-    });
-    (addr.to_string().parse().unwrap(), accepted)
+        let _ = s.read(&mut buf).await;
+    })
+    .await
 }
 
 #[tokio::test]
