@@ -1,7 +1,7 @@
 //! `prefixlb agent`: runs beside one engine and heartbeats it into Redis while it is
 //! healthy. Every `interval` it asks the engine's `/health`; while that answers 2xx it
 //! learns the model names from `/v1/models` (unless given), reads the engine's load
-//! from `/metrics` when the engine exposes vLLM or SGLang metrics, and writes its
+//! from `/metrics` when the engine exposes vLLM, SGLang or llama.cpp metrics, and writes its
 //! record with a TTL. An unhealthy engine's record is removed at once (the node leaves
 //! at the balancers' next poll). SIGTERM or SIGINT removes it and exits 0. Credentials
 //! Redis rejects end the agent with a non-zero exit; an unreachable Redis is retried.

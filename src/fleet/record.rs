@@ -54,9 +54,11 @@ pub trait FromMetrics: Sized {
 impl FromMetrics for EngineLoad {
     /// Reads the known gauges out of a Prometheus text exposition: vLLM's
     /// `vllm:num_requests_running`, `vllm:num_requests_waiting`,
-    /// `vllm:kv_cache_usage_perc` (or `vllm:gpu_cache_usage_perc`) and SGLang's
-    /// `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`,
-    /// summed over label sets (an engine may label by model). `None` if none is found.
+    /// `vllm:kv_cache_usage_perc` (or `vllm:gpu_cache_usage_perc`), SGLang's
+    /// `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`, and
+    /// llama.cpp's `llamacpp:requests_processing`, `llamacpp:requests_deferred`
+    /// (its server started with `--metrics`), summed over label sets (an engine may
+    /// label by model). `None` if none is found.
     fn from_metrics(text: &str) -> Option<EngineLoad> {
         let mut load = EngineLoad::default();
         for line in text.lines() {
@@ -74,8 +76,12 @@ impl FromMetrics for EngineLoad {
                 continue;
             };
             let slot = match name {
-                "vllm:num_requests_running" | "sglang:num_running_reqs" => &mut load.running,
-                "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => &mut load.waiting,
+                "vllm:num_requests_running"
+                | "sglang:num_running_reqs"
+                | "llamacpp:requests_processing" => &mut load.running,
+                "vllm:num_requests_waiting"
+                | "sglang:num_queue_reqs"
+                | "llamacpp:requests_deferred" => &mut load.waiting,
                 "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" | "sglang:token_usage" => {
                     &mut load.kv_cache_usage
                 }
@@ -286,10 +292,14 @@ mod tests {
             (load.running, load.waiting, load.kv_cache_usage),
             (Some(5.0), Some(0.0), None)
         );
+        // llama.cpp's server with `--metrics` (as xllamacpp 0.2 printed it).
+        let llamacpp = "llamacpp:prompt_tokens_total 0\nllamacpp:requests_processing 1\nllamacpp:requests_deferred 2\nllamacpp:n_busy_slots_per_decode 0\n";
+        let load = EngineLoad::from_metrics(llamacpp).unwrap();
         assert_eq!(
-            EngineLoad::from_metrics("llamacpp:requests_processing 1\n"),
-            None
+            (load.running, load.waiting, load.kv_cache_usage),
+            (Some(1.0), Some(2.0), None)
         );
+        assert_eq!(EngineLoad::from_metrics("tgi_queue_size 1\n"), None);
         assert_eq!(
             EngineLoad::from_metrics("vllm:num_requests_running NaN\n"),
             None

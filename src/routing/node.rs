@@ -37,7 +37,7 @@ impl NodeSource {
     }
 }
 
-/// An engine's load as it reports it (vLLM or SGLang metrics, relayed by its agent).
+/// An engine's load as it reports it (vLLM, SGLang or llama.cpp metrics, relayed by its agent).
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct EngineLoad {
     /// Sequences running.
