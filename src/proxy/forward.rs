@@ -393,9 +393,6 @@ impl Exchange<'_> {
         }
     }
 
-    /// Sends an answer to the client: the ticket settled (the node's health, the
-    /// conversation's home), the decision counted, the ticket handed to the relayed
-    /// body, which holds the slot to the end.
     /// A plain (not streamed) answer. Nothing has gone to the client yet: its body is
     /// read whole (up to `PLAIN_HOLD`) before it commits, so one that breaks, or stalls
     /// for `idle_stream_timeout`, is a failure like any other (failed over, or a 502),
@@ -441,6 +438,9 @@ impl Exchange<'_> {
         Ok(Answer::Plain { head, held, body })
     }
 
+    /// Sends an answer to the client: the ticket settled (the node's health, the
+    /// conversation's home), the decision counted, the ticket handed to the relayed
+    /// body, which holds the slot to the end.
     fn commit(
         &self,
         mut ticket: Ticket,

@@ -436,9 +436,10 @@ impl Ticket {
 /// A node that answered a request with an error the request itself may have caused
 /// (llama.cpp's 500 for an image sent to a text-only model, say), its slot already
 /// given back. If another engine fails the same request the same way, the request is
-/// the cause and neither node is blamed ([`Suspect::excuse`]); otherwise (another
-/// engine served it, failed it otherwise, or none was left to ask) the failure counts
-/// against the node when the suspect is dropped.
+/// the cause and neither node is blamed ([`Suspect::excuse`]). If none is left to ask,
+/// the node is blamed and its answer goes to the client ([`Suspect::blame`]).
+/// Otherwise (another engine served it, or failed it some other way) the failure
+/// counts against the node when the suspect is dropped.
 #[derive(Debug)]
 pub struct Suspect(Option<Ticket>);
 
