@@ -224,8 +224,8 @@ impl Exchange<'_> {
             *asking = None;
             traces::record_failed_attempt(&span, failure.reason.as_str(), &failure.text);
             let pool = &ticket.pool().config.name;
-            if let Some(answer) = failure.answer.take() {
-                if let Some(earlier) = kept.take() {
+            match (failure.answer.take(), kept.take()) {
+                (Some(answer), Some(earlier)) => {
                     // A second engine answered the same 500: the request is the cause
                     // (an image sent to a text-only model, say). The client reads the
                     // engine's answer, and neither node is blamed, so a client's
@@ -235,23 +235,28 @@ impl Exchange<'_> {
                     ticket.excuse(now());
                     return Ok(self.commit(ticket, series, route, attempt, *answer, span));
                 }
-                self.metrics.count_failover(pool, failure.reason);
-                tracing::info!(pool = %pool, reason = %failure.text, attempt, "attempt failed; failing over");
-                kept = Some(Box::new(Kept {
-                    node: ticket.node().id().to_string(),
-                    suspect: ticket.suspect(),
-                    answer,
-                    series,
-                    route,
-                    span,
-                }));
-            } else {
-                self.metrics.count_failover(pool, failure.reason);
-                if failure.reason == FailoverReason::Busy {
-                    ticket.fail(Outcome::Neutral, now());
-                } else {
-                    tracing::info!(pool = %pool, reason = %failure.text, attempt, "attempt failed; failing over");
-                    ticket.fail(Outcome::Failure, now());
+                (answer, earlier) => {
+                    kept = earlier;
+                    self.metrics.count_failover(pool, failure.reason);
+                    if failure.reason == FailoverReason::Busy {
+                        ticket.fail(Outcome::Neutral, now());
+                    } else {
+                        tracing::info!(pool = %pool, reason = %failure.text, attempt, "attempt failed; failing over");
+                        match answer {
+                            // Blamed unless the next engine answers the same.
+                            Some(answer) => {
+                                kept = Some(Box::new(Kept {
+                                    node: ticket.node().id().to_string(),
+                                    suspect: ticket.suspect(),
+                                    answer,
+                                    series,
+                                    route,
+                                    span,
+                                }))
+                            }
+                            None => ticket.fail(Outcome::Failure, now()),
+                        }
+                    }
                 }
             }
             failures.push(failure);
