@@ -27,6 +27,7 @@ use wire::{
 };
 
 mod anthropic;
+mod responses;
 mod wire;
 
 /// `mock-engine` settings (the subcommand's flags).
@@ -115,6 +116,8 @@ pub struct MockEngine {
     cancelled: AtomicU64,
     prompt_tokens: AtomicU64,
     cached_tokens: AtomicU64,
+    /// The Responses API's stored responses.
+    store: responses::Store,
 }
 
 /// Counts a running sequence for as long as it lives.
@@ -154,6 +157,7 @@ impl MockEngine {
             cancelled: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
             cached_tokens: AtomicU64::new(0),
+            store: responses::Store::default(),
         })
     }
 
@@ -206,6 +210,10 @@ impl MockEngine {
             (&Method::POST, "/v1/completions") => self.clone().generate(req, Kind::Text).await,
             (&Method::POST, "/v1/messages") => self.clone().generate(req, Kind::Messages).await,
             (&Method::POST, "/v1/messages/count_tokens") => self.count_tokens(req).await,
+            (&Method::POST, "/v1/responses") => self.clone().generate(req, Kind::Responses).await,
+            (method, p) if p.starts_with("/v1/responses/") => {
+                self.store.serve(method, &p["/v1/responses/".len()..])
+            }
             (&Method::POST, "/v1/embeddings") if self.config.no_embeddings => json_response(
                 StatusCode::NOT_IMPLEMENTED,
                 &json!({"error": {"code": 501, "message": "This server does not support embeddings. Start it with `--embeddings`", "type": "not_supported_error"}}),
@@ -287,10 +295,23 @@ impl MockEngine {
         let Ok(body) = req.into_body().collect().await else {
             return error(StatusCode::BAD_REQUEST, "could not read body");
         };
-        let job = match parse_job(&body.to_bytes(), kind, &self.config.model) {
+        let body = body.to_bytes();
+        let mut job = match parse_job(&body, kind, &self.config.model) {
             Ok(job) => job,
             Err(msg) => return error(StatusCode::BAD_REQUEST, &msg),
         };
+        if kind == Kind::Responses {
+            // The conversation so far comes first, from this engine's own store.
+            if let Some(previous) = &job.previous_response {
+                let Some(earlier) = self.store.get(previous) else {
+                    return responses::not_found(previous);
+                };
+                let v = serde_json::from_slice::<Value>(&body).unwrap_or_default();
+                job.conversation = earlier.conversation + &job.conversation;
+                job.prompt = Prompt::from_text(&(responses::instructions(&v) + &job.conversation));
+            }
+            job.response_id = self.store.new_id(&self.config.id);
+        }
         let c = &self.config;
         if !c.adapters.is_empty() && job.model != c.model && !c.adapters.contains(&job.model) {
             // vLLM's answer for a model (or adapter) it does not serve.
@@ -374,9 +395,13 @@ impl MockEngine {
             Kind::Messages => {
                 anthropic::usage(plan.prompt_tokens, completion_tokens, plan.cached_tokens)
             }
+            Kind::Responses => {
+                responses::usage(plan.prompt_tokens, completion_tokens, plan.cached_tokens)
+            }
             _ => usage(plan.prompt_tokens, completion_tokens, plan.cached_tokens),
         };
         let body = completion(&job, &content, usage);
+        self.keep(&job, &content, &body);
         json_response(StatusCode::OK, &body)
     }
 
@@ -402,6 +427,9 @@ impl MockEngine {
         self.count_prompt(plan.prompt_tokens, plan.cached_tokens);
         if job.kind == Kind::Messages {
             return self.stream_messages(job, fault, tx, plan, permit).await;
+        }
+        if job.kind == Kind::Responses {
+            return self.stream_responses(job, fault, tx, plan, permit).await;
         }
         let chunk = |delta: Value, finish: Value| {
             sse_chunk(job.kind, &job.model, delta, finish, job.timestamps)
@@ -518,6 +546,64 @@ impl MockEngine {
             let _ = tx.send(b).await;
         }
         drop(permit);
+    }
+
+    /// A Responses API stream: the response created and in progress, its message and
+    /// text part added, one `response.output_text.delta` per token, then the text,
+    /// part and item done and `response.completed` with the usage. The response is
+    /// stored when it completes.
+    async fn stream_responses(
+        self: &Arc<Self>,
+        job: Job,
+        fault: Fault,
+        tx: mpsc::Sender<Bytes>,
+        plan: crate::tools::engine_model::PrefillPlan,
+        permit: tokio::sync::SemaphorePermit<'_>,
+    ) {
+        let mut events = responses::Events::new();
+        let opening = events.opening(&job, &job.response_id);
+        match fault.mode {
+            FaultMode::Stall => {
+                let _ = tx.send(opening[0].clone()).await;
+                tx.closed().await;
+                return self.cancel();
+            }
+            FaultMode::Empty => return,
+            _ => {}
+        }
+        for b in opening {
+            if tx.send(b).await.is_err() {
+                return self.cancel();
+            }
+        }
+        let first = plan.first_token() + slow_extra(fault);
+        let id = job.response_id.clone();
+        let events = Mutex::new(events);
+        let each = |i| events.lock().delta(&id, token_text(i));
+        if !self.tokens(job.max_tokens, first, fault, &tx, each).await {
+            return;
+        }
+        let content: String = (0..job.max_tokens).map(token_text).collect();
+        let usage = responses::usage(plan.prompt_tokens, job.max_tokens, plan.cached_tokens);
+        let completed = responses::response(&job, &id, Some(&content), usage);
+        self.keep(&job, &content, &completed);
+        let closing = events.lock().closing(&completed);
+        for b in closing {
+            let _ = tx.send(b).await;
+        }
+        drop(permit);
+    }
+
+    /// Stores a Responses API answer that asked to be stored: what a later response
+    /// that continues it reads.
+    fn keep(&self, job: &Job, content: &str, response: &Value) {
+        if job.kind == Kind::Responses && job.store {
+            let stored = responses::Stored {
+                conversation: format!("{}assistant\n{content}\n", job.conversation),
+                response: response.clone(),
+            };
+            self.store.put(job.response_id.clone(), stored);
+        }
     }
 
     /// Sends `n` tokens as `each` encodes them, the first after `first`, then one per

@@ -23,6 +23,8 @@ pub(super) enum Kind {
     Text,
     /// Anthropic's Messages API.
     Messages,
+    /// OpenAI's Responses API.
+    Responses,
 }
 
 /// A parsed generation request.
@@ -42,11 +44,21 @@ pub(super) struct Job {
     /// A chat message has an image part (`image_url`): this text-only engine answers
     /// it with llama.cpp's 500.
     pub(super) image: bool,
+    /// Responses API: the response it continues (`previous_response_id`).
+    pub(super) previous_response: Option<String>,
+    /// Responses API: the response is kept in the engine's store (`store`, default on).
+    pub(super) store: bool,
+    /// Responses API: its conversation as prompt text, without `instructions` (what a
+    /// later response continues); the earlier responses' put before it by the engine.
+    pub(super) conversation: String,
+    /// Responses API: the id its response gets.
+    pub(super) response_id: String,
 }
 
 pub(super) fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<Job, String> {
     let v: Value = serde_json::from_slice(body).map_err(|e| format!("invalid JSON: {e}"))?;
     let mut image = false;
+    let mut conversation = String::new();
     let text = match kind {
         Kind::Chat => {
             let messages = v["messages"].as_array().ok_or("'messages' is required")?;
@@ -73,6 +85,10 @@ pub(super) fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<
             text
         }
         Kind::Messages => super::anthropic::prompt_text(&v)?,
+        Kind::Responses => {
+            conversation = super::responses::input_text(&v)?;
+            super::responses::instructions(&v) + &conversation
+        }
         Kind::Text => match &v["prompt"] {
             Value::String(s) => s.clone(),
             Value::Array(items) => items.first().map(|p| p.to_string()).unwrap_or_default(),
@@ -82,6 +98,7 @@ pub(super) fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<
     let max_tokens = v["max_completion_tokens"]
         .as_u64()
         .or_else(|| v["max_tokens"].as_u64())
+        .or_else(|| v["max_output_tokens"].as_u64())
         .unwrap_or(16) as usize;
     Ok(Job {
         kind,
@@ -98,6 +115,10 @@ pub(super) fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<
             .or(v["tools"][0]["name"].as_str())
             .map(str::to_string),
         image,
+        previous_response: v["previous_response_id"].as_str().map(str::to_string),
+        store: v["store"].as_bool().unwrap_or(true),
+        conversation,
+        response_id: String::new(),
     })
 }
 
@@ -183,7 +204,7 @@ pub(super) fn sse_chunk(
             "id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": now(), "model": model,
             "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
         }),
-        Kind::Text | Kind::Messages => json!({
+        Kind::Text | Kind::Messages | Kind::Responses => json!({
             "id": "cmpl-mock", "object": "text_completion", "created": now(), "model": model,
             "choices": [{"index": 0, "text": delta.get("content").and_then(Value::as_str).unwrap_or(""), "logprobs": null, "finish_reason": finish}],
         }),
@@ -292,6 +313,7 @@ pub(super) fn completion(job: &Job, content: &str, usage: Value) -> Value {
             "usage": usage,
         }),
         Kind::Messages => super::anthropic::message(job, content, usage),
+        Kind::Responses => super::responses::response(job, &job.response_id, Some(content), usage),
     }
 }
 
@@ -300,7 +322,7 @@ pub(super) fn completion(job: &Job, content: &str, usage: Value) -> Value {
 pub(super) fn usage_chunk(job: &Job, usage: Value) -> Bytes {
     let object = match job.kind {
         Kind::Chat => "chat.completion.chunk",
-        Kind::Text | Kind::Messages => "text_completion",
+        Kind::Text | Kind::Messages | Kind::Responses => "text_completion",
     };
     let data = json!({"id": "mock", "object": object, "created": now(), "model": job.model, "choices": [], "usage": usage});
     Bytes::from(format!("data: {data}\n\n"))
