@@ -54,7 +54,7 @@ pub struct RequestLog {
     /// the engine reports when it ends.
     pub charge: Option<super::tenant::Charge>,
     /// The pool learns from it when it succeeds, and its prompt tokens are counted
-    /// (not a `count_tokens`'s).
+    /// (not a `count_tokens`'s, nor a stored response's read again).
     pub teaches: bool,
     /// Its trace spans (the request's, the answering attempt's): they end with it.
     pub spans: [tracing::Span; 2],
@@ -414,7 +414,9 @@ static TOKENS_FIELD: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"
 const LONGEST_FIELD: usize = 21;
 
 /// Picks the engine's usage out of response bytes without parsing them: OpenAI's
-/// `usage.prompt_tokens` and `usage.prompt_tokens_details.cached_tokens`, or
+/// `usage.prompt_tokens` and `usage.prompt_tokens_details.cached_tokens` (the
+/// Responses API's `input_tokens`, `input_tokens_details.cached_tokens` and
+/// `output_tokens`), or
 /// Anthropic's `input_tokens`, `cache_read_input_tokens` and
 /// `cache_creation_input_tokens`. The last value of each seen wins (the usage object
 /// comes last). A 48-byte overlap catches a field split across two frames.
@@ -494,9 +496,11 @@ impl UsageScan {
                 continue; // cut by the frame's start: the seam has it whole
             };
             let field = match (self.anthropic, &hay[name_start..at]) {
-                (false, b"prompt") => &mut self.prompt,
+                // The Responses API's `input_tokens` count the cache's hits too, as
+                // `prompt_tokens` do.
+                (false, b"prompt" | b"input") => &mut self.prompt,
                 (false, b"cached") => &mut self.cached,
-                (false, b"completion") => &mut self.completion,
+                (false, b"completion" | b"output") => &mut self.completion,
                 (true, b"input") => &mut self.input,
                 (true, b"cache_read_input") => &mut self.cache_read,
                 (true, b"cache_creation_input") => &mut self.cache_creation,
@@ -542,6 +546,13 @@ mod tests {
         u.feed(b"ens\": 77, \"prompt_tokens_details\": {\"cached_tokens\": 6");
         u.feed(b"4}}}\n\n");
         assert_eq!((u.prompt, u.cached), (Some(77), Some(64)));
+        // The Responses API's: `input_tokens` with the hits in them.
+        let mut u = UsageScan::of(false);
+        u.feed(br#"{"object":"response","usage":{"input_tokens":137,"input_tokens_details":{"cached_tokens":112},"output_tokens":3}}"#);
+        assert_eq!(
+            (u.prompt_tokens(), u.cached_tokens(), u.completion),
+            (Some(137), Some(112), Some(3))
+        );
         // Anthropic's: the input left uncached, the cache's reads and writes apart.
         let mut u = UsageScan::of(true);
         u.feed(b"event: message_start\ndata: {\"usage\":{\"input_tokens\":10,\"cache_creation_input_tokens\":5,\"cache_read_input_tok");
