@@ -248,6 +248,9 @@ async fn only_the_apis_we_serve_reach_the_engines() {
         ("POST", "/update_weights_from_disk"),
         ("GET", "/metrics"),
         ("GET", "/v1/chat/completions/../../metrics"),
+        ("GET", "/v1/responses/../metrics"),
+        ("GET", "/v1/responses/resp_1/../../metrics"),
+        ("POST", "/v1/responses/resp_1/flush"),
         ("GET", "/v1/anything"),
         ("DELETE", "/v1/models"),
     ] {

@@ -90,15 +90,6 @@ async fn a_conversation_over_messages_stays_home_and_its_cache_reads_are_counted
     assert!(cached > 0.5 * prompt, "{cached} of {prompt}");
 }
 
-/// The sum of a metric's series in a Prometheus text page.
-async fn sum_metric(url: &str, name: &str) -> f64 {
-    let page = call("GET", url, &[], bytes::Bytes::new()).await.text();
-    page.lines()
-        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 /// The metrics page of the engine behind node `n<i>`.
 fn engines_url(engines: &[Proc], node: &str) -> String {
     let i: usize = node.trim_start_matches('n').parse().unwrap();

@@ -24,7 +24,7 @@ pub enum ProxyError {
     UnsupportedEncoding(String),
     #[error("method {method} is not allowed on {path}; use POST")]
     MethodNotAllowed { method: String, path: String },
-    #[error("invalid URL ({method} {path}): this balancer serves /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings, /v1/messages, /v1/messages/count_tokens, /generate and /v1/models")]
+    #[error("invalid URL ({method} {path}): this balancer serves /v1/chat/completions, /v1/completions, /v1/responses (and /v1/responses/{{id}}), /v1/embeddings, /v1/messages, /v1/messages/count_tokens, /generate and /v1/models")]
     UnknownPath { method: String, path: String },
     #[error("tenant `{tenant}` is over its {limit} limit; retry in {retry_after_secs} s")]
     RateLimited {
@@ -46,6 +46,10 @@ pub enum ProxyError {
     QueueTimeout { pool: String, waited_ms: u128 },
     #[error("no node of pool `{pool}` is accepting requests (all down or draining)")]
     NoNode { pool: String },
+    /// The stored response a request names is on one engine only, and that engine
+    /// takes no requests now.
+    #[error("response `{id}` is stored on node `{node}` alone, which is not accepting requests (down, draining or its breaker open); no other engine holds it")]
+    HolderUnavailable { id: String, node: String },
     #[error("every engine tried is busy (429): {attempts}")]
     Busy { attempts: String },
     #[error("all {count} attempts failed: {attempts}")]
@@ -77,6 +81,7 @@ impl ProxyError {
             | ProxyError::QueueFull { .. }
             | ProxyError::QueueTimeout { .. }
             | ProxyError::NoNode { .. }
+            | ProxyError::HolderUnavailable { .. }
             | ProxyError::BufferFull
             | ProxyError::Busy { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
@@ -125,6 +130,7 @@ impl ProxyError {
             ProxyError::QueueFull { .. } => "queue_full",
             ProxyError::QueueTimeout { .. } => "queue_timeout",
             ProxyError::NoNode { .. } => "no_available_node",
+            ProxyError::HolderUnavailable { .. } => "stored_response_unavailable",
             ProxyError::Busy { .. } => "engines_busy",
             ProxyError::Upstream { .. } => "upstream_failed",
             ProxyError::UpstreamTimeout { .. } => "upstream_timeout",

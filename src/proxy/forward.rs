@@ -28,6 +28,7 @@ use crate::routing::decision::{Placement, Suspect, Ticket};
 use crate::routing::facts::Api;
 use crate::routing::node::Node;
 use crate::routing::route::Route;
+use crate::routing::stored::{self, Holder};
 use crate::routing::table::{Pool, Table};
 use crate::telemetry::metrics::RequestMetrics;
 use crate::telemetry::outcome::{FailoverReason, RequestOutcome};
@@ -70,6 +71,17 @@ struct Kept {
     span: tracing::Span,
 }
 
+/// The last engine's 404 to a request naming a stored response no table knows
+/// ([`Holder::Search`]): not that engine's response. The client reads it if no engine
+/// holds the response.
+struct NotHere {
+    ticket: Ticket,
+    series: &'static NodeSeries,
+    route: Route,
+    answer: Answer,
+    span: tracing::Span,
+}
+
 /// One client request on its way to the engines: what every attempt needs.
 pub(super) struct Exchange<'t> {
     pub upstream: &'t Arc<Upstream>,
@@ -109,6 +121,22 @@ enum Answer {
     },
 }
 
+impl Answer {
+    fn status(&self) -> StatusCode {
+        match self {
+            Answer::Stream { head, .. } | Answer::Plain { head, .. } => head.status,
+        }
+    }
+
+    /// The bytes read of it before it commits.
+    fn held(&self) -> &Bytes {
+        match self {
+            Answer::Stream { committed, .. } => &committed.held,
+            Answer::Plain { held, .. } => held,
+        }
+    }
+}
+
 impl Exchange<'_> {
     fn routing(&self) -> &RoutingConfig {
         &self.table.config.routing
@@ -130,7 +158,10 @@ impl Exchange<'_> {
     /// an alias, to the model it stands for).
     fn body_for(&self, placement: &Placement) -> Bytes {
         let pool = &placement.pool().config;
-        let model = if placement.is_fallback() {
+        let model = if placement.api == Api::StoredResponse {
+            // It names a response, not a model.
+            None
+        } else if placement.is_fallback() {
             Some(pool.models.first().unwrap_or(&pool.name).as_str())
         } else {
             placement
@@ -162,6 +193,8 @@ impl Exchange<'_> {
         // The last HTTP 500 answered, until another engine's answer says whose error
         // it was (its node blamed when dropped).
         let mut kept: Option<Box<Kept>> = None;
+        // The last engine's 404 while looking for a stored response.
+        let mut not_here: Option<Box<NotHere>> = None;
         let mut attempt = 0;
         while attempt < max_attempts {
             // One reading of the clock for the walk, the ticket and the send, unless
@@ -178,6 +211,17 @@ impl Exchange<'_> {
             .await;
             let (choice, queued, waited) = match admitted {
                 Ok(admitted) => admitted,
+                // The one engine that holds the response it names takes no requests.
+                Err(ProxyError::NoNode { .. })
+                    if failures.is_empty() && self.placement.holding_node().is_some() =>
+                {
+                    let node = self.placement.holding_node().map_or("", |n| n.id());
+                    let id = self.placement.facts.follows.as_deref().unwrap_or_default();
+                    return Err(ProxyError::HolderUnavailable {
+                        id: clip(id),
+                        node: node.to_string(),
+                    });
+                }
                 Err(e @ ProxyError::NoNode { .. }) => match self.placement.fallback(self.table) {
                     Some(next) => {
                         tracing::debug!(from = %self.placement.pool().config.name, to = %next.pool().config.name, "no node available; trying the fallback pool");
@@ -187,7 +231,7 @@ impl Exchange<'_> {
                         tried.extend_from_slice(self.placement.unserved());
                         continue;
                     }
-                    None if failures.is_empty() => return Err(e),
+                    None if failures.is_empty() && not_here.is_none() => return Err(e),
                     None => break,
                 },
                 Err(e) if failures.is_empty() => return Err(e),
@@ -218,6 +262,24 @@ impl Exchange<'_> {
                 .ask(ticket.pool(), ticket.node(), &body, at, &span)
                 .await
             {
+                Ok(answer)
+                    if self.placement.holder() == Holder::Search
+                        && answer.status() == StatusCode::NOT_FOUND =>
+                {
+                    // Not this engine's response: the next is asked (no attempt spent,
+                    // no fault of the node), and this answer kept in case none has it.
+                    tracing::debug!(node = %ticket.node().id(), "the stored response is not on this engine; asking the next");
+                    attempt -= 1;
+                    *asking = None;
+                    not_here = Some(Box::new(NotHere {
+                        ticket,
+                        series,
+                        route,
+                        answer,
+                        span,
+                    }));
+                    continue;
+                }
                 Ok(answer) => return Ok(self.commit(ticket, series, route, attempt, answer, span)),
                 Err(f) => f,
             };
@@ -260,6 +322,19 @@ impl Exchange<'_> {
                 }
             }
             failures.push(failure);
+        }
+        // Every engine asked answered that it does not hold the response, and none
+        // failed (the one that holds it might have): the client reads the last answer.
+        if let (Some(n), true) = (not_here, failures.is_empty()) {
+            let n = *n;
+            return Ok(self.commit(
+                n.ticket,
+                n.series,
+                n.route,
+                attempt.max(1),
+                n.answer,
+                n.span,
+            ));
         }
         // No other engine was left to ask: the client reads the engine's own 500 (it
         // says more than ours would), and the node is blamed.
@@ -360,6 +435,12 @@ impl Exchange<'_> {
                 failure.answer = Some(Box::new(self.read_plain(node, resp, sent, budget).await?));
             }
             return Err(failure);
+        }
+        if self.placement.api == Api::StoredResponse && is_event_stream(resp.headers()) {
+            // A stored response's stream, resumed (`?stream=true`): relayed as it comes.
+            let (head, body) = resp.into_parts();
+            let held = Bytes::new();
+            return Ok(Answer::Plain { head, held, body });
         }
         if !(stream && status.is_success() && is_event_stream(resp.headers())) {
             return self.read_plain(node, resp, sent, budget).await;
@@ -462,6 +543,7 @@ impl Exchange<'_> {
             self.span.record("prefixlb.attempts", attempts);
         }
         series.count_decision(&route, ticket.distance());
+        self.learn_stored(&ticket, &answer);
         let committed_at = Instant::now();
         ticket.settle(committed_at.into_std());
         let log = |status: StatusCode, ttft, ticket| RequestLog {
@@ -521,6 +603,34 @@ impl Exchange<'_> {
             }
         };
         Response::from_parts(head, BoxBody::new(body))
+    }
+}
+
+impl Exchange<'_> {
+    /// What an answer says of stored responses: the node that answers a response it
+    /// stores holds it from now on; one found by asking holds the response it was
+    /// asked for; a deleted response is held nowhere.
+    fn learn_stored(&self, ticket: &Ticket, answer: &Answer) {
+        let p = &self.placement;
+        if !answer.status().is_success() {
+            return;
+        }
+        let balancer = &ticket.pool().balancer;
+        if p.facts.stored {
+            let stream = matches!(answer, Answer::Stream { .. });
+            if let Some(id) = stored::created_id(answer.held(), stream) {
+                balancer.hold(stored::id_hash(id), ticket.index());
+            }
+        }
+        let Some(named) = &p.facts.follows else {
+            return;
+        };
+        let named = stored::id_hash(named);
+        if p.api == Api::StoredResponse && self.method == Method::DELETE {
+            balancer.forget(named);
+        } else if p.holder() == Holder::Search {
+            balancer.hold(named, ticket.index());
+        }
     }
 }
 

@@ -20,6 +20,7 @@ use super::group::Grouping;
 use super::key;
 use super::node::{Node, Prefilling, Reservation};
 use super::place::Home;
+use super::stored::{self, Holder};
 use super::table::{PlaceError, Pool, PoolError, Table};
 use super::walk::{Choice, Peek, Target, Walk};
 use super::Mode;
@@ -47,8 +48,11 @@ pub struct Placement {
     mode: Mode,
     /// Homes are remembered and learned (off for the simulator's plain bounded walk).
     homes: bool,
-    /// Nodes whose engines do not serve the adapter it asks for.
+    /// Nodes whose engines do not serve the adapter it asks for, or (for a stored
+    /// response whose engine is known) every node but that one.
     unserved: Vec<usize>,
+    /// Where the stored response it names is.
+    holder: Holder,
 }
 
 impl Table {
@@ -65,11 +69,17 @@ impl Table {
     ) -> Result<Placement, PlaceError> {
         let api = Api::from_path(path);
         let envelope = facts::read(api, body)?;
-        let own = self.pool_for(envelope.as_ref().and_then(|e| e.model()))?;
+        // A stored response's own endpoints name no model: the pool whose table knows
+        // the response, else each pool in turn from the first.
+        let named = stored::id_in_path(path).filter(|_| api == Api::StoredResponse);
+        let own = match named {
+            Some(id) => self.holding_pool(id).unwrap_or(0),
+            None => self.pool_for(envelope.as_ref().and_then(|e| e.model()))?,
+        };
         let prefixes = &self.pools[own].balancer.load().prefixes;
         // A request that is not load is keyed as its API keys, but counts nothing.
         let learn = if api.is_load() { mode } else { Mode::Explain };
-        let facts = key::facts_of(
+        let mut facts = key::facts_of(
             api,
             body,
             envelope.as_ref(),
@@ -77,6 +87,9 @@ impl Table {
             self.key_spec(),
             Some((prefixes, learn)),
         );
+        if let Some(id) = named {
+            facts.follows = Some(id.to_owned());
+        }
         let Some((at, pool)) = self.serving_pool(own, 0, &facts) else {
             return Err(PlaceError::Pool(PoolError::NoThinking {
                 pool: self.pools[own].config.name.clone(),
@@ -84,6 +97,14 @@ impl Table {
         };
         let placement = Placement::new(self, api, facts, own, at, pool, mode);
         Ok(placement.with_homes(api.is_load()))
+    }
+
+    /// The first pool whose table knows where the stored response `id` is.
+    fn holding_pool(&self, id: &str) -> Option<usize> {
+        let hash = stored::id_hash(id);
+        self.pools
+            .iter()
+            .position(|p| p.balancer.holder_of(hash).is_some())
     }
 
     /// The first pool of `own`'s chain, from position `from` on, that serves a request
@@ -123,10 +144,23 @@ impl Placement {
         // An adapter's requests are keyed apart: an engine caches prefixes per adapter.
         let adapter = facts.model.as_deref().and_then(|m| pool.adapter(m));
         // Engines known not to serve it are never chosen for it.
-        let unserved = match adapter {
+        let mut unserved = match adapter {
             Some(a) => unserved_by(&pool, a),
             None => Vec::new(),
         };
+        // A stored response is served by its own engine or by none.
+        let holder = match &facts.follows {
+            None => Holder::Any,
+            Some(id) => match pool.balancer.holder_of(stored::id_hash(id)) {
+                Some(only) => Holder::Only(only),
+                None => Holder::Search,
+            },
+        };
+        if let Holder::Only(only) = holder {
+            unserved = (0..pool.balancer.nodes().len())
+                .filter(|&i| i != only)
+                .collect();
+        }
         let space = match adapter {
             Some(adapter) => Cow::Owned(format!("{}\0{adapter}", pool.config.name)),
             None => Cow::Borrowed(pool.config.name.as_str()),
@@ -136,7 +170,11 @@ impl Placement {
         let home = b.home_of(hash);
         let stakes = Stakes::of(&facts, grouping, home.map(|h| h.tokens));
         let keyed = b.target(hash, grouping, mode);
-        let target = b.place(keyed, home, facts.turn, stakes.own_tokens);
+        let mut target = b.place(keyed, home, facts.turn, stakes.own_tokens);
+        if let Holder::Only(only) = holder {
+            // Its walk starts where it must go: nothing else is its home.
+            target.first = Some(only);
+        }
         Placement {
             api,
             facts,
@@ -151,13 +189,23 @@ impl Placement {
             mode,
             homes: true,
             unserved,
+            holder,
         }
     }
 
     /// The same request placed in the next pool of its chain that serves it (its
     /// fallbacks, in order), if any: when this pool has no node to offer.
     pub fn fallback(&self, table: &Table) -> Option<Placement> {
-        let (at, index) = table.serving_pool(self.own, self.at + 1, &self.facts)?;
+        let (at, index) = match (self.holder, self.api) {
+            // No other pool holds it.
+            (Holder::Only(_), _) => return None,
+            // A stored response not known anywhere: each pool in turn.
+            (_, Api::StoredResponse) => {
+                let at = self.at + 1;
+                (at < table.pools.len()).then(|| (at, (self.own + at) % table.pools.len()))?
+            }
+            _ => table.serving_pool(self.own, self.at + 1, &self.facts)?,
+        };
         let next = Placement::new(
             table,
             self.api,
@@ -189,6 +237,19 @@ impl Placement {
     /// adapter it asks for is not among it. Admission treats them as tried.
     pub fn unserved(&self) -> &[usize] {
         &self.unserved
+    }
+
+    /// Where the stored response it names is (see [`stored`]).
+    pub fn holder(&self) -> Holder {
+        self.holder
+    }
+
+    /// The node that holds the stored response it names, when that is known.
+    pub fn holding_node(&self) -> Option<&Node> {
+        match self.holder {
+            Holder::Only(i) => self.pool.balancer.nodes().get(i),
+            _ => None,
+        }
     }
 
     /// The pool it is placed in.
@@ -232,9 +293,12 @@ impl Placement {
     /// Whether to wait for its full home instead of taking `spill`, and for how long
     /// at most: `(home, budget)` (see [`super::cost::wait_budget`]).
     pub fn home_wait(&self, spill: usize) -> Option<(usize, Duration)> {
-        self.pool
+        let (home, budget) = self
+            .pool
             .balancer
-            .home_wait(self.target, &self.stakes, spill)
+            .home_wait(self.target, &self.stakes, spill)?;
+        // A home that may not serve it is never waited for.
+        (!self.unserved.contains(&home)).then_some((home, budget))
     }
 
     /// The ticket of an admitted node: the conversation is at home there (see

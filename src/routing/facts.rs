@@ -24,6 +24,9 @@ pub enum Api {
     /// SGLang's native `/generate`.
     Generate,
     Responses,
+    /// One stored response's own endpoints (`GET`/`DELETE /v1/responses/{id}`,
+    /// `POST /v1/responses/{id}/cancel`, …): served by the engine that holds it.
+    StoredResponse,
     Embeddings,
     Other,
 }
@@ -38,6 +41,7 @@ impl Api {
             "/generate" => Api::Generate,
             "/v1/responses" => Api::Responses,
             "/v1/embeddings" => Api::Embeddings,
+            p if super::stored::id_in_path(p).is_some() => Api::StoredResponse,
             _ => Api::Other,
         }
     }
@@ -50,6 +54,7 @@ impl Api {
             Api::Completions => "completions",
             Api::Generate => "generate",
             Api::Responses => "responses",
+            Api::StoredResponse => "stored_response",
             Api::Embeddings => "embeddings",
             Api::Other => "other",
         }
@@ -57,7 +62,7 @@ impl Api {
 
     /// Whether the body must be a JSON object (else 400).
     pub fn requires_json(self) -> bool {
-        self != Api::Other
+        !matches!(self, Api::Other | Api::StoredResponse)
     }
 
     /// Anthropic's API: its errors, stream events and usage have Anthropic's shapes.
@@ -66,11 +71,12 @@ impl Api {
     }
 
     /// Whether a request is load that matters: everything but `count_tokens`, which
-    /// only tokenizes. Such a request takes the least loaded node at once (never a
+    /// only tokenizes, and a stored response's own endpoints (read, delete, cancel).
+    /// Such a request takes the least loaded node at once (never a
     /// queue place or a home wait), adds nothing to a prefill backlog, and teaches the
     /// pool nothing (no prefix counted, no home, no latency sample).
     pub fn is_load(self) -> bool {
-        self != Api::CountTokens
+        !matches!(self, Api::CountTokens | Api::StoredResponse)
     }
 
     /// Whether the prompt is a message list (`messages`), read the same for every API
@@ -135,6 +141,12 @@ pub struct RequestFacts {
     /// Estimated prompt tokens (≈ 4 bytes of text each) and how many of them come
     /// before the newest message (what a cache holding the earlier turns would hold).
     pub tokens: TokenEstimate,
+    /// The stored response it names: a Responses API request's
+    /// `previous_response_id`, or the id in a stored response's own path.
+    pub follows: Option<String>,
+    /// Its answer is stored by the engine (a Responses API request without
+    /// `"store": false`): the balancer remembers where.
+    pub stored: bool,
 }
 
 impl RequestFacts {
@@ -256,6 +268,9 @@ pub struct Envelope<'a> {
     pub(super) input_ids: Option<&'a str>,
     pub(super) instructions: Option<&'a str>,
     pub(super) input: Option<&'a str>,
+    pub(super) previous_response_id: Option<Cow<'a, str>>,
+    /// `"store": false`.
+    pub(super) no_store: bool,
 }
 
 /// A chat message, or a `/v1/responses` input item. Its content is the raw JSON
@@ -304,6 +319,15 @@ fn read_envelope(text: &str) -> Result<Envelope<'_>, ScanError> {
             }
             "stream" => {
                 env.stream = sc.opt_bool("'stream' must be a boolean")?;
+                return Ok(());
+            }
+            "previous_response_id" => {
+                env.previous_response_id =
+                    sc.opt_string("'previous_response_id' must be a string")?;
+                return Ok(());
+            }
+            "store" => {
+                env.no_store = sc.value()? == "false";
                 return Ok(());
             }
             "max_tokens" | "max_completion_tokens" | "max_output_tokens" => {

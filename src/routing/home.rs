@@ -69,6 +69,15 @@ impl HomeTable {
         let v = (key_tag(key) << 40) | (steps << 24) | u64::from(entry.node & 0xFF_FFFF);
         self.slots[key as usize & (SLOTS - 1)].store(v, Ordering::Relaxed);
     }
+
+    /// Forgets `key` (a slot another key holds is left as it is).
+    pub fn forget(&self, key: u64) {
+        let slot = &self.slots[key as usize & (SLOTS - 1)];
+        let v = slot.load(Ordering::Relaxed);
+        if v >> 40 == key_tag(key) {
+            let _ = slot.compare_exchange(v, 0, Ordering::Relaxed, Ordering::Relaxed);
+        }
+    }
 }
 
 /// How many conversations each node became home to lately: a count over about the

@@ -146,6 +146,11 @@ pub fn facts_of(
         source,
         turn,
         tokens,
+        follows: envelope
+            .and_then(|env| env.previous_response_id.as_deref())
+            .filter(|_| api == Api::Responses)
+            .map(str::to_owned),
+        stored: api == Api::Responses && envelope.is_some_and(|env| !env.no_store),
     }
 }
 

@@ -2,7 +2,7 @@
 //! key and hashes ([`key`]), the ring ([`ring`]) and prefix groups ([`group`]), each
 //! node's breaker ([`breaker`]), what its latency means ([`latency`]) and its runtime
 //! state ([`node`]), the bounded-load walk ([`walk`]) and the placement of a
-//! conversation ([`place`]), the immutable routing snapshot ([`table`]), the one entry
+//! conversation ([`place`]), which engine holds each stored response ([`stored`]), the immutable routing snapshot ([`table`]), the one entry
 //! point of a decision and the ticket that carries it to its end ([`decision`]), and the
 //! explanation of one decision ([`explain`]).
 //!
@@ -28,6 +28,7 @@ pub mod place;
 pub mod prefix;
 pub mod ring;
 pub mod route;
+pub mod stored;
 pub mod table;
 mod ttft_window;
 pub mod walk;

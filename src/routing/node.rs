@@ -456,6 +456,9 @@ pub struct PoolLoad {
     pub homes: HomeTable,
     /// How many conversations each node became home to lately.
     pub recent_homes: RecentHomes,
+    /// Which node holds each stored response of the Responses API (see
+    /// [`super::stored`]).
+    pub stored: HomeTable,
     /// The pool's prefill time per uncached token.
     pub prefill: PrefillRate,
     /// Balancer replicas serving the pool (this one included), as known: they place

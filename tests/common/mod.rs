@@ -301,6 +301,15 @@ pub async fn metric(url: &str, name: &str) -> f64 {
         .unwrap_or_else(|| panic!("no metric {name} in {page}"))
 }
 
+/// The sum of a metric's series in a Prometheus text page (0 when it has none).
+pub async fn sum_metric(url: &str, name: &str) -> f64 {
+    let page = call("GET", url, &[], Bytes::new()).await.text();
+    page.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// `prefixlb_client_connections` of one serving lane (lane 0: the shared runtime).
 pub async fn client_connections(lb: &Proc, lane: usize) -> f64 {
     let name = format!("prefixlb_client_connections{{lane=\"{lane}\"}}");

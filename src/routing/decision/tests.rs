@@ -247,3 +247,81 @@ fn a_prompt_string_nobody_sent_before_is_new_and_keeps_the_home_it_got() {
     assert!(next.stakes.history >= 10_000, "{:?}", next.stakes);
     assert!(next.stakes.expect > 0.9, "{:?}", next.stakes);
 }
+
+const TWO_POOLS: &str = r#"
+[[pools]]
+name = "p"
+models = ["m"]
+nodes = [{ id = "a", url = "http://h:1" }, { id = "b", url = "http://h:2" }, { id = "c", url = "http://h:3" }]
+[[pools]]
+name = "q"
+models = ["n"]
+nodes = [{ id = "d", url = "http://h:4" }, { id = "e", url = "http://h:5" }]
+"#;
+
+fn follows(model: &str, id: &str, input: &str) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "model": model, "input": input, "previous_response_id": id,
+    }))
+    .unwrap()
+}
+
+#[test]
+fn a_stored_response_is_placed_on_its_engine_alone_or_searched_for() {
+    let t = table(TWO_POOLS);
+    let p = &t.pools[0].balancer;
+    p.hold(stored::id_hash("resp_1"), 2);
+    let now = Instant::now();
+    // Known: its walk starts at its engine, and every other node is ruled out, so
+    // neither a spill nor a wait for another home can take it elsewhere.
+    for input in ["one", "two", "three", "four"] {
+        let placed = t
+            .place(
+                "/v1/responses",
+                None,
+                &follows("m", "resp_1", input),
+                Mode::Route,
+            )
+            .unwrap();
+        assert_eq!(placed.holder(), Holder::Only(2));
+        assert_eq!(placed.target.first, Some(2));
+        assert_eq!(placed.unserved(), &[0, 1]);
+        assert_eq!(placed.holding_node().unwrap().id(), "c");
+        assert_eq!(chosen(placed.choose(placed.unserved(), now)).index, 2);
+        // No other pool holds it.
+        assert!(placed.fallback(&t).is_none());
+    }
+    // Unknown: asked for everywhere.
+    let placed = t
+        .place(
+            "/v1/responses",
+            None,
+            &follows("m", "resp_2", "x"),
+            Mode::Explain,
+        )
+        .unwrap();
+    assert_eq!(placed.holder(), Holder::Search);
+    assert!(placed.unserved().is_empty());
+    // Its own endpoints name no model: the pool that knows it, else each in turn.
+    let q = &t.pools[1].balancer;
+    q.hold(stored::id_hash("resp_q"), 1);
+    let get = t
+        .place("/v1/responses/resp_q", None, b"", Mode::Route)
+        .unwrap();
+    assert_eq!(get.api, Api::StoredResponse);
+    assert_eq!(get.pool().config.name, "q");
+    assert_eq!(get.holder(), Holder::Only(1));
+    let cancel = t
+        .place("/v1/responses/resp_x/cancel", None, b"", Mode::Route)
+        .unwrap();
+    assert_eq!(cancel.facts.follows.as_deref(), Some("resp_x"));
+    assert_eq!(cancel.holder(), Holder::Search);
+    assert_eq!(cancel.pool().config.name, "p");
+    let next = cancel.fallback(&t).unwrap();
+    assert_eq!(next.pool().config.name, "q");
+    assert_eq!(next.holder(), Holder::Search);
+    assert!(next.fallback(&t).is_none());
+    // Deleted, it is held nowhere.
+    q.forget(stored::id_hash("resp_q"));
+    assert_eq!(q.holder_of(stored::id_hash("resp_q")), None);
+}
