@@ -1,0 +1,158 @@
+#!/usr/bin/env bash
+# Conversations chained by the Responses API's `previous_response_id` through prefixlb,
+# SGLang's router (the `sglang-router` wheel from PyPI, policy cache_aware) and round
+# robin, each in front of NODES fresh `prefixlb mock-engine`s, which keep every response
+# in their own memory as vLLM does (an engine that does not hold a response answers 404).
+# CONVS conversations of TURNS turns, CONC at a time, each turn's input its own random
+# text. A conversation ends at its first error. Prints, per router: turns served,
+# conversations lost (and the statuses that lost them), and the share of prompt tokens
+# the engines found cached.
+#
+# Usage: scripts/stored_responses.sh   (builds prefixlb, installs sglang-router in a venv)
+#   ROUTERS="prefixlb sglang round-robin" SEEDS="1 2 3" CONVS=32 TURNS=6 CONC=8 NODES=4
+#   B=path/to/prefixlb runs another build as the router (the engines stay this
+#   checkout's: an older build's mock-engine has no Responses API).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROUTERS=${ROUTERS:-"prefixlb sglang round-robin"}
+SEEDS=${SEEDS:-"1 2 3"}
+CONVS=${CONVS:-32}
+TURNS=${TURNS:-6}
+CONC=${CONC:-8}
+NODES=${NODES:-4}
+BASE_PORT=${BASE_PORT:-19600}
+VENV=${VENV:-target/sglang-venv}
+cargo build --release --bin prefixlb >/dev/null
+E=target/release/prefixlb
+B=${B:-$E}
+if ! [ -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+"$VENV/bin/python" -c 'import sglang_router' 2>/dev/null ||
+  "$VENV/bin/pip" install -q --disable-pip-version-check sglang-router
+echo "sglang-router $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("sglang-router"))')"
+
+WORK=$(mktemp -d)
+pids=()
+stop() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  pids=()
+  for _ in $(seq 1 50); do
+    ss -ltn 2>/dev/null | grep -q ":$((BASE_PORT + 90)) " || break
+    sleep 0.1
+  done
+}
+trap 'stop; rm -rf "$WORK"' EXIT
+
+wait_http() { # URL: until it answers
+  for _ in $(seq 1 200); do
+    curl -fsS -o /dev/null "$1" 2>/dev/null && return 0
+    sleep 0.1
+  done
+  echo "no answer from $1" >&2
+  return 1
+}
+
+engines() { # start NODES fresh mock engines
+  for i in $(seq 0 $((NODES - 1))); do
+    $E mock-engine --listen "127.0.0.1:$((BASE_PORT + i))" --id "e$i" --decode-ms-per-token 2 \
+      >/dev/null 2>&1 &
+    pids+=($!)
+  done
+  for i in $(seq 0 $((NODES - 1))); do wait_http "http://127.0.0.1:$((BASE_PORT + i))/health"; done
+}
+
+router() { # NAME: start a router in front of the engines; sets URLS (the client's targets)
+  local port=$((BASE_PORT + 90))
+  URLS="http://127.0.0.1:$port"
+  case $1 in
+    round-robin)
+      URLS=""
+      for i in $(seq 0 $((NODES - 1))); do URLS+="http://127.0.0.1:$((BASE_PORT + i)) "; done
+      ;;
+    prefixlb)
+      {
+        printf '[server]\nlisten = "127.0.0.1:%s"\nadmin_listen = "127.0.0.1:%s"\n' "$port" $((port + 1))
+        printf '[[pools]]\nname = "mock"\nmodels = ["mock"]\n'
+        for i in $(seq 0 $((NODES - 1))); do
+          printf '[[pools.nodes]]\nid = "e%s"\nurl = "http://127.0.0.1:%s"\n' "$i" $((BASE_PORT + i))
+        done
+      } > "$WORK/prefixlb.toml"
+      $B serve --config "$WORK/prefixlb.toml" > "$WORK/prefixlb.log" 2>&1 &
+      pids+=($!)
+      wait_http "http://127.0.0.1:$((port + 1))/readyz"
+      ;;
+    sglang)
+      local urls=()
+      for i in $(seq 0 $((NODES - 1))); do urls+=("http://127.0.0.1:$((BASE_PORT + i))"); done
+      "$VENV/bin/python" -m sglang_router.launch_router --host 127.0.0.1 --port "$port" \
+        --worker-urls "${urls[@]}" --policy cache_aware --log-level warn > "$WORK/sglang.log" 2>&1 &
+      pids+=($!)
+      wait_http "http://127.0.0.1:$port/health"
+      ;;
+  esac
+}
+
+cat > "$WORK/chain.py" <<'EOF'
+# CONVS conversations chained by previous_response_id, CONC at a time; round robin
+# over the URLs given (one URL: a router).
+import itertools, json, random, sys, threading, urllib.error, urllib.request
+urls, seed, convs, turns, conc = sys.argv[1].split(), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+rotation = itertools.cycle(urls)
+lock = threading.Lock()
+st = {"served": 0, "lost": 0, "cached": 0, "prompt": 0, "statuses": {}}
+words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+def post(body):
+    with lock:
+        url = next(rotation)
+    req = urllib.request.Request(url + "/v1/responses", json.dumps(body).encode(),
+                                 {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return 200, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, None
+
+def conversation(n):
+    rnd = random.Random(seed * 100_000 + n)
+    previous = None
+    for _ in range(turns):
+        body = {"model": "mock", "input": " ".join(rnd.choice(words) for _ in range(120)),
+                "max_output_tokens": 4}
+        if previous:
+            body["previous_response_id"] = previous
+        status, r = post(body)
+        with lock:
+            if status != 200:
+                st["lost"] += 1
+                st["statuses"][status] = st["statuses"].get(status, 0) + 1
+                return
+            st["served"] += 1
+            st["prompt"] += r["usage"]["input_tokens"]
+            st["cached"] += r["usage"]["input_tokens_details"]["cached_tokens"]
+        previous = r["id"]
+
+for start in range(0, convs, conc):
+    ts = [threading.Thread(target=conversation, args=(n,)) for n in range(start, min(convs, start + conc))]
+    for t in ts: t.start()
+    for t in ts: t.join()
+print(json.dumps(st))
+EOF
+
+printf '%-12s %5s %14s %20s %8s\n' router seed "turns served" "conversations lost" cached
+for seed in $SEEDS; do
+  for r in $ROUTERS; do
+    engines
+    router "$r"
+    out=$(python3 "$WORK/chain.py" "$URLS" "$seed" "$CONVS" "$TURNS" "$CONC")
+    stop
+    python3 -c '
+import json, sys
+s = json.loads(sys.argv[1]); total = int(sys.argv[4]) * int(sys.argv[5])
+lost = "%d %s" % (s["lost"], s["statuses"] or "")
+print("%-12s %5s %14s %20s %7.1f%%" % (sys.argv[2], sys.argv[3], "%d/%d" % (s["served"], total),
+      lost, 100 * s["cached"] / max(s["prompt"], 1)))' "$out" "$r" "$seed" "$CONVS" "$TURNS"
+  done
+done
