@@ -5,7 +5,8 @@
 
 Starts the engines and the balancer itself (loopback, ports chosen by the OS), then
 checks what a user of the client sees: chat completions with and without streaming,
-completions, models, embeddings, a streamed tool call, and that our errors become the
+completions, models, embeddings, a streamed tool call, a Responses API conversation
+chained by `previous_response_id` (plain and streamed, then read and deleted), and that our errors become the
 client's exceptions (404 -> NotFoundError, 503 on saturation -> APIStatusError,
 401 -> AuthenticationError). Exits non-zero on the first failure.
 """
@@ -58,6 +59,28 @@ def main():
         finish = c.finish_reason or finish
     check("a tool call in a stream", name == "lookup" and args == '{"x": 1}' and finish == "tool_calls",
           (name, args, finish))
+
+    # The Responses API, a conversation chained by previous_response_id: each engine
+    # keeps its own responses, so every turn must reach the one that answered the last.
+    r = client.responses.create(model="mock", input="tell me about caches " * 30, max_output_tokens=4)
+    check("responses.create", r.output_text.strip() != "" and r.usage.input_tokens > 0, r)
+    with client.responses.stream(model="mock", input="and then? " * 10, previous_response_id=r.id,
+                                 max_output_tokens=4) as s:
+        for _ in s:
+            pass
+        r2 = s.get_final_response()
+    check("responses.stream(previous_response_id=…)",
+          r2.output_text.strip() != "" and r2.usage.input_tokens_details.cached_tokens > 0, r2)
+    r3 = client.responses.create(model="mock", input="and last?", previous_response_id=r2.id, max_output_tokens=4)
+    check("responses.create(previous_response_id=…)", r3.usage.input_tokens_details.cached_tokens > 0, r3)
+    got = client.responses.retrieve(r3.id)
+    check("responses.retrieve", got.id == r3.id and got.status == "completed", got)
+    client.responses.delete(r3.id)
+    try:
+        client.responses.retrieve(r3.id)
+        check("responses.retrieve after delete -> NotFoundError", False, "no exception")
+    except openai.NotFoundError as err:
+        check("responses.retrieve after delete -> NotFoundError", r3.id in str(err), err)
 
     try:
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
