@@ -3,7 +3,8 @@
 //     NODE_PATH=target/ci-node/node_modules node tests/clients/openai_check.mjs target/debug/prefixlb
 //
 // The same checks as openai_check.py, as a Node user sees them: chat completions with
-// and without streaming, completions, models, embeddings, a streamed tool call, and our
+// and without streaming, completions, models, embeddings, a streamed tool call, a
+// Responses API conversation chained by previous_response_id (read, then deleted), and our
 // errors as the client's exception classes (404 -> NotFoundError, 401 ->
 // AuthenticationError, 503 on saturation -> APIError with status 503). Starts its own
 // engines and balancer on loopback ports chosen by the OS; exits non-zero on the first
@@ -125,6 +126,40 @@ async function main() {
     args,
     finish,
   });
+
+  // The Responses API, a conversation chained by previous_response_id: each engine keeps
+  // its own responses, so every turn must reach the one that answered the last.
+  const r1 = await client.responses.create({
+    model: "mock",
+    input: "tell me about caches ".repeat(30),
+    max_output_tokens: 4,
+  });
+  check("responses.create", r1.output_text.trim() !== "" && r1.usage.input_tokens > 0, r1);
+  let r2 = null;
+  const events = await client.responses.create({
+    model: "mock",
+    input: "and then? ".repeat(10),
+    previous_response_id: r1.id,
+    max_output_tokens: 4,
+    stream: true,
+  });
+  for await (const event of events) {
+    if (event.type === "response.completed") r2 = event.response;
+  }
+  check(
+    "responses.create({stream: true, previous_response_id})",
+    r2 && r2.usage.input_tokens_details.cached_tokens > 0,
+    r2,
+  );
+  const got = await client.responses.retrieve(r2.id);
+  check("responses.retrieve", got.id === r2.id && got.status === "completed", got);
+  await client.responses.delete(r2.id);
+  await expectError(
+    "responses.retrieve after delete -> NotFoundError",
+    client.responses.retrieve(r2.id),
+    OpenAI.NotFoundError,
+    404,
+  );
 
   await expectError(
     "404 -> NotFoundError",
