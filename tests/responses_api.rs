@@ -275,3 +275,61 @@ async fn a_stored_response_s_stream_read_again_is_relayed_as_it_comes() {
         started.elapsed()
     );
 }
+
+#[tokio::test]
+async fn replicas_that_did_not_see_a_response_find_it_and_then_know_it() {
+    // Two balancer replicas over the same engines, as behind an L4 load balancer: each
+    // turn of a conversation goes to the other replica than the last.
+    let engines: Vec<Proc> = (0..4).map(|i| engine(&format!("e{i}"), &[])).collect();
+    let refs: Vec<&Proc> = engines.iter().collect();
+    let replicas = [
+        balancer(&config(&refs, "", "")),
+        balancer(&config(&refs, "", "")),
+    ];
+    for c in 0..4 {
+        let mut previous: Option<String> = None;
+        let mut home: Option<String> = None;
+        for turn in 0..6 {
+            let lb = &replicas[turn % 2];
+            let mut body = json!({"model": "mock", "input": said(c, turn), "max_output_tokens": 2});
+            if let Some(p) = &previous {
+                body["previous_response_id"] = json!(p);
+            }
+            let (reply, response) = respond(lb, &body).await;
+            assert_eq!(
+                reply.status,
+                200,
+                "conversation {c} turn {turn}: {}",
+                reply.text()
+            );
+            let node = reply.header("x-prefixlb-node").to_string();
+            assert!(
+                home.as_ref().is_none_or(|h| *h == node),
+                "turn {turn} left its engine"
+            );
+            home = Some(node);
+            previous = Some(response["id"].as_str().unwrap().to_string());
+        }
+        // Either replica reads the last response from its engine (the one that did not
+        // see it made finds it by asking).
+        let id = previous.unwrap();
+        for lb in &replicas {
+            let got = call(
+                "GET",
+                &lb.url(&format!("/v1/responses/{id}")),
+                &[],
+                Bytes::new(),
+            )
+            .await;
+            assert_eq!(got.status, 200, "{}", got.text());
+            assert_eq!(got.header("x-prefixlb-node"), home.as_deref().unwrap());
+        }
+    }
+    for lb in &replicas {
+        assert!(in_flight_settles(lb, Duration::from_secs(5)).await);
+        assert_eq!(
+            sum_metric(&lb.admin_url("/metrics"), "prefixlb_failovers_total").await,
+            0.0
+        );
+    }
+}
