@@ -1,5 +1,5 @@
-//! Stored responses: which engine holds each response of the Responses API. vLLM and
-//! SGLang keep a response they answer (`store`, on by default) in their own memory, so
+//! Stored responses: which engine holds each response of the Responses API. vLLM keeps
+//! a response it answers (`store`, on by default) in the engine's own memory, so
 //! a request that names one (`previous_response_id`, or `GET`/`DELETE`
 //! `/v1/responses/{id}` and its `/cancel`) is served only by the engine that answered
 //! it: any other answers 404. The balancer reads each new response's id from the first
