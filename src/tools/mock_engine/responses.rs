@@ -166,7 +166,7 @@ pub(super) fn response(job: &Job, id: &str, text: Option<&str>, usage: Value) ->
 
 fn message(id: &str, text: &str, status: &str) -> Value {
     json!({
-        "id": format!("msg_{}", &id[5..]), "type": "message", "role": "assistant", "status": status,
+        "id": item_id(id), "type": "message", "role": "assistant", "status": status,
         "content": [{"type": "output_text", "text": text, "annotations": []}],
     })
 }
@@ -212,7 +212,7 @@ impl Events {
     pub(super) fn delta(&mut self, id: &str, text: &str) -> Bytes {
         self.event(
             "response.output_text.delta",
-            json!({"item_id": format!("msg_{}", &id[5..]), "output_index": 0, "content_index": 0, "delta": text}),
+            json!({"item_id": item_id(id), "output_index": 0, "content_index": 0, "delta": text}),
         )
     }
 
@@ -237,6 +237,11 @@ impl Events {
             self.event("response.completed", json!({"response": completed})),
         ]
     }
+}
+
+/// The id of a response's message: `msg_` and the response's own suffix.
+fn item_id(response: &str) -> String {
+    format!("msg_{}", response.strip_prefix("resp_").unwrap_or(response))
 }
 
 fn now() -> u64 {
