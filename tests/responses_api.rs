@@ -67,6 +67,22 @@ async fn a_conversation_of_stored_responses_stays_on_the_engine_that_holds_it() 
         }
         let id = previous.unwrap();
         let home = home.unwrap();
+        // The explanation of the next turn names the response, its engine, and that
+        // engine as the choice.
+        let next = json!({"model": "mock", "input": said(c, 9), "previous_response_id": id});
+        let explained = post_json(
+            &lb.admin_url("/admin/explain?path=/v1/responses"),
+            &next,
+            &[],
+        )
+        .await;
+        let x = explained.json();
+        assert_eq!(
+            x["stored_response"],
+            json!({"id": id, "held_by": home}),
+            "{x}"
+        );
+        assert_eq!(x["choice"], json!(home), "{x}");
         // The response's own endpoints reach its engine.
         let got = call(
             "GET",
@@ -161,6 +177,13 @@ async fn a_response_no_table_knows_is_found_by_asking_each_engine_in_turn() {
     )
     .await;
     assert_eq!(got.status, 404, "{}", got.text());
+    let explain = lb.admin_url("/admin/explain?path=/v1/responses");
+    let x = post_json(&explain, &missing, &[]).await.json();
+    assert_eq!(
+        x["stored_response"],
+        json!({"id": "resp_nowhere", "held_by": null}),
+        "{x}"
+    );
     // Every engine was asked once for each, and none is blamed for it.
     for (e, before) in engines.iter().zip(asked_before) {
         let asked = metric(&e.url("/metrics"), "mock_engine_http_requests_total").await;
@@ -195,6 +218,15 @@ async fn a_response_whose_engine_takes_no_requests_is_refused_by_name() {
     // Another engine would only answer 404: the client is told where the response is.
     let next =
         json!({"model": "mock", "input": "more", "previous_response_id": id, "stream": true});
+    // Its explanation says so too: no other node is offered.
+    let explain = lb.admin_url("/admin/explain?path=/v1/responses");
+    let x = post_json(&explain, &next, &[]).await.json();
+    assert_eq!(x["stored_response"]["held_by"], json!(node), "{x}");
+    assert_eq!(
+        (&x["choice"], &x["route"]),
+        (&Value::Null, &json!("unavailable")),
+        "{x}"
+    );
     let (reply, body) = respond(&lb, &next).await;
     assert_eq!(reply.status, 503, "{}", reply.text());
     assert_eq!(body["error"]["code"], "stored_response_unavailable");

@@ -49,6 +49,10 @@ pub struct Explanation {
     /// first two nodes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub placement: Option<PlacementInfo>,
+    /// A request naming a stored response (Responses API): the response, and the node
+    /// that holds it (`null`: not known here; every node would be asked).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stored_response: Option<StoredInfo>,
     /// The key's successor walk, primary first.
     pub successors: Vec<Step>,
     /// The node the next request would get now.
@@ -75,6 +79,12 @@ pub struct PlacementInfo {
     /// `recent homes, then load` (a short opening: where fewer conversations made
     /// their home lately) or `load` (requests in flight over cap).
     pub by: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StoredInfo {
+    pub id: String,
+    pub held_by: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -132,7 +142,9 @@ pub fn explain(
         })
         .collect();
     let when_saturated = table.config.routing.when_saturated;
-    let (choice, route) = match p.peek(&[], now) {
+    // Nodes it may never go to (an adapter they lack, a stored response another holds)
+    // are skipped as admission skips them.
+    let (choice, route) = match p.peek(p.unserved(), now) {
         _ if p.joins_queue(when_saturated, &[]) => (None, "queued".to_string()),
         Peek::Node {
             index,
@@ -196,6 +208,10 @@ pub fn explain(
                 },
             },
         ),
+        stored_response: facts.follows.as_ref().map(|id| StoredInfo {
+            id: id.clone(),
+            held_by: p.holding_node().map(|n| n.id().to_string()),
+        }),
         successors,
         choice,
         route,
