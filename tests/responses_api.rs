@@ -18,6 +18,12 @@ fn said(conversation: usize, turn: usize) -> String {
     format!("conversation {conversation}, turn {turn}: ").repeat(30)
 }
 
+/// `METHOD /v1/responses/{id}` and `action` after it, through `lb`, read whole.
+async fn on_response(lb: &Proc, method: &str, id: &str, action: &str) -> Reply {
+    let path = format!("/v1/responses/{id}{action}");
+    call(method, &lb.url(&path), &[], Bytes::new()).await
+}
+
 /// One `POST /v1/responses`: its reply, and for a stream the `response.completed`
 /// event's response (what a plain answer is whole).
 async fn respond(lb: &Proc, body: &Value) -> (Reply, Value) {
@@ -84,18 +90,11 @@ async fn a_conversation_of_stored_responses_stays_on_the_engine_that_holds_it() 
         );
         assert_eq!(x["choice"], json!(home), "{x}");
         // The response's own endpoints reach its engine.
-        let got = call(
-            "GET",
-            &lb.url(&format!("/v1/responses/{id}")),
-            &[],
-            Bytes::new(),
-        )
-        .await;
+        let got = on_response(&lb, "GET", &id, "").await;
         assert_eq!(got.status, 200, "{}", got.text());
         assert_eq!(got.json()["id"], json!(id));
         assert_eq!(got.header("x-prefixlb-node"), home);
-        let cancel = format!("/v1/responses/{id}/cancel");
-        let cancelled = call("POST", &lb.url(&cancel), &[], Bytes::new()).await;
+        let cancelled = on_response(&lb, "POST", &id, "/cancel").await;
         // The engine's own answer: a response that was not a background one.
         assert_eq!(cancelled.status, 400, "{}", cancelled.text());
         assert!(
@@ -103,12 +102,11 @@ async fn a_conversation_of_stored_responses_stays_on_the_engine_that_holds_it() 
             "{}",
             cancelled.text()
         );
-        let path = format!("/v1/responses/{id}");
-        let deleted = call("DELETE", &lb.url(&path), &[], Bytes::new()).await;
+        let deleted = on_response(&lb, "DELETE", &id, "").await;
         assert_eq!(deleted.status, 200, "{}", deleted.text());
         assert_eq!(deleted.json()["deleted"], json!(true));
         // Deleted: no engine holds it now, and the client reads an engine's 404.
-        let gone = call("GET", &lb.url(&path), &[], Bytes::new()).await;
+        let gone = on_response(&lb, "GET", &id, "").await;
         assert_eq!(gone.status, 404, "{}", gone.text());
         assert!(gone.text().contains("not found"), "{}", gone.text());
     }
@@ -145,13 +143,7 @@ async fn a_response_no_table_knows_is_found_by_asking_each_engine_in_turn() {
         );
         assert_eq!(reply.header("x-prefixlb-node"), format!("n{i}"));
         // Found once, it is known: read straight from its engine.
-        let got = call(
-            "GET",
-            &lb.url(&format!("/v1/responses/{id}")),
-            &[],
-            Bytes::new(),
-        )
-        .await;
+        let got = on_response(&lb, "GET", &id, "").await;
         assert_eq!(got.status, 200, "{}", got.text());
         assert_eq!(got.header("x-prefixlb-node"), format!("n{i}"));
         assert_eq!(got.header("x-prefixlb-attempts"), "1");
@@ -169,13 +161,7 @@ async fn a_response_no_table_knows_is_found_by_asking_each_engine_in_turn() {
         body["error"]["message"],
         "Response with id 'resp_nowhere' not found."
     );
-    let got = call(
-        "GET",
-        &lb.url("/v1/responses/resp_nowhere"),
-        &[],
-        Bytes::new(),
-    )
-    .await;
+    let got = on_response(&lb, "GET", "resp_nowhere", "").await;
     assert_eq!(got.status, 404, "{}", got.text());
     let explain = lb.admin_url("/admin/explain?path=/v1/responses");
     let x = post_json(&explain, &missing, &[]).await.json();
@@ -252,13 +238,7 @@ async fn a_response_whose_engine_takes_no_requests_is_refused_by_name() {
             .unwrap();
         created["response"]["id"].as_str().unwrap().to_string()
     };
-    let got = call(
-        "GET",
-        &lb.url(&format!("/v1/responses/{stream_id}")),
-        &[],
-        Bytes::new(),
-    )
-    .await;
+    let got = on_response(&lb, "GET", &stream_id, "").await;
     assert_eq!(got.status, 200, "{}", got.text());
     assert_eq!(got.header("x-prefixlb-node"), node);
     assert_eq!(got.header("x-prefixlb-attempts"), "1");
@@ -346,13 +326,7 @@ async fn replicas_that_did_not_see_a_response_find_it_and_then_know_it() {
         // see it made finds it by asking).
         let id = previous.unwrap();
         for lb in &replicas {
-            let got = call(
-                "GET",
-                &lb.url(&format!("/v1/responses/{id}")),
-                &[],
-                Bytes::new(),
-            )
-            .await;
+            let got = on_response(lb, "GET", &id, "").await;
             assert_eq!(got.status, 200, "{}", got.text());
             assert_eq!(got.header("x-prefixlb-node"), home.as_deref().unwrap());
         }
