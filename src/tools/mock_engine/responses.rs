@@ -16,7 +16,7 @@ use http::{Method, Response, StatusCode};
 use parking_lot::Mutex;
 use serde_json::{json, Value};
 
-use super::wire::{json_response, Job};
+use super::wire::{json_response, now, push_message, Job};
 use crate::proxy::body::BoxBody;
 
 /// Most responses an engine keeps (the oldest are not evicted in order: any one goes).
@@ -105,25 +105,15 @@ fn error(status: StatusCode, msg: &str) -> Response<BoxBody> {
 pub(super) fn input_text(v: &Value) -> Result<String, String> {
     let mut text = String::new();
     match &v["input"] {
-        Value::String(s) => {
-            text.push_str("user\n");
-            text.push_str(s);
-            text.push('\n');
-        }
+        input @ Value::String(_) => push_message(&mut text, "user", input),
         Value::Array(items) => {
             for item in items {
-                text.push_str(item["role"].as_str().unwrap_or("user"));
-                text.push('\n');
-                match &item["content"] {
-                    Value::String(s) => text.push_str(s),
-                    Value::Array(parts) => {
-                        for p in parts {
-                            text.push_str(p["text"].as_str().unwrap_or(""));
-                        }
-                    }
-                    _ => text.push_str(item["output"].as_str().unwrap_or("")),
-                }
-                text.push('\n');
+                // A tool's output item has its text in `output`.
+                let content = match &item["content"] {
+                    Value::Null => &item["output"],
+                    content => content,
+                };
+                push_message(&mut text, item["role"].as_str().unwrap_or("user"), content);
             }
         }
         _ => return Err("'input' is required".into()),
@@ -242,11 +232,4 @@ impl Events {
 /// The id of a response's message: `msg_` and the response's own suffix.
 fn item_id(response: &str) -> String {
     format!("msg_{}", response.strip_prefix("resp_").unwrap_or(response))
-}
-
-fn now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
 }

@@ -69,18 +69,7 @@ pub(super) fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<
                     .is_some_and(|parts| parts.iter().any(|p| p["type"] == "image_url"))
             });
             for m in messages {
-                text.push_str(m["role"].as_str().unwrap_or(""));
-                text.push('\n');
-                match &m["content"] {
-                    Value::String(s) => text.push_str(s),
-                    Value::Array(parts) => {
-                        for p in parts {
-                            text.push_str(p["text"].as_str().unwrap_or(""));
-                        }
-                    }
-                    _ => {}
-                }
-                text.push('\n');
+                push_message(&mut text, m["role"].as_str().unwrap_or(""), &m["content"]);
             }
             text
         }
@@ -120,6 +109,23 @@ pub(super) fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<
         conversation,
         response_id: String::new(),
     })
+}
+
+/// A message as prompt text: `role \n text \n`, its text a string or the text of its
+/// parts.
+pub(super) fn push_message(text: &mut String, role: &str, content: &Value) {
+    text.push_str(role);
+    text.push('\n');
+    match content {
+        Value::String(s) => text.push_str(s),
+        Value::Array(parts) => {
+            for p in parts {
+                text.push_str(p["text"].as_str().unwrap_or(""));
+            }
+        }
+        _ => {}
+    }
+    text.push('\n');
 }
 
 /// The deltas of a streamed call of `tool` (arguments `{"x": 1}` in three pieces).
@@ -226,7 +232,7 @@ pub(super) fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
     })
 }
 
-fn now() -> u64 {
+pub(super) fn now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
