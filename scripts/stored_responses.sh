@@ -25,72 +25,18 @@ VENV=${VENV:-target/sglang-venv}
 cargo build --release --bin prefixlb >/dev/null
 E=target/release/prefixlb
 B=${B:-$E}
-if ! [ -x "$VENV/bin/python" ]; then
-  python3 -m venv "$VENV"
-fi
-"$VENV/bin/python" -c 'import sglang_router' 2>/dev/null ||
-  "$VENV/bin/pip" install -q --disable-pip-version-check sglang-router
-echo "sglang-router $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("sglang-router"))')"
-
 WORK=$(mktemp -d)
-pids=()
-stop() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
-  pids=()
-  for _ in $(seq 1 50); do
-    ss -ltn 2>/dev/null | grep -q ":$((BASE_PORT + 90)) " || break
-    sleep 0.1
-  done
-}
+# shellcheck source=scripts/lib/routers.sh
+. scripts/lib/routers.sh
+need_sglang_router
 trap 'stop; rm -rf "$WORK"' EXIT
 
-wait_http() { # URL: until it answers
-  for _ in $(seq 1 200); do
-    curl -fsS -o /dev/null "$1" 2>/dev/null && return 0
-    sleep 0.1
-  done
-  echo "no answer from $1" >&2
-  return 1
-}
-
-engines() { # start NODES fresh mock engines
-  for i in $(seq 0 $((NODES - 1))); do
-    $E mock-engine --listen "127.0.0.1:$((BASE_PORT + i))" --id "e$i" --decode-ms-per-token 2 \
-      >/dev/null 2>&1 &
-    pids+=($!)
-  done
-  for i in $(seq 0 $((NODES - 1))); do wait_http "http://127.0.0.1:$((BASE_PORT + i))/health"; done
-}
-
 router() { # NAME: start a router in front of the engines; sets URLS (the client's targets)
-  local port=$((BASE_PORT + 90))
-  URLS="http://127.0.0.1:$port"
+  URLS="http://127.0.0.1:$((BASE_PORT + 90))"
   case $1 in
-    round-robin)
-      URLS=""
-      for i in $(seq 0 $((NODES - 1))); do URLS+="http://127.0.0.1:$((BASE_PORT + i)) "; done
-      ;;
-    prefixlb)
-      {
-        printf '[server]\nlisten = "127.0.0.1:%s"\nadmin_listen = "127.0.0.1:%s"\n' "$port" $((port + 1))
-        printf '[[pools]]\nname = "mock"\nmodels = ["mock"]\n'
-        for i in $(seq 0 $((NODES - 1))); do
-          printf '[[pools.nodes]]\nid = "e%s"\nurl = "http://127.0.0.1:%s"\n' "$i" $((BASE_PORT + i))
-        done
-      } > "$WORK/prefixlb.toml"
-      $B serve --config "$WORK/prefixlb.toml" > "$WORK/prefixlb.log" 2>&1 &
-      pids+=($!)
-      wait_http "http://127.0.0.1:$((port + 1))/readyz"
-      ;;
-    sglang)
-      local urls=()
-      for i in $(seq 0 $((NODES - 1))); do urls+=("http://127.0.0.1:$((BASE_PORT + i))"); done
-      "$VENV/bin/python" -m sglang_router.launch_router --host 127.0.0.1 --port "$port" \
-        --worker-urls "${urls[@]}" --policy cache_aware --log-level warn > "$WORK/sglang.log" 2>&1 &
-      pids+=($!)
-      wait_http "http://127.0.0.1:$port/health"
-      ;;
+    round-robin) URLS=$(engine_urls) ;;
+    prefixlb) start_prefixlb ;;
+    sglang) start_sglang ;;
   esac
 }
 
@@ -144,7 +90,7 @@ EOF
 printf '%-12s %5s %14s %20s %8s\n' router seed "turns served" "conversations lost" cached
 for seed in $SEEDS; do
   for r in $ROUTERS; do
-    engines
+    engines --decode-ms-per-token 2
     router "$r"
     out=$(python3 "$WORK/chain.py" "$URLS" "$seed" "$CONVS" "$TURNS" "$CONC")
     stop

@@ -1,0 +1,73 @@
+# Shared by the scripts that put prefixlb beside SGLang's router over mock engines
+# (vs_sglang_router.sh, stored_responses.sh): the router venv, fresh engines, both
+# routers started the same way, and the cleanup between runs. Sourced; expects B (the
+# prefixlb binary), E (the binary the engines run), VENV, NODES, BASE_PORT and WORK
+# set. Engines listen on BASE_PORT + i, the router on BASE_PORT + 90 (prefixlb's admin
+# on + 91). Every process started is put in pids; `stop` ends them all.
+
+pids=()
+
+# SGLang's router (the `sglang-router` wheel), installed in VENV if absent.
+need_sglang_router() {
+  if ! [ -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+  fi
+  "$VENV/bin/python" -c 'import sglang_router' 2>/dev/null ||
+    "$VENV/bin/pip" install -q --disable-pip-version-check sglang-router
+  echo "sglang-router $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("sglang-router"))')"
+}
+
+stop() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  pids=()
+  # Nothing may still hold a port when the next run starts.
+  for _ in $(seq 1 50); do
+    ss -ltn 2>/dev/null | grep -q ":$((BASE_PORT + 90)) " || break
+    sleep 0.1
+  done
+}
+
+wait_http() { # URL: until it answers
+  for _ in $(seq 1 200); do
+    curl -fsS -o /dev/null "$1" 2>/dev/null && return 0
+    sleep 0.1
+  done
+  echo "no answer from $1" >&2
+  return 1
+}
+
+engines() { # FLAGS...: start NODES fresh mock engines with these flags
+  for i in $(seq 0 $((NODES - 1))); do
+    $E mock-engine --listen "127.0.0.1:$((BASE_PORT + i))" --id "e$i" "$@" >/dev/null 2>&1 &
+    pids+=($!)
+  done
+  for i in $(seq 0 $((NODES - 1))); do wait_http "http://127.0.0.1:$((BASE_PORT + i))/health"; done
+}
+
+engine_urls() { # the engines' base URLs, one per word
+  for i in $(seq 0 $((NODES - 1))); do printf 'http://127.0.0.1:%s ' $((BASE_PORT + i)); done
+}
+
+start_prefixlb() { # prefixlb with its shipped defaults (a config naming only the pool and nodes)
+  local port=$((BASE_PORT + 90))
+  {
+    printf '[server]\nlisten = "127.0.0.1:%s"\nadmin_listen = "127.0.0.1:%s"\n' "$port" $((port + 1))
+    printf '[[pools]]\nname = "mock"\nmodels = ["mock"]\n'
+    for i in $(seq 0 $((NODES - 1))); do
+      printf '[[pools.nodes]]\nid = "e%s"\nurl = "http://127.0.0.1:%s"\n' "$i" $((BASE_PORT + i))
+    done
+  } > "$WORK/prefixlb.toml"
+  $B serve --config "$WORK/prefixlb.toml" > "$WORK/prefixlb.log" 2>&1 &
+  pids+=($!)
+  wait_http "http://127.0.0.1:$((port + 1))/readyz"
+}
+
+start_sglang() { # SGLang's router, policy cache_aware
+  local port=$((BASE_PORT + 90))
+  # shellcheck disable=SC2046
+  "$VENV/bin/python" -m sglang_router.launch_router --host 127.0.0.1 --port "$port" \
+    --worker-urls $(engine_urls) --policy cache_aware --log-level warn > "$WORK/sglang.log" 2>&1 &
+  pids+=($!)
+  wait_http "http://127.0.0.1:$port/health"
+}
