@@ -614,6 +614,10 @@ mod tools {
         /// Caps every answer's `max_tokens` (small CPU engines decode slowly).
         #[arg(long)]
         max_tokens: Option<usize>,
+        /// Send each conversation's id (`conv-N`) in this header, as the client of a
+        /// session-keyed router does (e.g. x-session-id).
+        #[arg(long)]
+        session_header: Option<http::HeaderName>,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -760,6 +764,7 @@ mod tools {
             requests: a.requests,
             stream: a.stream,
             progress: !a.json,
+            session_header: a.session_header,
         };
         let mut scripts = load_test::Script::from_workload(&w);
         if let Some(cap) = a.max_tokens {

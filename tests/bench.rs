@@ -1,5 +1,6 @@
 //! `prefixlb bench` against the balancer and four `mock-engine`s: the hit rate it
-//! reports (from the responses' `usage`) is the engines' own.
+//! reports (from the responses' `usage`) is the engines' own; a session header, when
+//! asked for, carries each conversation's id.
 
 mod common;
 
@@ -102,4 +103,50 @@ fn bench_replays_a_mooncake_trace() {
     // A request's first 4 blocks (2,048 of its ~2,180 tokens) are its group's: with
     // the group on one engine, all but each group's first request hit them (0.94 seen).
     assert!(hit > 0.8, "trace replay hits the groups' blocks: {hit}");
+}
+
+#[test]
+fn bench_sends_each_conversation_s_id_in_the_session_header_it_is_given() {
+    // The balancer names a request's tenant by `x-tenant`, and tenant `conv-0` may send
+    // one request a minute: only when bench sends conversation 0's id in that header
+    // is its second turn refused (429), which ends that conversation.
+    let engines: Vec<Proc> = (0..2)
+        .map(|i| {
+            engine(
+                &format!("e{i}"),
+                &["--decode-ms-per-token", "0", "--prefill-us-per-token", "1"],
+            )
+        })
+        .collect();
+    let lb = balancer(&config_ext(
+        &engines.iter().collect::<Vec<_>>(),
+        "[routing]\ntenant_header = \"x-tenant\"\n\
+         [[tenants]]\nname = \"conv-0\"\nrequests_per_minute = 1\n",
+        "",
+    ));
+    let bench = |extra: &[&str]| -> Value {
+        let mut args = vec![
+            "bench",
+            "--target",
+            "",
+            "--workload",
+            "multi-turn",
+            "--scale",
+            "0.25",
+            "--concurrency",
+            "4",
+            "--json",
+        ];
+        let target = lb.url("");
+        args[2] = &target;
+        args.extend_from_slice(extra);
+        serde_json::from_slice(&run_cli(&args)).unwrap()
+    };
+    let plain = bench(&[]);
+    assert_eq!(plain["errors"], 0, "{plain}");
+    assert_eq!(plain["requests"], 24 * 8);
+    let keyed = bench(&["--session-header", "x-tenant"]);
+    assert_eq!(keyed["errors"], 1, "{keyed}");
+    // Conversation 0 sent its first turn and its refused second, none after.
+    assert_eq!(keyed["requests"], 24 * 8 - 6);
 }

@@ -108,6 +108,10 @@ pub struct BenchOptions {
     pub requests: Option<usize>,
     pub stream: bool,
     pub progress: bool,
+    /// A header carrying each conversation's id (`conv-N`), as the client of a
+    /// session-keyed router sends one (vLLM's router's `consistent_hash` reads
+    /// `x-session-id`; so does prefixlb's `routing.key_header`). None: no header.
+    pub session_header: Option<http::HeaderName>,
 }
 
 /// What a run measured.
@@ -322,7 +326,12 @@ async fn step(
         .next_target
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         % opts.targets.len()];
-    let outcome = match exchange(client, target, api, &body, opts.stream).await {
+    let session = opts
+        .session_header
+        .as_ref()
+        .map(|name| (name, format!("conv-{}", live.script)));
+    let session = session.as_ref().map(|(name, id)| (*name, id.as_str()));
+    let outcome = match exchange(client, target, api, &body, opts.stream, session).await {
         Ok(reply) => Some(reply),
         Err(why) => {
             tracing::warn!(target = %target, error = %why, "request failed");
@@ -454,22 +463,27 @@ pub enum Api {
     Messages,
 }
 
-/// Sends one chat or completions request to `base` and reads the answer (an SSE stream
-/// or JSON), or says why there is none.
+/// Sends one chat or completions request to `base`, with the session header and id
+/// if given, and reads the answer (an SSE stream or JSON), or says why there is none.
 pub async fn exchange(
     client: &Client<HttpConnector, Full<Bytes>>,
     base: &str,
     api: Api,
     body: &Value,
     stream: bool,
+    session: Option<(&http::HeaderName, &str)>,
 ) -> Result<Reply, String> {
     let path = match api {
         Api::Chat => "/v1/chat/completions",
         Api::Completions => "/v1/completions",
         Api::Messages => "/v1/messages",
     };
-    let req = http::Request::post(format!("{}{path}", base.trim_end_matches('/')))
-        .header("content-type", "application/json")
+    let mut req = http::Request::post(format!("{}{path}", base.trim_end_matches('/')))
+        .header("content-type", "application/json");
+    if let Some((name, id)) = session {
+        req = req.header(name, id);
+    }
+    let req = req
         .body(Full::new(Bytes::from(body.to_string())))
         .map_err(|e| format!("bad request: {e}"))?;
     let sent = Instant::now();

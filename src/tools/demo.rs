@@ -188,6 +188,7 @@ async fn drive(targets: Vec<String>, opts: &DemoOptions) -> BenchReport {
         requests: None,
         stream: true,
         progress: false,
+        session_header: None,
     };
     crate::tools::bench::run(scripts, &bench).await
 }
