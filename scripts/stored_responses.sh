@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # Conversations chained by the Responses API's `previous_response_id` through prefixlb,
-# SGLang's router (the `sglang-router` wheel from PyPI, policy cache_aware) and round
-# robin, each in front of NODES fresh `prefixlb mock-engine`s, which keep every response
-# in their own memory as vLLM does (an engine that does not hold a response answers 404).
+# SGLang's router (the `sglang-router` wheel from PyPI, policy cache_aware), vLLM's
+# router (the `vllm-router` wheel, its default cache_aware) and round robin, each in
+# front of NODES fresh `prefixlb mock-engine`s, which keep every response in their own
+# memory as vLLM does (an engine that does not hold a response answers 404).
 # CONVS conversations of TURNS turns, CONC at a time, each turn's input its own random
 # text. A conversation ends at its first error. Prints, per router: turns served,
 # conversations lost (and the statuses that lost them), and the share of prompt tokens
 # the engines found cached.
 #
-# Usage: scripts/stored_responses.sh   (builds prefixlb, installs sglang-router in a venv)
-#   ROUTERS="prefixlb sglang round-robin" SEEDS="1 2 3" CONVS=32 TURNS=6 CONC=8 NODES=4
+# Usage: scripts/stored_responses.sh   (builds prefixlb, installs the peers in venvs)
+#   ROUTERS="prefixlb sglang vllm round-robin" SEEDS="1 2 3" CONVS=32 TURNS=6 CONC=8 NODES=4
 #   B=path/to/prefixlb runs another build as the router (the engines stay this
 #   checkout's: an older build's mock-engine has no Responses API).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ROUTERS=${ROUTERS:-"prefixlb sglang round-robin"}
+ROUTERS=${ROUTERS:-"prefixlb sglang vllm round-robin"}
 SEEDS=${SEEDS:-"1 2 3"}
 CONVS=${CONVS:-32}
 TURNS=${TURNS:-6}
@@ -22,13 +23,14 @@ CONC=${CONC:-8}
 NODES=${NODES:-4}
 BASE_PORT=${BASE_PORT:-19600}
 VENV=${VENV:-target/sglang-venv}
+VLLM_VENV=${VLLM_VENV:-target/vllm-router-venv}
 cargo build --release --bin prefixlb >/dev/null
 E=target/release/prefixlb
 B=${B:-$E}
 WORK=$(mktemp -d)
 # shellcheck source=scripts/lib/routers.sh
 . scripts/lib/routers.sh
-need_sglang_router
+need_routers
 trap 'stop; rm -rf "$WORK"' EXIT
 
 router() { # NAME: start a router in front of the engines; sets URLS (the client's targets)
@@ -37,6 +39,7 @@ router() { # NAME: start a router in front of the engines; sets URLS (the client
     round-robin) URLS=$(engine_urls) ;;
     prefixlb) start_prefixlb ;;
     sglang) start_sglang ;;
+    vllm) start_vllm cache_aware ;;
   esac
 }
 
