@@ -126,6 +126,10 @@ struct AgentArgs {
     /// How long a heartbeat lives.
     #[arg(long, default_value = "6s", value_parser = parse_dur)]
     ttl: std::time::Duration,
+    /// Data-parallel ranks the engine runs behind its URL (vLLM --data-parallel-size,
+    /// SGLang --dp-size): the balancers make each rank a node, `{id}@{rank}`.
+    #[arg(long, default_value_t = 1)]
+    data_parallel_size: u32,
 }
 
 fn parse_dur(s: &str) -> Result<std::time::Duration, String> {
@@ -248,6 +252,7 @@ fn agent(a: AgentArgs) -> anyhow::Result<ExitCode> {
         models: a.models,
         interval: a.interval,
         ttl: a.ttl,
+        data_parallel_size: a.data_parallel_size,
     };
     let stop = prefixlb::server::listener::termination();
     match runtime()?.block_on(prefixlb::fleet::agent::run(options, stop)) {
@@ -661,6 +666,11 @@ mod tools {
         /// llama.cpp's 500 for a text-only model.)
         #[arg(long)]
         no_embeddings: bool,
+        /// Data-parallel ranks, each with its own KV cache and prefill lane, as vLLM
+        /// `--data-parallel-size` runs behind one URL: a request names its rank in
+        /// `x-data-parallel-rank`, else the ranks take requests in turn.
+        #[arg(long, default_value_t = 1)]
+        data_parallel_size: usize,
     }
 
     /// The workload of `simulate` and `bench`: a Mooncake trace file or a synthetic one.
@@ -801,6 +811,7 @@ mod tools {
             max_model_len: a.max_model_len,
             adapters: a.adapters,
             no_embeddings: a.no_embeddings,
+            data_parallel_size: a.data_parallel_size,
         };
         let listen = a.listen;
         runtime()?.block_on(async move {

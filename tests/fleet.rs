@@ -348,6 +348,41 @@ async fn an_unhealthy_engine_stops_heartbeating_and_leaves() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_s_data_parallel_server_joins_as_a_node_per_rank() {
+    let Some(redis) = Redis::start(&[]) else {
+        return;
+    };
+    let e = engine("dp", &["--data-parallel-size", "3"]);
+    let lb = balancer(&fleet_config(&redis.url(), ""));
+    let _agent = agent(&redis.url(), &e, "d", &["--data-parallel-size", "3"]);
+    until_nodes(&lb, 3, Duration::from_secs(3)).await;
+    let mut ids: Vec<String> = in_flight(&lb).await.into_iter().map(|(id, _)| id).collect();
+    ids.sort();
+    assert_eq!(ids, ["d@0", "d@1", "d@2"]);
+    // A conversation's second turn is sent to the rank that holds its first.
+    let first = [(
+        "user",
+        "a question of its own, long enough to fill a block or two of the cache model's blocks",
+    )];
+    let url = lb.url("/v1/chat/completions");
+    let one = post_json(&url, &chat(&first, false, 4), &[]).await;
+    assert_eq!(one.status, 200, "{}", one.text());
+    let answer = one.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let turns = [
+        first[0],
+        ("assistant", &answer),
+        ("user", "and a follow-up"),
+    ];
+    let two = post_json(&url, &chat(&turns, false, 4), &[]).await;
+    assert_eq!(two.header("x-prefixlb-node"), one.header("x-prefixlb-node"));
+    let cached = two.json()["usage"]["prompt_tokens_details"]["cached_tokens"].clone();
+    assert!(cached.as_u64().unwrap() > 0, "{cached}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_know_each_other_agree_and_split_the_cap() {
     let Some(redis) = Redis::start(&[]) else {
         return;

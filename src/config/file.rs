@@ -566,6 +566,12 @@ pub struct NodeSection {
     /// Relative capacity: ring points and in-flight cap scale with it. Default 1.
     #[serde(default = "one")]
     pub weight: Spanned<u32>,
+    /// Data-parallel ranks the engine server runs behind this URL, each with its own
+    /// KV cache (vLLM `--data-parallel-size`, SGLang `--dp-size`): N > 1 makes N nodes,
+    /// `{id}@0` … `{id}@{N-1}`, each request naming its rank in `x-data-parallel-rank`.
+    /// Default 1 (the server is one node).
+    #[serde(default = "one")]
+    pub data_parallel_size: Spanned<u32>,
 }
 
 fn default_first_token_timeout() -> Dur {

@@ -226,9 +226,38 @@ pub struct NodeConfig {
     /// `http://host:8000/prefix`.
     pub url: http::Uri,
     pub weight: u32,
+    /// The data-parallel rank this node is, of an engine server that runs several
+    /// behind one URL (vLLM's `--data-parallel-size`, SGLang's `--dp-size`): each
+    /// request to it names the rank in `x-data-parallel-rank`. None: the server's own.
+    pub data_parallel_rank: Option<u32>,
 }
 
+/// Most data-parallel ranks one engine server may be split into.
+pub const MAX_DATA_PARALLEL_SIZE: u32 = 256;
+
 impl NodeConfig {
+    /// The nodes one engine server becomes: itself, or, with a `data_parallel_size` of
+    /// N > 1, one node per rank, `{id}@0` … `{id}@{N-1}`, each with its own KV cache,
+    /// ring points, cap and breaker, as the server's ranks have.
+    pub fn ranks(id: String, url: http::Uri, weight: u32, data_parallel_size: u32) -> Vec<Self> {
+        if data_parallel_size <= 1 {
+            return vec![NodeConfig {
+                id,
+                url,
+                weight,
+                data_parallel_rank: None,
+            }];
+        }
+        (0..data_parallel_size)
+            .map(|rank| NodeConfig {
+                id: format!("{id}@{rank}"),
+                url: url.clone(),
+                weight,
+                data_parallel_rank: Some(rank),
+            })
+            .collect()
+    }
+
     /// The engine URL's path without its trailing `/` (empty for `http://h:8000/`).
     pub fn base_path(&self) -> &str {
         self.url.path().trim_end_matches('/')

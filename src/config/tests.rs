@@ -280,6 +280,7 @@ fn upstream_uri_keeps_base_path() {
         id: "a".into(),
         url: "http://h:8000/engine/".parse().unwrap(),
         weight: 1,
+        data_parallel_rank: None,
     };
     assert_eq!(
         n.upstream_uri("/v1/chat/completions?x=1")
@@ -322,4 +323,53 @@ fn lanes_default_to_one_per_cpu_the_process_may_use() {
         let e = err(&format!("[server]\n{bad}\n{MIN}"));
         assert!(e.to_string().contains(says), "{bad}: {e}");
     }
+}
+
+#[test]
+fn a_data_parallel_server_is_a_node_per_rank() {
+    let c = Config::parse(
+        "[[pools]]\nname = \"p\"\n[[pools.nodes]]\nid = \"gpu\"\nurl = \"http://h:8000\"\n\
+         weight = 2\ndata_parallel_size = 3\n[[pools.nodes]]\nid = \"one\"\nurl = \"http://h:9000\"\n",
+        "t.toml",
+    )
+    .unwrap();
+    let nodes: Vec<(&str, Option<u32>, u32, String)> = c.pools[0]
+        .nodes
+        .iter()
+        .map(|n| {
+            (
+                n.id.as_str(),
+                n.data_parallel_rank,
+                n.weight,
+                n.url.to_string(),
+            )
+        })
+        .collect();
+    let gpu = |id, rank| (id, Some(rank), 2, "http://h:8000/".to_string());
+    assert_eq!(
+        nodes,
+        [
+            gpu("gpu@0", 0),
+            gpu("gpu@1", 1),
+            gpu("gpu@2", 2),
+            ("one", None, 1, "http://h:9000/".to_string())
+        ]
+    );
+    let node = |extra: &str| {
+        format!("[[pools]]\nname = \"p\"\n[[pools.nodes]]\nid = \"gpu\"\nurl = \"http://h:8000\"\n{extra}")
+    };
+    let zero = err(&node("data_parallel_size = 0\n"));
+    assert!(zero.message.contains("data_parallel_size"), "{zero}");
+    assert_eq!(zero.line, 6);
+    assert!(err(&node("data_parallel_size = 257\n"))
+        .message
+        .contains("data_parallel_size"));
+    // A rank's id is unique like any other.
+    let clash = err(&node(
+        "data_parallel_size = 2\n[[pools.nodes]]\nid = \"gpu@1\"\nurl = \"http://h:1\"\n",
+    ));
+    assert!(
+        clash.message.contains("duplicate node id \"gpu@1\""),
+        "{clash}"
+    );
 }

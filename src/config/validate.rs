@@ -15,7 +15,7 @@ use super::file::{
 };
 use super::{
     AuthConfig, BreakerSettings, Config, HealthConfig, NodeConfig, PoolConfig, RedisConfig,
-    RoutingConfig, Secret, ServerConfig, ShuntStep,
+    RoutingConfig, Secret, ServerConfig, ShuntStep, MAX_DATA_PARALLEL_SIZE,
 };
 
 /// What is wrong, and where (no span: the file as a whole).
@@ -286,11 +286,10 @@ fn validate_pool(p: PoolSection, seen: &mut Seen) -> Result<PoolConfig, Invalid>
             format!("pool {name:?} has no nodes (add [[pools.nodes]] with id and url, or a [redis] section for nodes that heartbeat)"),
         );
     }
-    let nodes = p
-        .nodes
-        .into_iter()
-        .map(|n| validate_node(n, &mut seen.node_ids))
-        .collect::<Result<_, _>>()?;
+    let mut nodes = Vec::with_capacity(p.nodes.len());
+    for n in p.nodes {
+        nodes.extend(validate_node(n, &mut seen.node_ids)?);
+    }
     Ok(PoolConfig {
         name,
         models,
@@ -304,20 +303,32 @@ fn validate_pool(p: PoolSection, seen: &mut Seen) -> Result<PoolConfig, Invalid>
     })
 }
 
-fn validate_node(n: NodeSection, ids: &mut HashSet<String>) -> Result<NodeConfig, Invalid> {
+/// One `[[pools.nodes]]` entry: a node, or one per data-parallel rank.
+fn validate_node(n: NodeSection, ids: &mut HashSet<String>) -> Result<Vec<NodeConfig>, Invalid> {
     let id = n.id.get_ref().trim().to_string();
     if id.is_empty() {
         return invalid(n.id.span(), "node id is empty");
     }
-    if !ids.insert(id.clone()) {
-        return invalid(
-            n.id.span(),
-            format!("duplicate node id {id:?} (ids are unique across pools)"),
-        );
-    }
     let url = parse_node_url(n.url.get_ref()).or_else(|m| invalid(n.url.span(), m))?;
     let weight = within(&n.weight, 1..=1000, "weight")?;
-    Ok(NodeConfig { id, url, weight })
+    let ranks = within(
+        &n.data_parallel_size,
+        1..=MAX_DATA_PARALLEL_SIZE,
+        "data_parallel_size",
+    )?;
+    let nodes = NodeConfig::ranks(id, url, weight, ranks);
+    for node in &nodes {
+        if !ids.insert(node.id.clone()) {
+            return invalid(
+                n.id.span(),
+                format!(
+                    "duplicate node id {:?} (ids are unique across pools)",
+                    node.id
+                ),
+            );
+        }
+    }
+    Ok(nodes)
 }
 
 /// A key, or `name:key`: the name is the tenant of the requests that carry the key.

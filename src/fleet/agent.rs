@@ -32,6 +32,8 @@ pub struct AgentOptions {
     pub models: Vec<String>,
     pub interval: Duration,
     pub ttl: Duration,
+    /// Data-parallel ranks behind the URL, each a node of its own (1: one node).
+    pub data_parallel_size: u32,
 }
 
 /// The HTTP client for the engine.
@@ -87,6 +89,7 @@ pub async fn run(
                     models,
                     started_at,
                     load,
+                    data_parallel_size: (o.data_parallel_size > 1).then_some(o.data_parallel_size),
                 };
                 s.beat_node(&record, o.ttl).await.map(|()| {
                     registered = true;

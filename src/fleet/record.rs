@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::routing::node::EngineLoad;
 
-use crate::config::{parse_node_url, Config, NodeConfig};
+use crate::config::{parse_node_url, Config, NodeConfig, MAX_DATA_PARALLEL_SIZE};
 
 /// Key names of one fleet.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -108,6 +108,10 @@ pub struct NodeRecord {
     pub started_at: u64,
     #[serde(default)]
     pub load: Option<EngineLoad>,
+    /// Data-parallel ranks behind its URL (`prefixlb agent --data-parallel-size`),
+    /// each a node of its own (`{id}@{rank}`); absent: one node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_parallel_size: Option<u32>,
 }
 
 /// What the watcher read: the live heartbeating engines (sorted by id) and the
@@ -170,7 +174,10 @@ pub fn merge(
     let mut sorted: Vec<&NodeRecord> = members.iter().collect();
     sorted.sort_by(|a, b| a.id.cmp(&b.id));
     for r in sorted {
-        if static_ids.contains(r.id.as_str()) {
+        let ranks = r.data_parallel_size.unwrap_or(1);
+        let nodes = |url| NodeConfig::ranks(r.id.clone(), url, r.weight, ranks);
+        let ids = nodes(http::Uri::default());
+        if ids.iter().any(|n| static_ids.contains(n.id.as_str())) {
             skipped.push(Skipped::StaticClash { id: r.id.clone() });
             continue;
         }
@@ -185,8 +192,14 @@ pub fn merge(
             id: r.id.clone(),
             why,
         };
-        if r.id.trim().is_empty() || dynamic.contains(&r.id) {
+        if r.id.trim().is_empty() || ids.iter().any(|n| dynamic.contains(&n.id)) {
             skipped.push(invalid("empty or repeated id".into()));
+            continue;
+        }
+        if !(1..=MAX_DATA_PARALLEL_SIZE).contains(&ranks) {
+            skipped.push(invalid(format!(
+                "data_parallel_size {ranks} is out of range 1..={MAX_DATA_PARALLEL_SIZE}"
+            )));
             continue;
         }
         if !(1..=1000).contains(&r.weight) {
@@ -209,12 +222,10 @@ pub fn merge(
                 config.pools[pool].models.push(m.clone());
             }
         }
-        config.pools[pool].nodes.push(NodeConfig {
-            id: r.id.clone(),
-            url,
-            weight: r.weight,
-        });
-        dynamic.insert(r.id.clone());
+        for node in nodes(url) {
+            dynamic.insert(node.id.clone());
+            config.pools[pool].nodes.push(node);
+        }
     }
     (config, dynamic, skipped)
 }
@@ -232,6 +243,7 @@ mod tests {
             models: vec!["m-new".into()],
             started_at: 0,
             load: None,
+            data_parallel_size: None,
         }
     }
 
@@ -272,6 +284,35 @@ mod tests {
         assert!(skipped.iter().any(
             |s| matches!(s, Skipped::Invalid { id, why } if id == "w" && why.contains("needs a scheme"))
         ));
+    }
+
+    #[test]
+    fn a_heartbeating_data_parallel_server_joins_as_a_node_per_rank() {
+        let config = Config::parse(
+            "[redis]\nurl = \"redis://127.0.0.1:6379\"\n[[pools]]\nname = \"a\"\nmodels = [\"m\"]\nnodes = [{ id = \"s@1\", url = \"http://h:1\" }]\n",
+            "t.toml",
+        )
+        .unwrap();
+        let split = |id: &str, ranks| NodeRecord {
+            data_parallel_size: Some(ranks),
+            ..record(id, "a", "http://h:9")
+        };
+        let members = [split("d", 2), split("s", 2), split("z", 0)];
+        let (merged, dynamic, skipped) = merge(&config, &members);
+        let nodes: Vec<(&str, Option<u32>)> = merged.pools[0]
+            .nodes
+            .iter()
+            .map(|n| (n.id.as_str(), n.data_parallel_rank))
+            .collect();
+        assert_eq!(nodes, [("s@1", None), ("d@0", Some(0)), ("d@1", Some(1))]);
+        assert_eq!(dynamic, HashSet::from(["d@0".into(), "d@1".into()]));
+        assert!(skipped.contains(&Skipped::StaticClash { id: "s".into() }));
+        assert!(skipped.iter().any(
+            |s| matches!(s, Skipped::Invalid { id, why } if id == "z" && why.contains("data_parallel_size"))
+        ));
+        // An agent without ranks writes the record it always wrote.
+        let plain = serde_json::to_value(record("p", "a", "http://h:9")).unwrap();
+        assert!(plain.get("data_parallel_size").is_none(), "{plain}");
     }
 
     #[test]

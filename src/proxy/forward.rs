@@ -380,6 +380,7 @@ impl Exchange<'_> {
             target: uri.path_and_query().map_or("/", |p| p.as_str()),
             host,
             headers: &self.headers,
+            rank: node.rank_header(),
             body,
         };
         let stream = self.placement.facts.stream;

@@ -73,13 +73,15 @@ impl fmt::Display for WireError {
 impl std::error::Error for WireError {}
 
 /// Appends a request head for `body_len` bytes of body to `out`: `host`, the fields
-/// [`UpstreamHeaders`] lets through, `x-forwarded-for`, the length. The values are
-/// valid by construction (`HeaderValue` refuses CR and LF).
+/// [`UpstreamHeaders`] lets through, `x-forwarded-for`, the data-parallel `rank` if
+/// the node is one, the length. The values are valid by construction (`HeaderValue`
+/// refuses CR and LF).
 pub fn encode_request(
     method: &Method,
     target: &str,
     host: &HeaderValue,
     headers: &UpstreamHeaders,
+    rank: Option<&HeaderValue>,
     body_len: usize,
     out: &mut Vec<u8>,
 ) {
@@ -90,6 +92,11 @@ pub fn encode_request(
     out.extend_from_slice(host.as_bytes());
     out.extend_from_slice(b"\r\n");
     headers.write(out);
+    if let Some(rank) = rank {
+        out.extend_from_slice(b"x-data-parallel-rank: ");
+        out.extend_from_slice(rank.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
     // A request without a body says so only where one is expected.
     if body_len > 0 || !matches!(*method, Method::GET | Method::HEAD | Method::DELETE) {
         out.extend_from_slice(b"content-length: ");

@@ -27,6 +27,10 @@ pub static ATTEMPTS: HeaderName = HeaderName::from_static("x-prefixlb-attempts")
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 /// Anthropic's API key header.
 pub static X_API_KEY: HeaderName = HeaderName::from_static("x-api-key");
+/// The data-parallel rank a request is for (vLLM and SGLang read it): the balancer's
+/// to set for a node that is one rank ([`crate::config::NodeConfig::ranks`]), never
+/// the client's to pass on.
+pub static X_DATA_PARALLEL_RANK: HeaderName = HeaderName::from_static("x-data-parallel-rank");
 
 /// A small count as a header value, without formatting (or allocating) the usual ones.
 pub fn count_value(n: u32) -> HeaderValue {
@@ -84,7 +88,8 @@ fn hop_by_hop_index(name: &str) -> Option<usize> {
 
 /// The headers sent to an engine: the client's, minus hop-by-hop ones (and any its
 /// `Connection` names), `host` (set from the engine URL), `content-length` (set from
-/// the body) and, with `strip_auth` (`auth.strip`), `authorization` and `x-api-key`;
+/// the body), `x-data-parallel-rank` (where a request runs is the balancer's choice)
+/// and, with `strip_auth` (`auth.strip`), `authorization` and `x-api-key`;
 /// plus the client's address in `x-forwarded-for`. The client's map is kept as it
 /// came and the rules are applied as the head is written ([`UpstreamHeaders::write`]):
 /// each removal from a `HeaderMap` would hash its name, on every request.
@@ -135,6 +140,7 @@ impl UpstreamHeaders {
             || name == header::HOST
             || name == header::CONTENT_LENGTH
             || name == X_FORWARDED_FOR
+            || name == X_DATA_PARALLEL_RANK
             || self.strip_auth && (name == header::AUTHORIZATION || name == X_API_KEY);
         !left_out
     }
@@ -222,6 +228,7 @@ mod tests {
         h.insert(header::HOST, HeaderValue::from_static("lb"));
         h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("5"));
         h.insert("x-forwarded-for", HeaderValue::from_static("10.0.0.1"));
+        h.insert("x-data-parallel-rank", HeaderValue::from_static("3"));
         let peer = "127.0.0.1:5000".parse().unwrap();
         let out = sent(&UpstreamHeaders::new(h.clone(), peer, false));
         let names: Vec<&str> = out.iter().map(|(n, _)| n.as_str()).collect();

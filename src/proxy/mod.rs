@@ -164,6 +164,7 @@ impl Proxy {
             target: target.path_and_query().map_or("/", |p| p.as_str()),
             host,
             headers: &empty.0,
+            rank: node.rank_header(),
             body: &empty.1,
             tls: tls.as_ref(),
         };

@@ -272,6 +272,7 @@ impl Conn {
             req.target,
             req.host,
             req.headers,
+            req.rank,
             req.body.len(),
             &mut self.head,
         );
@@ -383,6 +384,8 @@ pub struct Outgoing<'r> {
     pub target: &'r str,
     pub host: &'r HeaderValue,
     pub headers: &'r UpstreamHeaders,
+    /// The data-parallel rank of a node that is one.
+    pub rank: Option<&'r HeaderValue>,
     pub body: &'r Bytes,
     /// The TLS client, for an engine behind `https://`.
     pub tls: Option<&'r Arc<ClientConfig>>,

@@ -60,6 +60,8 @@ pub struct Node {
     host: Option<http::HeaderValue>,
     /// Its id as the `x-prefixlb-node` header, made once.
     id_header: Option<http::HeaderValue>,
+    /// Its data-parallel rank as the `x-data-parallel-rank` header, if it is one.
+    rank_header: Option<http::HeaderValue>,
 }
 
 impl Node {
@@ -71,6 +73,7 @@ impl Node {
             http::HeaderValue::from_str(host).ok()
         });
         let id_header = http::HeaderValue::from_str(&config.id).ok();
+        let rank_header = config.data_parallel_rank.map(http::HeaderValue::from);
         Node {
             config,
             source,
@@ -78,7 +81,13 @@ impl Node {
             state,
             host,
             id_header,
+            rank_header,
         }
+    }
+
+    /// The `x-data-parallel-rank` value of a node that is one rank of its server.
+    pub fn rank_header(&self) -> Option<&http::HeaderValue> {
+        self.rank_header.as_ref()
     }
 
     pub fn id(&self) -> &str {
@@ -656,6 +665,7 @@ mod tests {
             id: "a".into(),
             url: url.parse().unwrap(),
             weight: 1,
+            data_parallel_rank: None,
         };
         Node::new(config, NodeSource::Static, 4, Arc::new(NodeState::new("a")))
     }

@@ -222,6 +222,7 @@ impl Balancer {
                     id: id.clone(),
                     url: http::Uri::from_static("http://127.0.0.1:1"),
                     weight: 1,
+                    data_parallel_rank: None,
                 };
                 Node::new(
                     config,

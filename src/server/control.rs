@@ -181,7 +181,13 @@ impl Members for Control {
     /// Applies what the Redis watcher read: each engine's load figures, the number of
     /// balancer replicas, and, when the set of engines changed, a new snapshot.
     fn apply(&self, m: &Membership) {
-        for r in &m.nodes {
+        // A server split into data-parallel ranks reports its load as a whole, which
+        // is no one rank's: its nodes show none.
+        for r in m
+            .nodes
+            .iter()
+            .filter(|r| r.data_parallel_size.unwrap_or(1) <= 1)
+        {
             self.registry.node(&r.id).set_engine_load(r.load);
         }
         let mut sources = self.sources.lock();

@@ -26,6 +26,7 @@ fn a_request_head_carries_host_headers_and_length() {
         "/v1/chat/completions",
         &host,
         &headers,
+        None,
         17,
         &mut out,
     );
@@ -41,12 +42,30 @@ fn a_request_head_carries_host_headers_and_length() {
         "/v1/models",
         &host,
         &UpstreamHeaders::default(),
+        None,
         0,
         &mut out,
     );
     assert_eq!(
         String::from_utf8(out).unwrap(),
         "GET /v1/models HTTP/1.1\r\nhost: 10.0.0.7:8000\r\n\r\n"
+    );
+    // A node that is one data-parallel rank names it, after the client's fields.
+    let mut out = Vec::new();
+    encode_request(
+        &Method::POST,
+        "/v1/chat/completions",
+        &host,
+        &headers,
+        Some(&HeaderValue::from_static("5")),
+        2,
+        &mut out,
+    );
+    assert_eq!(
+        String::from_utf8(out).unwrap(),
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: 10.0.0.7:8000\r\n\
+         content-type: application/json\r\nx-forwarded-for: 10.1.2.3\r\n\
+         x-data-parallel-rank: 5\r\ncontent-length: 2\r\n\r\n"
     );
 }
 

@@ -70,6 +70,7 @@ async fn send_by(
         target: "/x",
         host: &HOST,
         headers: &headers,
+        rank: None,
         body: &BODY,
         tls: None,
     };

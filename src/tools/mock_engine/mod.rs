@@ -46,6 +46,10 @@ pub struct MockConfig {
     /// Answer `/v1/embeddings` with llama.cpp's 501, as a server started without
     /// `--embeddings` does.
     pub no_embeddings: bool,
+    /// Data-parallel ranks behind the one URL, each with its own KV cache and prefill
+    /// lane (vLLM's `--data-parallel-size`). Sequence slots and the decode slowdown
+    /// stay the engine's as a whole.
+    pub data_parallel_size: usize,
 }
 
 impl Default for MockConfig {
@@ -59,6 +63,7 @@ impl Default for MockConfig {
             max_model_len: 0,
             adapters: Vec::new(),
             no_embeddings: false,
+            data_parallel_size: 1,
         }
     }
 }
@@ -102,7 +107,10 @@ pub struct Fault {
 /// A running mock engine's shared state.
 pub struct MockEngine {
     config: MockConfig,
-    model: Mutex<EngineModel>,
+    /// One cache model per data-parallel rank.
+    ranks: Vec<Mutex<EngineModel>>,
+    /// The rank that takes the next request that names none.
+    next_rank: AtomicU64,
     /// The model's clock starts here.
     epoch: Instant,
     seqs: Semaphore,
@@ -140,11 +148,16 @@ impl Drop for Running {
 impl MockEngine {
     pub fn new(config: MockConfig) -> Arc<MockEngine> {
         Arc::new(MockEngine {
-            model: Mutex::new(EngineModel::new(
-                config.cache_tokens,
-                BLOCK_TOKENS,
-                config.costs,
-            )),
+            ranks: (0..config.data_parallel_size.max(1))
+                .map(|_| {
+                    Mutex::new(EngineModel::new(
+                        config.cache_tokens,
+                        BLOCK_TOKENS,
+                        config.costs,
+                    ))
+                })
+                .collect(),
+            next_rank: AtomicU64::new(0),
             epoch: Instant::now(),
             seqs: Semaphore::new(config.max_num_seqs.max(1)),
             config,
@@ -259,8 +272,10 @@ impl MockEngine {
                     FaultMode::SlowPrefill => f.factor.max(1),
                     _ => 1,
                 };
-                self.model.lock().costs.prefill_per_token =
-                    self.config.costs.prefill_per_token * factor;
+                for rank in &self.ranks {
+                    rank.lock().costs.prefill_per_token =
+                        self.config.costs.prefill_per_token * factor;
+                }
                 tracing::info!(engine = %self.config.id, mode = ?f.mode, ttft_ms = f.ttft_ms, "fault set");
                 json_response(StatusCode::OK, &json!(f))
             }
@@ -292,6 +307,10 @@ impl MockEngine {
             Kind::Messages => anthropic::error(status, msg),
             _ => error(status, msg),
         };
+        let rank = match self.rank_for(req.headers()) {
+            Ok(rank) => rank,
+            Err(msg) => return error(StatusCode::BAD_REQUEST, &msg),
+        };
         let Ok(body) = req.into_body().collect().await else {
             return error(StatusCode::BAD_REQUEST, "could not read body");
         };
@@ -300,6 +319,7 @@ impl MockEngine {
             Ok(job) => job,
             Err(msg) => return error(StatusCode::BAD_REQUEST, &msg),
         };
+        job.rank = rank;
         if kind == Kind::Responses {
             // The conversation so far comes first, from this engine's own store.
             if let Some(previous) = &job.previous_response {
@@ -370,7 +390,7 @@ impl MockEngine {
     async fn complete(self: Arc<Self>, job: Job, fault: Fault) -> Response<BoxBody> {
         let permit = self.admit().await;
         let _running = Running::start(&self);
-        let plan = self.prefill(&job.prompt);
+        let plan = self.prefill(&job);
         self.count_prompt(plan.prompt_tokens, plan.cached_tokens);
         let content = match fault.mode {
             FaultMode::Stall => {
@@ -405,9 +425,31 @@ impl MockEngine {
         json_response(StatusCode::OK, &body)
     }
 
-    /// Admits a prompt to the model now: cache lookup, prefill-lane wait, prefill time.
-    fn prefill(&self, prompt: &Prompt) -> crate::tools::engine_model::PrefillPlan {
-        self.model.lock().prefill(prompt, self.epoch.elapsed())
+    /// The data-parallel rank a request runs on: the one its `x-data-parallel-rank`
+    /// names (an error if there is no such rank), else the next in turn.
+    fn rank_for(&self, headers: &http::HeaderMap) -> Result<usize, String> {
+        let ranks = self.ranks.len();
+        let Some(value) = headers.get("x-data-parallel-rank") else {
+            return Ok(self.next_rank.fetch_add(1, Ordering::Relaxed) as usize % ranks);
+        };
+        match value
+            .to_str()
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+        {
+            Some(rank) if rank < ranks => Ok(rank),
+            _ => Err(format!(
+                "x-data-parallel-rank {value:?} is not a rank of this engine (0..{ranks})"
+            )),
+        }
+    }
+
+    /// Admits a prompt to its rank's model now: cache lookup, prefill-lane wait,
+    /// prefill time.
+    fn prefill(&self, job: &Job) -> crate::tools::engine_model::PrefillPlan {
+        self.ranks[job.rank]
+            .lock()
+            .prefill(&job.prompt, self.epoch.elapsed())
     }
 
     /// Sequences running now.
@@ -423,7 +465,7 @@ impl MockEngine {
             _ = tx.closed() => return self.cancel(),
         };
         let _running = Running::start(&self);
-        let plan = self.prefill(&job.prompt);
+        let plan = self.prefill(&job);
         self.count_prompt(plan.prompt_tokens, plan.cached_tokens);
         if job.kind == Kind::Messages {
             return self.stream_messages(job, fault, tx, plan, permit).await;

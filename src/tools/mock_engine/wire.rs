@@ -53,6 +53,8 @@ pub(super) struct Job {
     pub(super) conversation: String,
     /// Responses API: the id its response gets.
     pub(super) response_id: String,
+    /// The data-parallel rank that runs it (its KV cache and prefill lane).
+    pub(super) rank: usize,
 }
 
 pub(super) fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<Job, String> {
@@ -108,6 +110,7 @@ pub(super) fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<
         store: v["store"].as_bool().unwrap_or(true),
         conversation,
         response_id: String::new(),
+        rank: 0,
     })
 }
 

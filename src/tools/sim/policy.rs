@@ -213,6 +213,7 @@ fn fleet_table(
             id: format!("engine-{i}"),
             url: http::Uri::from_static("http://127.0.0.1:1"),
             weight: 1,
+            data_parallel_rank: None,
         })
         .collect();
     if let Some(lf) = load_factor {

@@ -1,0 +1,127 @@
+//! An engine server that runs several data-parallel ranks behind one URL (vLLM
+//! `--data-parallel-size`): each rank has its own KV cache, so the balancer makes each
+//! rank a node (`data_parallel_size` on the node) and names the rank of every request
+//! in `x-data-parallel-rank`. Against a `mock-engine --data-parallel-size 4`, whose
+//! ranks take the requests that name none in turn, as a server's own balancer would
+//! (blind to the cache).
+
+mod common;
+
+use common::*;
+use serde_json::Value;
+
+const RANKS: usize = 4;
+
+/// A config with one engine server; `data_parallel_size` on its node if `ranks` > 1.
+fn one_server(engine: &Proc, ranks: usize) -> String {
+    let split = if ranks > 1 {
+        format!("data_parallel_size = {ranks}\n")
+    } else {
+        String::new()
+    };
+    format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+         [[pools]]\nname = \"mock\"\nmodels = [\"mock\"]\n\
+         [[pools.nodes]]\nid = \"gpu\"\nurl = \"http://{}\"\n{split}",
+        engine.addr
+    )
+}
+
+/// Text of its own for each conversation and turn (no block shared with another).
+fn words(conversation: usize, turn: usize) -> String {
+    (0..120)
+        .map(|i| format!("c{conversation}t{turn}w{i}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Plays `conversations` conversations of 4 turns one request at a time; returns, per
+/// conversation, each turn's node and cached prompt tokens.
+async fn converse(lb: &Proc, conversations: usize) -> Vec<Vec<(String, u64)>> {
+    let mut all = Vec::new();
+    for c in 0..conversations {
+        let mut messages: Vec<(String, String)> = Vec::new();
+        let mut turns = Vec::new();
+        for t in 0..4 {
+            messages.push(("user".into(), words(c, t)));
+            let m: Vec<(&str, &str)> = messages
+                .iter()
+                .map(|(r, x)| (r.as_str(), x.as_str()))
+                .collect();
+            let reply = post_json(&lb.url("/v1/chat/completions"), &chat(&m, false, 4), &[]).await;
+            assert_eq!(reply.status, 200, "{}", reply.text());
+            let v: Value = reply.json();
+            turns.push((
+                reply.header("x-prefixlb-node").to_string(),
+                v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap(),
+            ));
+            let answer = v["choices"][0]["message"]["content"].as_str().unwrap();
+            messages.push(("assistant".into(), answer.to_string()));
+        }
+        all.push(turns);
+    }
+    all
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_rank_of_a_data_parallel_server_is_a_node_that_keeps_its_conversations() {
+    let ranks = RANKS.to_string();
+    let engine = engine("dp", &["--data-parallel-size", &ranks]);
+    let lb = balancer(&one_server(&engine, RANKS));
+    let ids: Vec<String> = in_flight(&lb).await.into_iter().map(|(id, _)| id).collect();
+    assert_eq!(ids.len(), RANKS, "{ids:?}");
+    for r in 0..RANKS {
+        assert!(ids.contains(&format!("gpu@{r}")), "{ids:?}");
+    }
+    let conversations = converse(&lb, 8).await;
+    let mut used = std::collections::BTreeSet::new();
+    for turns in &conversations {
+        let node = &turns[0].0;
+        used.insert(node.clone());
+        for (t, (n, cached)) in turns.iter().enumerate().skip(1) {
+            assert_eq!(n, node, "every turn on its conversation's rank: {turns:?}");
+            assert!(*cached > 0, "turn {t} found its history cached: {turns:?}");
+        }
+    }
+    assert!(
+        used.len() > 1,
+        "conversations spread over the ranks: {used:?}"
+    );
+    assert!(in_flight_settles(&lb, std::time::Duration::from_secs(5)).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_s_ranks_not_named_scatter_a_conversation_and_a_client_cannot_name_one() {
+    // The same server as one node: its own turn-taking puts each turn on another rank,
+    // whose cache has never seen the conversation.
+    let ranks = RANKS.to_string();
+    let engine = engine("dp", &["--data-parallel-size", &ranks]);
+    let lb = balancer(&one_server(&engine, 1));
+    for turns in converse(&lb, 2).await {
+        assert!(
+            turns.iter().all(|(n, cached)| n == "gpu" && *cached == 0),
+            "{turns:?}"
+        );
+    }
+    // A client's own `x-data-parallel-rank` never reaches the engine (which refuses a
+    // rank it does not have with a 400).
+    assert_eq!(
+        post_json(
+            &engine.url("/v1/chat/completions"),
+            &chat(&[("user", "hi")], false, 2),
+            &[("x-data-parallel-rank", "9")],
+        )
+        .await
+        .status,
+        400
+    );
+    let reply = post_json(
+        &lb.url("/v1/chat/completions"),
+        &chat(&[("user", "hi")], false, 2),
+        &[("x-data-parallel-rank", "9")],
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+}
