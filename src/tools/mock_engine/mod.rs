@@ -425,21 +425,19 @@ impl MockEngine {
         json_response(StatusCode::OK, &body)
     }
 
-    /// The data-parallel rank a request runs on: the one its `x-data-parallel-rank`
-    /// names (an error if there is no such rank), else the next in turn.
+    /// The data-parallel rank a request runs on, as vLLM picks it: the one its
+    /// `x-data-parallel-rank` names (vLLM's 400 if there is no such rank), else (no
+    /// header, or not a number) the next in turn.
     fn rank_for(&self, headers: &http::HeaderMap) -> Result<usize, String> {
         let ranks = self.ranks.len();
-        let Some(value) = headers.get("x-data-parallel-rank") else {
-            return Ok(self.next_rank.fetch_add(1, Ordering::Relaxed) as usize % ranks);
-        };
-        match value
-            .to_str()
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-        {
+        let named = headers
+            .get("x-data-parallel-rank")
+            .and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
+        match named {
+            None => Ok(self.next_rank.fetch_add(1, Ordering::Relaxed) as usize % ranks),
             Some(rank) if rank < ranks => Ok(rank),
-            _ => Err(format!(
-                "x-data-parallel-rank {value:?} is not a rank of this engine (0..{ranks})"
+            Some(rank) => Err(format!(
+                "data_parallel_rank {rank} is out of range [0, {ranks})."
             )),
         }
     }
