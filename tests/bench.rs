@@ -7,16 +7,17 @@ mod common;
 use common::*;
 use serde_json::Value;
 
+/// `n` mock engines (`e0`, `e1`, …) with these flags.
+fn engines(n: usize, flags: &[&str]) -> Vec<Proc> {
+    (0..n).map(|i| engine(&format!("e{i}"), flags)).collect()
+}
+
 #[test]
 fn bench_reports_the_hit_rate_the_engines_measured() {
-    let engines: Vec<Proc> = (0..4)
-        .map(|i| {
-            engine(
-                &format!("e{i}"),
-                &["--decode-ms-per-token", "1", "--prefill-us-per-token", "5"],
-            )
-        })
-        .collect();
+    let engines = engines(
+        4,
+        &["--decode-ms-per-token", "1", "--prefill-us-per-token", "5"],
+    );
     let lb = balancer(&config(&engines.iter().collect::<Vec<_>>(), "", ""));
     let out = run_cli(&[
         "bench",
@@ -61,14 +62,10 @@ fn bench_reports_the_hit_rate_the_engines_measured() {
 fn bench_replays_a_mooncake_trace() {
     // Export a shared-prefix workload as a trace, replay it through the balancer: the
     // groups' shared blocks are hits, as the engines count them.
-    let engines: Vec<Proc> = (0..2)
-        .map(|i| {
-            engine(
-                &format!("e{i}"),
-                &["--decode-ms-per-token", "0", "--prefill-us-per-token", "1"],
-            )
-        })
-        .collect();
+    let engines = engines(
+        2,
+        &["--decode-ms-per-token", "0", "--prefill-us-per-token", "1"],
+    );
     let text = config(&engines.iter().collect::<Vec<_>>(), "", "");
     let lb = balancer(&text);
     let config_path = write_config(&text);
@@ -110,35 +107,20 @@ fn bench_sends_each_conversation_s_id_in_the_session_header_it_is_given() {
     // The balancer names a request's tenant by `x-tenant`, and tenant `conv-0` may send
     // one request a minute: only when bench sends conversation 0's id in that header
     // is its second turn refused (429), which ends that conversation.
-    let engines: Vec<Proc> = (0..2)
-        .map(|i| {
-            engine(
-                &format!("e{i}"),
-                &["--decode-ms-per-token", "0", "--prefill-us-per-token", "1"],
-            )
-        })
-        .collect();
+    let engines = engines(
+        2,
+        &["--decode-ms-per-token", "0", "--prefill-us-per-token", "1"],
+    );
     let lb = balancer(&config_ext(
         &engines.iter().collect::<Vec<_>>(),
         "[routing]\ntenant_header = \"x-tenant\"\n\
          [[tenants]]\nname = \"conv-0\"\nrequests_per_minute = 1\n",
         "",
     ));
+    let target = lb.url("");
     let bench = |extra: &[&str]| -> Value {
-        let mut args = vec![
-            "bench",
-            "--target",
-            "",
-            "--workload",
-            "multi-turn",
-            "--scale",
-            "0.25",
-            "--concurrency",
-            "4",
-            "--json",
-        ];
-        let target = lb.url("");
-        args[2] = &target;
+        let mut args = vec!["bench", "--target", &target, "--workload", "multi-turn"];
+        args.extend_from_slice(&["--scale", "0.25", "--concurrency", "4", "--json"]);
         args.extend_from_slice(extra);
         serde_json::from_slice(&run_cli(&args)).unwrap()
     };
