@@ -174,7 +174,18 @@ pub fn merge(
     let mut sorted: Vec<&NodeRecord> = members.iter().collect();
     sorted.sort_by(|a, b| a.id.cmp(&b.id));
     for r in sorted {
+        let invalid = |why: String| Skipped::Invalid {
+            id: r.id.clone(),
+            why,
+        };
+        // Checked before its nodes are made: a record may say anything.
         let ranks = r.data_parallel_size.unwrap_or(1);
+        if !(1..=MAX_DATA_PARALLEL_SIZE).contains(&ranks) {
+            skipped.push(invalid(format!(
+                "data_parallel_size {ranks} is out of range 1..={MAX_DATA_PARALLEL_SIZE}"
+            )));
+            continue;
+        }
         let nodes = |url| NodeConfig::ranks(r.id.clone(), url, r.weight, ranks);
         let ids = nodes(http::Uri::default());
         if ids.iter().any(|n| static_ids.contains(n.id.as_str())) {
@@ -188,18 +199,8 @@ pub fn merge(
             });
             continue;
         };
-        let invalid = |why: String| Skipped::Invalid {
-            id: r.id.clone(),
-            why,
-        };
         if r.id.trim().is_empty() || ids.iter().any(|n| dynamic.contains(&n.id)) {
             skipped.push(invalid("empty or repeated id".into()));
-            continue;
-        }
-        if !(1..=MAX_DATA_PARALLEL_SIZE).contains(&ranks) {
-            skipped.push(invalid(format!(
-                "data_parallel_size {ranks} is out of range 1..={MAX_DATA_PARALLEL_SIZE}"
-            )));
             continue;
         }
         if !(1..=1000).contains(&r.weight) {

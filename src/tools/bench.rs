@@ -326,11 +326,8 @@ async fn step(
         .next_target
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         % opts.targets.len()];
-    let session = opts
-        .session_header
-        .as_ref()
-        .map(|name| (name, format!("conv-{}", live.script)));
-    let session = session.as_ref().map(|(name, id)| (*name, id.as_str()));
+    let id = format!("conv-{}", live.script);
+    let session = opts.session_header.as_ref().map(|name| (name, id.as_str()));
     let outcome = match exchange(client, target, api, &body, opts.stream, session).await {
         Ok(reply) => Some(reply),
         Err(why) => {
