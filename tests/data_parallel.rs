@@ -125,3 +125,42 @@ async fn a_server_s_ranks_not_named_scatter_a_conversation_and_a_client_cannot_n
     .await;
     assert_eq!(reply.status, 200, "{}", reply.text());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_refuses_connections_takes_all_its_ranks_out_of_a_request_s_failover() {
+    // Two servers of 4 ranks; one is stopped. A request first sent to one of its ranks
+    // has one attempt left (`max_attempts = 2`): it must go to the other server, not to
+    // another rank of the stopped one. Health checks are too slow to have noticed.
+    let ranks = RANKS.to_string();
+    let flags = ["--data-parallel-size", ranks.as_str()];
+    let (a, b) = (engine("a", &flags), engine("b", &flags));
+    let lb = balancer(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+         [routing]\nmax_attempts = 2\n[health]\ninterval = \"60s\"\n\
+         [[pools]]\nname = \"mock\"\nmodels = [\"mock\"]\n\
+         [[pools.nodes]]\nid = \"a\"\nurl = \"http://{}\"\ndata_parallel_size = {RANKS}\n\
+         [[pools.nodes]]\nid = \"b\"\nurl = \"http://{}\"\ndata_parallel_size = {RANKS}\n",
+        a.addr, b.addr
+    ));
+    drop(a);
+    let mut failed_over = 0;
+    for i in 0..24 {
+        let text = format!("request {i} with a prompt of its own");
+        let reply = post_json(
+            &lb.url("/v1/chat/completions"),
+            &chat(&[("user", &text)], false, 2),
+            &[],
+        )
+        .await;
+        assert_eq!(reply.status, 200, "request {i}: {}", reply.text());
+        assert!(reply.header("x-prefixlb-node").starts_with("b@"));
+        if reply.header("x-prefixlb-attempts") == "2" {
+            failed_over += 1;
+        }
+    }
+    assert!(
+        failed_over > 0,
+        "some requests were first sent to the stopped server"
+    );
+    assert!(in_flight_settles(&lb, std::time::Duration::from_secs(5)).await);
+}

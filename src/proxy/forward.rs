@@ -48,6 +48,9 @@ struct Failure {
     /// the client if a second engine answers the request the same way. (Boxed, as
     /// `Kept`: a rare path that would otherwise enlarge every request's future.)
     answer: Option<Box<Answer>>,
+    /// No connection could be made to the node's server: every node behind its URL
+    /// (the other ranks of a data-parallel server) is down with it for this request.
+    unreachable: bool,
 }
 
 impl Failure {
@@ -56,6 +59,7 @@ impl Failure {
             reason,
             text,
             answer: None,
+            unreachable: false,
         }
     }
 }
@@ -285,6 +289,12 @@ impl Exchange<'_> {
             };
             *asking = None;
             traces::record_failed_attempt(&span, failure.reason.as_str(), &failure.text);
+            if failure.unreachable {
+                // Its server's other ranks would refuse the connection too.
+                let nodes = &ticket.pool().balancer;
+                let down = nodes.same_server(ticket.index());
+                tried.extend(down.filter(|i| *i != ticket.index()));
+            }
             let pool = &ticket.pool().config.name;
             match (failure.answer.take(), kept.take()) {
                 (Some(answer), Some(earlier)) => {
@@ -403,10 +413,13 @@ impl Exchange<'_> {
                 ));
             }
             Err(e) => {
-                return Err(Failure::new(
-                    FailoverReason::Error,
-                    format!("{}: {e}", node.id()),
-                ))
+                let mut failure =
+                    Failure::new(FailoverReason::Error, format!("{}: {e}", node.id()));
+                failure.unreachable = matches!(
+                    e,
+                    UpstreamError::Connect(_) | UpstreamError::ConnectTimeout(_)
+                );
+                return Err(failure);
             }
             Ok(resp) => resp,
         };

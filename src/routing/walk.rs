@@ -244,6 +244,13 @@ impl Balancer {
         &self.nodes[index]
     }
 
+    /// The nodes behind the same URL as node `index` (itself included): the ranks of
+    /// one data-parallel server, which one connection failure takes out together.
+    pub fn same_server(&self, index: usize) -> impl Iterator<Item = usize> + '_ {
+        let url = self.nodes[index].url();
+        (0..self.nodes.len()).filter(move |&i| self.nodes[i].url() == url)
+    }
+
     pub fn ring(&self) -> &Ring {
         &self.ring
     }
