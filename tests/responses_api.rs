@@ -26,6 +26,22 @@ async fn on_response(lb: &Proc, method: &str, id: &str, action: &str) -> Reply {
 
 /// One `POST /v1/responses`: its reply, and for a stream the `response.completed`
 /// event's response (what a plain answer is whole).
+/// `prefixlb_stored_response_requests_total` of pool `mock`: known, found, missing and
+/// unavailable.
+async fn lookups(lb: &Proc) -> [f64; 4] {
+    let url = lb.admin_url("/metrics");
+    let mut counts = [0.0; 4];
+    for (count, holder) in counts
+        .iter_mut()
+        .zip(["known", "found", "missing", "unavailable"])
+    {
+        let name =
+            format!("prefixlb_stored_response_requests_total{{holder=\"{holder}\",pool=\"mock\"}}");
+        *count = metric(&url, &name).await;
+    }
+    counts
+}
+
 async fn respond(lb: &Proc, body: &Value) -> (Reply, Value) {
     let reply = post_json(&lb.url("/v1/responses"), body, &[]).await;
     if body["stream"] != json!(true) || reply.status != 200 {
@@ -110,6 +126,9 @@ async fn a_conversation_of_stored_responses_stays_on_the_engine_that_holds_it() 
         assert_eq!(gone.status, 404, "{}", gone.text());
         assert!(gone.text().contains("not found"), "{}", gone.text());
     }
+    // Per conversation: 5 turns, a read, a cancel and a delete on the known engine;
+    // the read after the delete found no engine holding it.
+    assert_eq!(lookups(&lb).await, [24.0, 0.0, 3.0, 0.0]);
     // The Responses API's usage is counted like the others'.
     let metrics = lb.admin_url("/metrics");
     assert!(sum_metric(&metrics, "prefixlb_prompt_tokens_total").await > 0.0);
@@ -181,6 +200,9 @@ async fn a_response_no_table_knows_is_found_by_asking_each_engine_in_turn() {
     }
     let failovers = sum_metric(&lb.admin_url("/metrics"), "prefixlb_failovers_total").await;
     assert_eq!(failovers, 0.0);
+    // Each engine's response found by asking, then read where it was known; the one
+    // nobody holds looked for twice.
+    assert_eq!(lookups(&lb).await, [4.0, 4.0, 2.0, 0.0]);
     assert!(in_flight_settles(&lb, Duration::from_secs(5)).await);
 }
 
@@ -216,6 +238,7 @@ async fn a_response_whose_engine_takes_no_requests_is_refused_by_name() {
     let (reply, body) = respond(&lb, &next).await;
     assert_eq!(reply.status, 503, "{}", reply.text());
     assert_eq!(body["error"]["code"], "stored_response_unavailable");
+    assert_eq!(lookups(&lb).await, [0.0, 0.0, 0.0, 1.0]);
     let message = body["error"]["message"].as_str().unwrap();
     assert!(
         message.contains(&id) && message.contains(&node),

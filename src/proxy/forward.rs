@@ -31,7 +31,7 @@ use crate::routing::route::Route;
 use crate::routing::stored::{self, Holder};
 use crate::routing::table::{Pool, Table};
 use crate::telemetry::metrics::RequestMetrics;
-use crate::telemetry::outcome::{FailoverReason, RequestOutcome};
+use crate::telemetry::outcome::{FailoverReason, RequestOutcome, StoredLookup};
 use crate::telemetry::series::NodeSeries;
 use crate::telemetry::traces;
 
@@ -221,6 +221,7 @@ impl Exchange<'_> {
                 {
                     let node = self.placement.holding_node().map_or("", |n| n.id());
                     let id = self.placement.facts.follows.as_deref().unwrap_or_default();
+                    self.count_stored_lookup(StoredLookup::Unavailable);
                     return Err(ProxyError::HolderUnavailable {
                         id: clip(id),
                         node: node.to_string(),
@@ -284,7 +285,14 @@ impl Exchange<'_> {
                     }));
                     continue;
                 }
-                Ok(answer) => return Ok(self.commit(ticket, series, route, attempt, answer, span)),
+                Ok(answer) => {
+                    match self.placement.holder() {
+                        Holder::Any => {}
+                        Holder::Only(_) => self.count_stored_lookup(StoredLookup::Known),
+                        Holder::Search => self.count_stored_lookup(StoredLookup::Found),
+                    }
+                    return Ok(self.commit(ticket, series, route, attempt, answer, span));
+                }
                 Err(f) => f,
             };
             *asking = None;
@@ -337,6 +345,7 @@ impl Exchange<'_> {
         // failed (the one that holds it might have): the client reads the last answer.
         if let (Some(n), true) = (not_here, failures.is_empty()) {
             let n = *n;
+            self.count_stored_lookup(StoredLookup::Missing);
             return Ok(self.commit(
                 n.ticket,
                 n.series,
@@ -541,6 +550,13 @@ impl Exchange<'_> {
     /// Sends an answer to the client: the ticket settled (the node's health, the
     /// conversation's home), the decision counted, the ticket handed to the relayed
     /// body, which holds the slot to the end.
+    /// Counts a request naming a stored response by how its engine was found (in the
+    /// pool it was placed in).
+    fn count_stored_lookup(&self, lookup: StoredLookup) {
+        let pool = &self.placement.pool().config.name;
+        self.metrics.count_stored_lookup(pool, lookup);
+    }
+
     fn commit(
         &self,
         mut ticket: Ticket,

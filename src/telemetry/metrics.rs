@@ -18,7 +18,7 @@ use prometheus::{
     Registry, TextEncoder,
 };
 
-use super::outcome::{FailoverReason, RequestOutcome};
+use super::outcome::{FailoverReason, RequestOutcome, StoredLookup};
 pub use super::series::NodeSeries;
 use super::series::{Families, HistogramSpecs, SeriesCache};
 use crate::routing::breaker::BreakerState;
@@ -61,6 +61,7 @@ pub struct Metrics {
 /// What requests did: the families the data plane updates.
 pub struct RequestMetrics {
     failovers: IntCounterVec,
+    stored_responses: IntCounterVec,
     queue_wait: HistogramVec,
     queue_wait_by_tenant: HistogramVec,
     queue_sheds: IntCounterVec,
@@ -167,6 +168,10 @@ impl Metrics {
             failovers: reg!(IntCounterVec::new(
                 opts("failovers_total", "Attempts abandoned before commit, by reason."),
                 &["pool", "reason"]
+            )),
+            stored_responses: reg!(IntCounterVec::new(
+                opts("stored_response_requests_total", "Requests naming a stored response (previous_response_id, /v1/responses/{id}), by how its engine was found: known, found (asked engine by engine), missing (no engine held it), unavailable (its engine takes no requests)."),
+                &["pool", "holder"]
             )),
             queue_wait: reg!(HistogramVec::new(
                 hist("queue_wait_seconds", "Time queued requests waited for a slot.", QUEUE_BUCKETS),
@@ -306,6 +311,9 @@ impl Metrics {
             for reason in FailoverReason::ALL {
                 r.failovers.with_label_values(&[p, reason.as_str()]);
             }
+            for holder in StoredLookup::ALL {
+                r.stored_responses.with_label_values(&[p, holder.as_str()]);
+            }
             for node in b.nodes() {
                 let n = node.id();
                 let state = node.state();
@@ -378,6 +386,13 @@ impl RequestMetrics {
     }
 
     /// Counts an attempt abandoned before commit.
+    /// A request naming a stored response, by how its engine was found.
+    pub fn count_stored_lookup(&self, pool: &str, lookup: StoredLookup) {
+        self.stored_responses
+            .with_label_values(&[pool, lookup.as_str()])
+            .inc();
+    }
+
     pub fn count_failover(&self, pool: &str, reason: FailoverReason) {
         self.failovers
             .with_label_values(&[pool, reason.as_str()])

@@ -96,3 +96,35 @@ mod tests {
         assert_eq!(FailoverReason::Http5xx.as_str(), "http_5xx");
     }
 }
+
+/// How the engine holding a stored response was found
+/// (`stored_response_requests_total{holder}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoredLookup {
+    /// This balancer knew which engine holds it.
+    Known,
+    /// No table here knew it: engines were asked in turn and one held it.
+    Found,
+    /// Every engine asked answered that it does not hold it (the client reads a 404).
+    Missing,
+    /// Its engine takes no requests (the client reads a 503).
+    Unavailable,
+}
+
+impl StoredLookup {
+    pub const ALL: [StoredLookup; 4] = [
+        StoredLookup::Known,
+        StoredLookup::Found,
+        StoredLookup::Missing,
+        StoredLookup::Unavailable,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StoredLookup::Known => "known",
+            StoredLookup::Found => "found",
+            StoredLookup::Missing => "missing",
+            StoredLookup::Unavailable => "unavailable",
+        }
+    }
+}
