@@ -547,9 +547,6 @@ impl Exchange<'_> {
         Ok(Answer::Plain { head, held, body })
     }
 
-    /// Sends an answer to the client: the ticket settled (the node's health, the
-    /// conversation's home), the decision counted, the ticket handed to the relayed
-    /// body, which holds the slot to the end.
     /// Counts a request naming a stored response by how its engine was found (in the
     /// pool it was placed in).
     fn count_stored_lookup(&self, lookup: StoredLookup) {
@@ -557,6 +554,9 @@ impl Exchange<'_> {
         self.metrics.count_stored_lookup(pool, lookup);
     }
 
+    /// Sends an answer to the client: the ticket settled (the node's health, the
+    /// conversation's home), the decision counted, the ticket handed to the relayed
+    /// body, which holds the slot to the end.
     fn commit(
         &self,
         mut ticket: Ticket,

@@ -385,7 +385,6 @@ impl RequestMetrics {
             .inc();
     }
 
-    /// Counts an attempt abandoned before commit.
     /// A request naming a stored response, by how its engine was found.
     pub fn count_stored_lookup(&self, pool: &str, lookup: StoredLookup) {
         self.stored_responses
@@ -393,6 +392,7 @@ impl RequestMetrics {
             .inc();
     }
 
+    /// Counts an attempt abandoned before commit.
     pub fn count_failover(&self, pool: &str, reason: FailoverReason) {
         self.failovers
             .with_label_values(&[pool, reason.as_str()])
