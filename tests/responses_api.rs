@@ -24,8 +24,6 @@ async fn on_response(lb: &Proc, method: &str, id: &str, action: &str) -> Reply {
     call(method, &lb.url(&path), &[], Bytes::new()).await
 }
 
-/// One `POST /v1/responses`: its reply, and for a stream the `response.completed`
-/// event's response (what a plain answer is whole).
 /// `prefixlb_stored_response_requests_total` of pool `mock`: known, found, missing and
 /// unavailable.
 async fn lookups(lb: &Proc) -> [f64; 4] {
@@ -42,6 +40,8 @@ async fn lookups(lb: &Proc) -> [f64; 4] {
     counts
 }
 
+/// One `POST /v1/responses`: its reply, and for a stream the `response.completed`
+/// event's response (what a plain answer is whole).
 async fn respond(lb: &Proc, body: &Value) -> (Reply, Value) {
     let reply = post_json(&lb.url("/v1/responses"), body, &[]).await;
     if body["stream"] != json!(true) || reply.status != 200 {
