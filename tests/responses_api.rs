@@ -40,6 +40,15 @@ async fn lookups(lb: &Proc) -> [f64; 4] {
     counts
 }
 
+/// The first event of type `kind` in a Responses API stream's text.
+fn event(text: &str, kind: &str) -> Value {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(|d| serde_json::from_str::<Value>(d).unwrap())
+        .find(|v| v["type"] == kind)
+        .unwrap_or_else(|| panic!("no {kind} in {text}"))
+}
+
 /// One `POST /v1/responses`: its reply, and for a stream the `response.completed`
 /// event's response (what a plain answer is whole).
 async fn respond(lb: &Proc, body: &Value) -> (Reply, Value) {
@@ -48,13 +57,7 @@ async fn respond(lb: &Proc, body: &Value) -> (Reply, Value) {
         let v = serde_json::from_slice(&reply.body).unwrap_or(Value::Null);
         return (reply, v);
     }
-    let text = reply.text();
-    let completed = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .map(|d| serde_json::from_str::<Value>(d).unwrap())
-        .find(|v| v["type"] == "response.completed")
-        .unwrap_or_else(|| panic!("no response.completed in {text}"));
+    let completed = event(&reply.text(), "response.completed");
     (reply, completed["response"].clone())
 }
 
@@ -251,16 +254,8 @@ async fn a_response_whose_engine_takes_no_requests_is_refused_by_name() {
     assert_eq!(reply.status, 200, "{}", reply.text());
     assert_eq!(reply.header("x-prefixlb-node"), node);
     // A response answered as a stream is known by the id its first event gave.
-    let stream_id = {
-        let text = reply.text();
-        let created = text
-            .lines()
-            .filter_map(|l| l.strip_prefix("data: "))
-            .map(|d| serde_json::from_str::<Value>(d).unwrap())
-            .find(|v| v["type"] == "response.created")
-            .unwrap();
-        created["response"]["id"].as_str().unwrap().to_string()
-    };
+    let created = event(&reply.text(), "response.created");
+    let stream_id = created["response"]["id"].as_str().unwrap().to_string();
     let got = on_response(&lb, "GET", &stream_id, "").await;
     assert_eq!(got.status, 200, "{}", got.text());
     assert_eq!(got.header("x-prefixlb-node"), node);
