@@ -27,7 +27,7 @@ pub static ATTEMPTS: HeaderName = HeaderName::from_static("x-prefixlb-attempts")
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 /// Anthropic's API key header.
 pub static X_API_KEY: HeaderName = HeaderName::from_static("x-api-key");
-/// The data-parallel rank a request is for (vLLM and SGLang read it): the balancer's
+/// The data-parallel rank a request is for (vLLM reads it): the balancer's
 /// to set for a node that is one rank ([`crate::config::NodeConfig::ranks`]), never
 /// the client's to pass on.
 pub static X_DATA_PARALLEL_RANK: HeaderName = HeaderName::from_static("x-data-parallel-rank");
