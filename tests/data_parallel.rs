@@ -126,11 +126,10 @@ async fn a_server_s_ranks_not_named_scatter_a_conversation_and_a_client_cannot_n
     assert_eq!(reply.status, 200, "{}", reply.text());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_server_that_refuses_connections_takes_all_its_ranks_out_of_a_request_s_failover() {
-    // Two servers of 4 ranks; one is stopped. A request first sent to one of its ranks
-    // has one attempt left (`max_attempts = 2`): it must go to the other server, not to
-    // another rank of the stopped one. Health checks are too slow to have noticed.
+/// Two servers of [`RANKS`] ranks, `a` then `b`, behind a balancer with
+/// `max_attempts = 2` and health checks too slow to notice anything; `a` is stopped.
+/// Returns the balancer and `b`.
+fn two_servers_one_stopped() -> (Proc, Proc) {
     let ranks = RANKS.to_string();
     let flags = ["--data-parallel-size", ranks.as_str()];
     let (a, b) = (engine("a", &flags), engine("b", &flags));
@@ -143,18 +142,32 @@ async fn a_server_that_refuses_connections_takes_all_its_ranks_out_of_a_request_
         a.addr, b.addr
     ));
     drop(a);
+    (lb, b)
+}
+
+/// Sends request `i` (a prompt of its own); it must be served by `b`. Returns how many
+/// attempts it took (`x-prefixlb-attempts`).
+async fn served_by_b(lb: &Proc, i: usize) -> String {
+    let text = format!("request {i} with a prompt of its own");
+    let reply = post_json(
+        &lb.url("/v1/chat/completions"),
+        &chat(&[("user", &text)], false, 2),
+        &[],
+    )
+    .await;
+    assert_eq!(reply.status, 200, "request {i}: {}", reply.text());
+    assert!(reply.header("x-prefixlb-node").starts_with("b@"));
+    reply.header("x-prefixlb-attempts").to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_refuses_connections_takes_all_its_ranks_out_of_a_request_s_failover() {
+    // A request first sent to one of the stopped server's ranks has one attempt left:
+    // it must go to the other server, not to another rank of the stopped one.
+    let (lb, _b) = two_servers_one_stopped();
     let mut failed_over = 0;
     for i in 0..24 {
-        let text = format!("request {i} with a prompt of its own");
-        let reply = post_json(
-            &lb.url("/v1/chat/completions"),
-            &chat(&[("user", &text)], false, 2),
-            &[],
-        )
-        .await;
-        assert_eq!(reply.status, 200, "request {i}: {}", reply.text());
-        assert!(reply.header("x-prefixlb-node").starts_with("b@"));
-        if reply.header("x-prefixlb-attempts") == "2" {
+        if served_by_b(&lb, i).await == "2" {
             failed_over += 1;
         }
     }
@@ -162,5 +175,29 @@ async fn a_server_that_refuses_connections_takes_all_its_ranks_out_of_a_request_
         failed_over > 0,
         "some requests were first sent to the stopped server"
     );
+    assert!(in_flight_settles(&lb, std::time::Duration::from_secs(5)).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_refuses_connections_opens_every_rank_s_breaker_at_once() {
+    // `failure_threshold` (2) failed connections to the stopped server, on whichever
+    // ranks, open all of its ranks' breakers: no later request pays for trying it.
+    // Were each rank's breaker to learn alone, up to 2 × 4 requests would.
+    let (lb, _b) = two_servers_one_stopped();
+    let mut i = 0;
+    let mut failed_over = 0;
+    while failed_over < 2 {
+        assert!(i < 64, "no request was first sent to the stopped server");
+        if served_by_b(&lb, i).await == "2" {
+            failed_over += 1;
+        }
+        i += 1;
+    }
+    let states = breaker_states(&lb).await;
+    assert_eq!(states[..RANKS], ["open"; RANKS], "{states:?}");
+    assert!(states[RANKS..].iter().all(|s| s == "closed"), "{states:?}");
+    for j in i..i + 24 {
+        assert_eq!(served_by_b(&lb, j).await, "1", "request {j}");
+    }
     assert!(in_flight_settles(&lb, std::time::Duration::from_secs(5)).await);
 }

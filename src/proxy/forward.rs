@@ -298,10 +298,20 @@ impl Exchange<'_> {
             *asking = None;
             traces::record_failed_attempt(&span, failure.reason.as_str(), &failure.text);
             if failure.unreachable {
-                // Its server's other ranks would refuse the connection too.
+                // Its server's other ranks would refuse the connection too: out of this
+                // request's failover, and the failure counts on each rank's breaker, so
+                // a server that went dark opens them all as soon as it opens one.
                 let nodes = &ticket.pool().balancer;
-                let down = nodes.same_server(ticket.index());
-                tried.extend(down.filter(|i| *i != ticket.index()));
+                for i in nodes.same_server(ticket.index()) {
+                    if i != ticket.index() {
+                        tried.push(i);
+                        let settings = nodes.settings();
+                        nodes
+                            .node(i)
+                            .state()
+                            .record(Outcome::Failure, false, settings, now());
+                    }
+                }
             }
             let pool = &ticket.pool().config.name;
             match (failure.answer.take(), kept.take()) {
