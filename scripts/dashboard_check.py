@@ -7,14 +7,16 @@ Starts four mock engines, a balancer in front of them (hybrid keys, caps of 2, a
 two priority classes, a rate-limited tenant) and a Prometheus server (Debian's
 `prometheus`) scraping the balancer's /metrics every second. Drives demo-like traffic
 through it for about 30 s: `prefixlb bench` (multi-turn, streaming, more requests than
-the caps hold, so some spill and some queue), a tenant over its rate limit, and an
-engine that fails for a few seconds (failovers, interrupted streams, a breaker and
-health changes). Then asks Prometheus for every target of every panel, with
+the caps hold, so some spill and some queue), a tenant over its rate limit, Responses
+API turns chained by `previous_response_id` (and some naming a response no engine
+holds), and an engine that fails for a few seconds (failovers, interrupted streams, a
+breaker and health changes). Then asks Prometheus for every target of every panel, with
 `$__rate_interval` as Grafana would set it for a 1 s scrape (20s here), and requires
 each target to return series and each panel at least one finite value. Prints one line
 per target; exits 1 if any panel shows nothing. Needs only the standard library.
 """
 
+import itertools
 import json
 import math
 import os
@@ -149,6 +151,29 @@ def main():
             time.sleep(0.5)
 
     threading.Thread(target=capped_tenant, daemon=True).start()
+
+    def chained_responses():
+        # Responses API conversations chained by previous_response_id (`known`), and
+        # now and then one naming a response no engine holds (`missing`).
+        previous = None
+        for turn in itertools.count():
+            if stop.is_set():
+                return
+            body = {"model": "mock", "input": f"turn {turn}", "max_output_tokens": 2}
+            lost = turn % 5 == 4
+            if lost:
+                body["previous_response_id"] = "resp_nowhere"
+            elif previous:
+                body["previous_response_id"] = previous
+            try:
+                status, answer = http("POST", f"http://{lb}/v1/responses", body, timeout=60)
+                if not lost:
+                    previous = json.loads(answer)["id"] if status == 200 else None
+            except (OSError, ValueError, KeyError):
+                previous = None
+            time.sleep(0.5)
+
+    threading.Thread(target=chained_responses, daemon=True).start()
     # One engine misbehaves for a while: breaks streams mid-way, then answers 500s.
     time.sleep(6)
     fault = f"http://{engines[3]}/mock/fault"
