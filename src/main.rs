@@ -668,7 +668,8 @@ mod tools {
         no_embeddings: bool,
         /// Data-parallel ranks, each with its own KV cache and prefill lane, as vLLM
         /// `--data-parallel-size` runs behind one URL: a request names its rank in
-        /// `x-data-parallel-rank`, else the ranks take requests in turn.
+        /// `x-data-parallel-rank` (or SGLang's `x-override-routed-dp-rank`), else the
+        /// ranks take requests in turn.
         #[arg(long, default_value_t = 1)]
         data_parallel_size: usize,
     }

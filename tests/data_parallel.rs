@@ -105,25 +105,15 @@ async fn a_server_s_ranks_not_named_scatter_a_conversation_and_a_client_cannot_n
             "{turns:?}"
         );
     }
-    // A client's own `x-data-parallel-rank` never reaches the engine (which refuses a
-    // rank it does not have with a 400).
-    assert_eq!(
-        post_json(
-            &engine.url("/v1/chat/completions"),
-            &chat(&[("user", "hi")], false, 2),
-            &[("x-data-parallel-rank", "9")],
-        )
-        .await
-        .status,
-        400
-    );
-    let reply = post_json(
-        &lb.url("/v1/chat/completions"),
-        &chat(&[("user", "hi")], false, 2),
-        &[("x-data-parallel-rank", "9")],
-    )
-    .await;
-    assert_eq!(reply.status, 200, "{}", reply.text());
+    // A client's own rank, in vLLM's header or in SGLang's override, never reaches the
+    // engine (which refuses a rank it does not have with a 400).
+    for header in ["x-data-parallel-rank", "x-override-routed-dp-rank"] {
+        let hi = chat(&[("user", "hi")], false, 2);
+        let direct = post_json(&engine.url("/v1/chat/completions"), &hi, &[(header, "9")]).await;
+        assert_eq!(direct.status, 400, "{header}: {}", direct.text());
+        let reply = post_json(&lb.url("/v1/chat/completions"), &hi, &[(header, "9")]).await;
+        assert_eq!(reply.status, 200, "{header}: {}", reply.text());
+    }
 }
 
 /// Two servers of [`RANKS`] ranks, `a` then `b`, behind a balancer with

@@ -31,6 +31,10 @@ pub static X_API_KEY: HeaderName = HeaderName::from_static("x-api-key");
 /// to set for a node that is one rank ([`crate::config::NodeConfig::ranks`]), never
 /// the client's to pass on.
 pub static X_DATA_PARALLEL_RANK: HeaderName = HeaderName::from_static("x-data-parallel-rank");
+/// SGLang's header for the same, which it reads over [`X_DATA_PARALLEL_RANK`] when
+/// started with `SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1`: never the client's to pass
+/// on either.
+static X_OVERRIDE_ROUTED_DP_RANK: HeaderName = HeaderName::from_static("x-override-routed-dp-rank");
 
 /// A small count as a header value, without formatting (or allocating) the usual ones.
 pub fn count_value(n: u32) -> HeaderValue {
@@ -141,6 +145,7 @@ impl UpstreamHeaders {
             || name == header::CONTENT_LENGTH
             || name == X_FORWARDED_FOR
             || name == X_DATA_PARALLEL_RANK
+            || name == X_OVERRIDE_ROUTED_DP_RANK
             || self.strip_auth && (name == header::AUTHORIZATION || name == X_API_KEY);
         !left_out
     }

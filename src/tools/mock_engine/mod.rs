@@ -425,20 +425,30 @@ impl MockEngine {
         json_response(StatusCode::OK, &body)
     }
 
-    /// The data-parallel rank a request runs on, as vLLM picks it: the one its
-    /// `x-data-parallel-rank` names (vLLM's 400 if there is no such rank), else (no
-    /// header, or not a number) the next in turn.
+    /// The data-parallel rank a request runs on, as vLLM and SGLang pick it: the one
+    /// its `x-data-parallel-rank` names (vLLM's 400 if there is no such rank), or
+    /// SGLang's `x-override-routed-dp-rank` over it (read when SGLang runs with
+    /// `SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1`; SGLang's 400), else (no header, or
+    /// not a number) the next in turn.
     fn rank_for(&self, headers: &http::HeaderMap) -> Result<usize, String> {
         let ranks = self.ranks.len();
-        let named = headers
-            .get("x-data-parallel-rank")
-            .and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
-        match named {
-            None => Ok(self.next_rank.fetch_add(1, Ordering::Relaxed) as usize % ranks),
-            Some(rank) if rank < ranks => Ok(rank),
-            Some(rank) => Err(format!(
+        let named = |name: &str| {
+            headers
+                .get(name)
+                .and_then(|v| v.to_str().ok()?.parse::<usize>().ok())
+        };
+        match (
+            named("x-override-routed-dp-rank"),
+            named("x-data-parallel-rank"),
+        ) {
+            (Some(rank), _) if rank >= ranks => {
+                Err(format!("routed_dp_rank={rank} out of range [0, {ranks})"))
+            }
+            (None, Some(rank)) if rank >= ranks => Err(format!(
                 "data_parallel_rank {rank} is out of range [0, {ranks})."
             )),
+            (Some(rank), _) | (None, Some(rank)) => Ok(rank),
+            (None, None) => Ok(self.next_rank.fetch_add(1, Ordering::Relaxed) as usize % ranks),
         }
     }
 
