@@ -233,15 +233,7 @@ pub fn report(opts: &DemoOptions, rr: &BenchReport, lb: &BenchReport, took: Dura
         );
     }
     let q = |s: &BenchReport, p: f64| s.ttft_quantile(p).as_secs_f64().max(1e-6);
-    let p99 = q(lb, 0.99) / q(rr, 0.99);
-    let tail = if p99 > 1.05 {
-        format!(
-            "TTFT p99 {p99:.1}× higher (a new conversation's engine is picked by hash, not \
-             by load, so cold prefills can queue on one engine)"
-        )
-    } else {
-        format!("TTFT p99 {:.1}× lower", 1.0 / p99)
-    };
+    let tail = p99_verdict(q(lb, 0.99) / q(rr, 0.99));
     let _ = writeln!(
         out,
         "\nverdict: prefixlb served {:.1}% of prompt tokens from the engines' KV caches vs {:.1}% for round-robin; \
@@ -253,4 +245,32 @@ pub fn report(opts: &DemoOptions, rr: &BenchReport, lb: &BenchReport, took: Dura
         took.as_secs_f64()
     );
     out
+}
+
+/// The verdict on the TTFT p99, from prefixlb's p99 over round robin's: within 5 %
+/// either way is a tie, not "1.0× lower".
+fn p99_verdict(ratio: f64) -> String {
+    if ratio > 1.05 {
+        format!(
+            "TTFT p99 {ratio:.1}× higher (a new conversation's engine is picked by hash, not \
+             by load, so cold prefills can queue on one engine)"
+        )
+    } else if ratio < 1.0 / 1.05 {
+        format!("TTFT p99 {:.1}× lower", 1.0 / ratio)
+    } else {
+        "TTFT p99 about the same".to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::p99_verdict;
+
+    #[test]
+    fn a_p99_within_five_percent_is_a_tie() {
+        assert_eq!(p99_verdict(1.03), "TTFT p99 about the same");
+        assert_eq!(p99_verdict(0.97), "TTFT p99 about the same");
+        assert_eq!(p99_verdict(0.5), "TTFT p99 2.0× lower");
+        assert!(p99_verdict(1.5).starts_with("TTFT p99 1.5× higher"));
+    }
 }
