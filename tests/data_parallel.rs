@@ -8,7 +8,7 @@
 mod common;
 
 use common::*;
-use serde_json::Value;
+use serde_json::{json, Value};
 
 const RANKS: usize = 4;
 
@@ -190,4 +190,56 @@ async fn a_server_that_refuses_connections_opens_every_rank_s_breaker_at_once() 
         assert_eq!(served_by_b(&lb, j).await, "1", "request {j}");
     }
     assert!(in_flight_settles(&lb, std::time::Duration::from_secs(5)).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_health_check_answers_for_every_rank_of_a_server() {
+    // A server of 4 ranks and a plain one, checked in the same rounds: the first gets
+    // as many `GET /health` as the second, not 4 times as many, and when its health
+    // fails every rank goes down with it.
+    let ranks = RANKS.to_string();
+    let split = engine("split", &["--data-parallel-size", &ranks]);
+    let plain = engine("plain", &[]);
+    let lb = balancer(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+         [health]\ninterval = \"100ms\"\nunhealthy_after = 1\n\
+         [[pools]]\nname = \"mock\"\nmodels = [\"mock\"]\n\
+         [[pools.nodes]]\nid = \"split\"\nurl = \"http://{}\"\ndata_parallel_size = {RANKS}\n\
+         [[pools.nodes]]\nid = \"plain\"\nurl = \"http://{}\"\n",
+        split.addr, plain.addr
+    ));
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let (to_split, to_plain) = (health_checks(&split).await, health_checks(&plain).await);
+    assert!(to_plain >= 3.0, "{to_plain} checks in 1.5 s");
+    assert!(
+        to_split <= to_plain + 1.0,
+        "the 4-rank server was checked {to_split} times, the plain one {to_plain}"
+    );
+    let fault = json!({"mode": "error", "ttft_ms": 0});
+    assert_eq!(
+        post_json(&split.url("/mock/fault"), &fault, &[])
+            .await
+            .status,
+        200
+    );
+    let healthy = || async {
+        let nodes = get_json(&lb.admin_url("/admin/nodes")).await;
+        nodes["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n["healthy"].as_bool().unwrap())
+            .collect::<Vec<_>>()
+    };
+    let down = eventually(std::time::Duration::from_secs(5), || async {
+        healthy().await[..RANKS].iter().all(|h| !h)
+    })
+    .await;
+    assert!(down, "{:?}", healthy().await);
+    assert!(healthy().await[RANKS], "the plain server stays up");
+}
+
+/// How many `GET /health` an engine has answered.
+async fn health_checks(engine: &Proc) -> f64 {
+    metric(&engine.url("/metrics"), "mock_engine_health_checks_total").await
 }

@@ -130,16 +130,20 @@ impl Proxy {
     }
 
     /// Reads what `node`'s engine serves from its `/v1/models` (on the checks'
-    /// connections, bounded by `timeout`) and keeps it on the node: LoRA adapters its
-    /// engine lists are learned, and an engine that does not list an adapter is not
-    /// chosen for it. An engine that cannot say leaves the node's list unknown.
-    pub async fn learn_models(&self, node: &crate::routing::node::Node, timeout: Duration) {
-        let served = tokio::time::timeout(timeout, self.get(&self.checks, node, "/v1/models"))
+    /// connections, bounded by `timeout`), for the nodes behind its URL to keep: LoRA
+    /// adapters its engine lists are learned, and an engine that does not list an
+    /// adapter is not chosen for it. None: the engine cannot say (its nodes' lists stay
+    /// unknown).
+    pub async fn read_models(
+        &self,
+        node: &crate::routing::node::Node,
+        timeout: Duration,
+    ) -> Option<crate::routing::node::Served> {
+        tokio::time::timeout(timeout, self.get(&self.checks, node, "/v1/models"))
             .await
             .ok()
             .and_then(Result::ok)
-            .and_then(|body| crate::routing::node::Served::from_json(&body));
-        node.state().set_served(served);
+            .and_then(|body| crate::routing::node::Served::from_json(&body))
     }
 
     /// `GET path` on `node`'s engine over `via`: the body of a 2xx, else why not.

@@ -1,5 +1,7 @@
-//! Active health checks: every `health.interval`, `GET health.path` on every node of
-//! the current snapshot, concurrently, each bounded by `health.timeout`.
+//! Active health checks: every `health.interval`, `GET health.path` on every engine
+//! server of the current snapshot, concurrently, each bounded by `health.timeout`; one
+//! check per URL, whose answer is every node's behind it (the ranks of a
+//! data-parallel server).
 //! `unhealthy_after` consecutive failures take a node out of every walk,
 //! `healthy_after` passes bring it back, and a passing check moves an open breaker
 //! whose `open_for` is over to half_open, so recovery starts even with no traffic.
@@ -9,12 +11,16 @@
 //! one failed is kept for `/admin/nodes`. Each round ends by sweeping expired idle
 //! connections out of the upstream pool.
 
+use std::collections::hash_map::{Entry, HashMap};
 use std::sync::Arc;
 
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use crate::proxy::Proxy;
+use crate::routing::breaker::BreakerSettings;
+use crate::routing::node::Node;
+use crate::routing::table::Table;
 
 /// A passing node's `/v1/models` is read again every this many rounds (every 30 s at
 /// the default `health.interval`), and on every round while it is not known.
@@ -26,32 +32,32 @@ pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
         let table = proxy.table();
         let h = &table.config.health;
         let mut checks = JoinSet::new();
-        for pool in &table.pools {
-            for node in pool.balancer.nodes() {
-                let (proxy, node, settings, h) = (
-                    proxy.clone(),
-                    node.clone(),
-                    pool.balancer.settings().clone(),
-                    h.clone(),
-                );
-                checks.spawn(async move {
-                    let result = proxy.check_node(&node, &h.path, h.timeout).await;
-                    let passed = result.is_ok();
-                    let now = tokio::time::Instant::now().into_std();
+        for server in servers(&table) {
+            let (proxy, h) = (proxy.clone(), h.clone());
+            checks.spawn(async move {
+                // The first node asks; its answer is every node's behind the URL.
+                let first = &server[0].0;
+                let result = proxy.check_node(first, &h.path, h.timeout).await;
+                let passed = result.is_ok();
+                let now = tokio::time::Instant::now().into_std();
+                for (node, settings) in &server {
                     node.state().record_check_result(
-                        result,
+                        result.clone(),
                         h.unhealthy_after,
                         h.healthy_after,
-                        &settings,
+                        settings,
                         now,
                     );
-                    // The model list: at once, then every few rounds.
-                    let stale = round % MODELS_EVERY == 0 || node.state().served().is_none();
-                    if passed && stale {
-                        proxy.learn_models(&node, h.timeout).await;
+                }
+                // The model list: at once, then every few rounds.
+                let unknown = server.iter().any(|(n, _)| n.state().served().is_none());
+                if passed && (round % MODELS_EVERY == 0 || unknown) {
+                    let served = proxy.read_models(first, h.timeout).await;
+                    for (node, _) in &server {
+                        node.state().set_served(served.clone());
                     }
-                });
-            }
+                }
+            });
         }
         while checks.join_next().await.is_some() {}
         proxy.sweep_idle_connections();
@@ -60,4 +66,25 @@ pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
             _ = stop.wait_for(|s| *s) => return,
         }
     }
+}
+
+/// Every node of every pool, grouped by URL, in config order, each with its pool's
+/// breaker settings: the ranks of a data-parallel server share one URL, and one
+/// health check (one `/v1/models` read) answers for all of them.
+fn servers(table: &Table) -> Vec<Vec<(Node, Arc<BreakerSettings>)>> {
+    let mut servers: Vec<Vec<(Node, Arc<BreakerSettings>)>> = Vec::new();
+    let mut by_url: HashMap<&http::Uri, usize> = HashMap::new();
+    for pool in &table.pools {
+        for node in pool.balancer.nodes() {
+            let member = (node.clone(), pool.balancer.settings().clone());
+            match by_url.entry(node.url()) {
+                Entry::Occupied(at) => servers[*at.get()].push(member),
+                Entry::Vacant(at) => {
+                    at.insert(servers.len());
+                    servers.push(vec![member]);
+                }
+            }
+        }
+    }
+    servers
 }

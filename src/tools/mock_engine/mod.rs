@@ -119,8 +119,10 @@ pub struct MockEngine {
     running: AtomicU64,
     peak_running: AtomicU64,
     requests: AtomicU64,
-    /// Every HTTP request received, whatever its path.
+    /// HTTP requests received on any path but /metrics, /health, /v1/models and /mock/fault.
     http_requests: AtomicU64,
+    /// `GET /health` requests received.
+    health_checks: AtomicU64,
     cancelled: AtomicU64,
     prompt_tokens: AtomicU64,
     cached_tokens: AtomicU64,
@@ -167,6 +169,7 @@ impl MockEngine {
             peak_running: AtomicU64::new(0),
             requests: AtomicU64::new(0),
             http_requests: AtomicU64::new(0),
+            health_checks: AtomicU64::new(0),
             cancelled: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
             cached_tokens: AtomicU64::new(0),
@@ -212,10 +215,13 @@ impl MockEngine {
             self.http_requests.fetch_add(1, Ordering::Relaxed);
         }
         let mut resp = match (req.method(), path.as_str()) {
-            (&Method::GET, "/health") => match self.fault.lock().mode {
-                FaultMode::Error => text(StatusCode::SERVICE_UNAVAILABLE, "unhealthy"),
-                _ => text(StatusCode::OK, ""),
-            },
+            (&Method::GET, "/health") => {
+                self.health_checks.fetch_add(1, Ordering::Relaxed);
+                match self.fault.lock().mode {
+                    FaultMode::Error => text(StatusCode::SERVICE_UNAVAILABLE, "unhealthy"),
+                    _ => text(StatusCode::OK, ""),
+                }
+            }
             (&Method::GET, "/metrics") => text(StatusCode::OK, &self.metrics()),
             (&Method::GET, "/v1/models") => json_response(StatusCode::OK, &self.models()),
             (&Method::POST, "/mock/fault") => self.set_fault(req).await,
@@ -757,6 +763,12 @@ impl MockEngine {
                 "counter",
                 "HTTP requests received on any path but /metrics, /health, /v1/models and /mock/fault.",
                 self.http_requests.load(Ordering::Relaxed),
+            ),
+            g(
+                "mock_engine_health_checks_total",
+                "counter",
+                "GET /health requests received.",
+                self.health_checks.load(Ordering::Relaxed),
             ),
             g(
                 "mock_engine_cancelled_total",
