@@ -22,9 +22,9 @@ use super::Mode;
 #[cfg(test)]
 mod tests;
 
-/// How many of a new conversation's first nodes are compared by load: a larger opening's,
-/// and any with balancer replicas (more spreads better and makes replicas disagree more
-/// often).
+/// How many of a new conversation's first nodes are compared by load with balancer
+/// replicas (more spreads better and makes replicas disagree more often), and under
+/// `load_factor`, for an opening larger than [`SMALL_OPENING_TOKENS`].
 const NEW_CONVERSATION_CHOICES: usize = 2;
 
 /// The least share of a prompt above its group's prefix that a miss is judged on.
@@ -42,8 +42,9 @@ const PILED_UP_HOMES: f64 = 2.0;
 /// agent opens with a few hundred tokens of its own and ends thousands long), so the
 /// count of homes, not the requests in flight at the moment, is what keeps long
 /// sessions from piling up on one engine. Larger openings (a document, a long first
-/// message) would cost that replica their whole text: they go by load alone
-/// (docs/evidence.md, "A small opening is placed by where conversations live").
+/// message) would cost that replica their whole text: with replicas they go by load
+/// alone (docs/evidence.md, "A small opening is placed by where conversations live");
+/// alone, with nobody to disagree, they are placed like small ones.
 pub const SMALL_OPENING_TOKENS: u32 = 256;
 
 /// Ranks a node at its cap after every node under it, whatever their recent homes.
@@ -84,8 +85,10 @@ impl Balancer {
     /// conversation's remembered `home`, or, for a new conversation (and a prompt
     /// string seen nowhere yet), the less loaded of its first two nodes (within its
     /// group's nodes; for an opening of at most [`SMALL_OPENING_TOKENS`] of its own,
-    /// `own_tokens`, the one fewer conversations made their home lately), so new work
-    /// spreads by load while every later turn finds its home. A later turn this
+    /// `own_tokens`, the one fewer conversations made their home lately; with no other
+    /// balancer replica and no `load_factor`, every opening is placed that way across
+    /// all its group's nodes), so new work spreads by load while every later turn finds
+    /// its home. A later turn this
     /// balancer has no home for starts at the key's own first node. Ring keys are
     /// returned as they are.
     pub fn place(&self, target: Target, home: Option<Home>, turn: Turn, own_tokens: u32) -> Target {
@@ -111,14 +114,19 @@ impl Balancer {
         if turn == Turn::Later {
             return None;
         }
-        // A small opening: by recent homes (one home weighs a full node of requests)
-        // and load, but never to a node at its cap (the walk would spill it).
-        let by_homes = self.places_by_homes(own_tokens);
-        // With no other replica to disagree with, a small opening is compared across all
+        // A small opening, and any opening with no other balancer replica (and no
+        // `load_factor`): by recent homes (one home weighs a full node of requests) and
+        // load, prefill queued included, but never to a node at its cap (the walk would
+        // spill it).
+        let alone = self.load.replicas() == 1;
+        let by_homes = self.places_by_homes(own_tokens) || (alone && self.load_factor.is_none());
+        // With no other replica to disagree with, such an opening is compared across all
         // of its group's nodes: sessions that start together (a burst of agents) then
         // spread evenly, where two choices leave some node one session more than its
-        // cache holds (docs/evidence.md, `agentic` over HTTP).
-        let n = if by_homes && self.load.replicas() == 1 {
+        // cache holds (docs/evidence.md, `agentic` over HTTP), and documents opened
+        // together do not queue their cold prefills behind one another on one engine
+        // (`doc-qa` over HTTP).
+        let n = if by_homes && alone {
             usize::MAX
         } else {
             NEW_CONVERSATION_CHOICES

@@ -87,7 +87,7 @@ fn with_replicas_a_first_node_piled_with_homes_loses_its_margin() {
 }
 
 #[test]
-fn a_small_opening_goes_where_fewer_conversations_live_lately() {
+fn an_opening_goes_where_fewer_conversations_live_lately() {
     let b = balancer(8, 4, None);
     let (target, pair) = grouped_key(&b);
     let (small, large) = (SMALL_OPENING_TOKENS, SMALL_OPENING_TOKENS + 1);
@@ -101,13 +101,19 @@ fn a_small_opening_goes_where_fewer_conversations_live_lately() {
     assert_eq!(held.index, pair[1]);
     assert_eq!(b.first_of(target, None, Turn::First, small), Some(pair[0]));
     assert_eq!(b.first_of(target, None, Turn::First, large), Some(pair[0]));
-    // Two conversations made their home on the key's first node lately: a small
-    // opening goes where fewer live (alone, among all the group's nodes: to one that
-    // neither is a home lately nor holds a request), a large one still by load.
+    // Two conversations made their home on the key's first node lately: alone, an
+    // opening goes where fewer live, among all the group's nodes (to one that neither
+    // is a home lately nor holds a request), whatever its size.
     homes_on(&b, pair[0], 2);
-    let small_goes = b.first_of(target, None, Turn::First, small).unwrap();
-    assert!(!pair.contains(&small_goes), "{small_goes} {pair:?}");
+    for opening in [small, large] {
+        let goes = b.first_of(target, None, Turn::First, opening).unwrap();
+        assert!(!pair.contains(&goes), "{opening}: {goes} {pair:?}");
+    }
+    // With replicas, a large opening still goes by load between its first two (a
+    // replica that did not see it placed would pay its whole text to find it).
+    b.load().set_replicas(2);
     assert_eq!(b.first_of(target, None, Turn::First, large), Some(pair[0]));
+    b.load().set_replicas(1);
     // A later turn this balancer has no home for is not placed at all.
     assert_eq!(b.first_of(target, None, Turn::Later, small), None);
     drop(held);
@@ -188,4 +194,15 @@ fn alone_a_burst_of_small_openings_spreads_evenly_over_the_group() {
         homes[node] += 1;
     }
     assert_eq!(homes, vec![3; 8]);
+}
+
+#[test]
+fn under_load_factor_a_large_opening_goes_by_load_between_its_first_two() {
+    // `load_factor` asks for balance by requests in flight: homes do not weigh, and a
+    // large opening is compared with its key's second node only.
+    let b = balancer(8, 4, Some(1.25));
+    let (target, pair) = grouped_key(&b);
+    homes_on(&b, pair[0], 2);
+    let large = SMALL_OPENING_TOKENS + 1;
+    assert_eq!(b.first_of(target, None, Turn::First, large), Some(pair[0]));
 }
