@@ -88,9 +88,8 @@ impl Balancer {
     /// `own_tokens`, the one fewer conversations made their home lately; with no other
     /// balancer replica and no `load_factor`, every opening is placed that way across
     /// all its group's nodes), so new work spreads by load while every later turn finds
-    /// its home. A later turn this
-    /// balancer has no home for starts at the key's own first node. Ring keys are
-    /// returned as they are.
+    /// its home. A later turn this balancer has no home for starts at the key's own
+    /// first node. Ring keys are returned as they are.
     pub fn place(&self, target: Target, home: Option<Home>, turn: Turn, own_tokens: u32) -> Target {
         if target.group.is_none() {
             return target;

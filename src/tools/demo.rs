@@ -252,8 +252,8 @@ pub fn report(opts: &DemoOptions, rr: &BenchReport, lb: &BenchReport, took: Dura
 fn p99_verdict(ratio: f64) -> String {
     if ratio > 1.05 {
         format!(
-            "TTFT p99 {ratio:.1}× higher (a new conversation's engine is picked by hash, not \
-             by load, so cold prefills can queue on one engine)"
+            "TTFT p99 {ratio:.1}× higher (requests wait for their conversation's engine \
+             at its cap, and cold prefills can queue behind one another)"
         )
     } else if ratio < 1.0 / 1.05 {
         format!("TTFT p99 {:.1}× lower", 1.0 / ratio)
