@@ -22,16 +22,12 @@ SEEDS=${SEEDS:-"1 2"}
 ROUTERS=${ROUTERS:-"prefixlb-split prefixlb-one vllm-session vllm"}
 NODES=1
 BASE_PORT=${BASE_PORT:-19700}
-VENV=${VENV:-target/sglang-venv}
-VLLM_VENV=${VLLM_VENV:-target/vllm-router-venv}
 cargo build --release --bin prefixlb >/dev/null
 B=target/release/prefixlb
 E=$B
-WORK=$(mktemp -d)
 # shellcheck source=scripts/lib/routers.sh
 . scripts/lib/routers.sh
-need_routers
-trap 'stop; rm -rf "$WORK"' EXIT
+begin
 port=$((BASE_PORT + 90))
 
 start_prefixlb_with() { # NODE_LINE: prefixlb's defaults, the one node with this line

@@ -19,16 +19,12 @@ ROUTERS=${ROUTERS:-"prefixlb sglang vllm"}
 TRIALS=${TRIALS:-8}
 NODES=${NODES:-4}
 BASE_PORT=${BASE_PORT:-19500}
-VENV=${VENV:-target/sglang-venv}
-VLLM_VENV=${VLLM_VENV:-target/vllm-router-venv}
 cargo build --release --bin prefixlb >/dev/null
 B=target/release/prefixlb
 E=$B
-WORK=$(mktemp -d)
 # shellcheck source=scripts/lib/routers.sh
 . scripts/lib/routers.sh
-need_routers
-trap 'stop; rm -rf "$WORK"' EXIT
+begin
 
 cat > "$WORK/follow.py" <<'EOF'
 import json, sys, threading, time, urllib.request

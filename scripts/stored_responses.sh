@@ -22,16 +22,12 @@ TURNS=${TURNS:-6}
 CONC=${CONC:-8}
 NODES=${NODES:-4}
 BASE_PORT=${BASE_PORT:-19600}
-VENV=${VENV:-target/sglang-venv}
-VLLM_VENV=${VLLM_VENV:-target/vllm-router-venv}
 cargo build --release --bin prefixlb >/dev/null
 E=target/release/prefixlb
 B=${B:-$E}
-WORK=$(mktemp -d)
 # shellcheck source=scripts/lib/routers.sh
 . scripts/lib/routers.sh
-need_routers
-trap 'stop; rm -rf "$WORK"' EXIT
+begin
 
 router() { # NAME: start a router in front of the engines; sets URLS (the client's targets)
   URLS="http://127.0.0.1:$((BASE_PORT + 90))"

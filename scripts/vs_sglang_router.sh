@@ -39,19 +39,15 @@ PREFILL_US=${PREFILL_US:-50}
 CACHE=${CACHE:-30000}
 NODES=${NODES:-8}
 BASE_PORT=${BASE_PORT:-19500}
-VENV=${VENV:-target/sglang-venv}
-VLLM_VENV=${VLLM_VENV:-target/vllm-router-venv}
 # B=path/to/prefixlb runs another build (an older one, to see what a change changed).
 if [ -z "${B:-}" ]; then
   B=target/release/prefixlb
   cargo build --release --bin prefixlb >/dev/null
 fi
 E=$B
-WORK=$(mktemp -d)
 # shellcheck source=scripts/lib/routers.sh
 . scripts/lib/routers.sh
-need_routers
-trap 'stop; rm -rf "$WORK"' EXIT
+begin
 
 router() { # NAME: start a router in front of the engines; sets TARGETS (bench's flags)
   TARGETS="--target http://127.0.0.1:$((BASE_PORT + 90))"

@@ -1,12 +1,22 @@
 # Shared by the scripts that put prefixlb beside SGLang's and vLLM's routers over mock
-# engines (vs_sglang_router.sh, stored_responses.sh): the routers' venvs, fresh engines,
-# every router started the same way, and the cleanup between runs. Sourced; expects B
-# (the prefixlb binary), E (the binary the engines run), VENV (SGLang's router),
-# VLLM_VENV (vLLM's), NODES, BASE_PORT and WORK set. Engines listen on BASE_PORT + i,
-# the router on BASE_PORT + 90 (prefixlb's admin on + 91, a peer's Prometheus on + 92).
-# Every process started is put in pids; `stop` ends them all.
+# engines (vs_sglang_router.sh, stored_responses.sh, data_parallel.sh,
+# follow_conversation.sh): the routers' venvs, fresh engines, every router started the
+# same way, and the cleanup between runs. Sourced; expects B (the prefixlb binary), E
+# (the binary the engines run), NODES and BASE_PORT set; VENV (SGLang's router) and
+# VLLM_VENV (vLLM's) default to venvs under target/. `begin` makes WORK, installs the
+# peers ROUTERS names and ends every process and WORK on exit. Engines listen on
+# BASE_PORT + i, the router on BASE_PORT + 90 (prefixlb's admin on + 91, a peer's
+# Prometheus on + 92). Every process started is put in pids; `stop` ends them all.
 
+VENV=${VENV:-target/sglang-venv}
+VLLM_VENV=${VLLM_VENV:-target/vllm-router-venv}
 pids=()
+
+begin() { # a scratch directory in WORK, the peers installed, everything ended on exit
+  WORK=$(mktemp -d)
+  need_routers
+  trap 'stop; rm -rf "$WORK"' EXIT
+}
 
 # SGLang's router (the `sglang-router` wheel), installed in VENV if absent.
 need_sglang_router() {
