@@ -305,11 +305,8 @@ impl Exchange<'_> {
                 for i in nodes.same_server(ticket.index()) {
                     if i != ticket.index() {
                         tried.push(i);
-                        let settings = nodes.settings();
-                        nodes
-                            .node(i)
-                            .state()
-                            .record(Outcome::Failure, false, settings, now());
+                        let state = nodes.node(i).state();
+                        state.record(Outcome::Failure, false, nodes.settings(), now());
                     }
                 }
             }

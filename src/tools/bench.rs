@@ -326,8 +326,12 @@ async fn step(
         .next_target
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         % opts.targets.len()];
-    let id = format!("conv-{}", live.script);
-    let session = opts.session_header.as_ref().map(|name| (name, id.as_str()));
+    // The conversation's id, made only for a run that sends it.
+    let id = opts
+        .session_header
+        .as_ref()
+        .map(|_| format!("conv-{}", live.script));
+    let session = opts.session_header.as_ref().zip(id.as_deref());
     let outcome = match exchange(client, target, api, &body, opts.stream, session).await {
         Ok(reply) => Some(reply),
         Err(why) => {
