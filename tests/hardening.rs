@@ -641,9 +641,9 @@ async fn connections_past_the_cap_wait_for_a_free_slot() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_that_stops_reading_releases_the_slot() {
-    // An engine that streams fast: 32 KB events, far more than socket buffers hold.
+/// An engine that streams fast: 32 KB events, far more than socket buffers or an
+/// HTTP/2 window hold, then stays open a minute; it counts the connections dropped.
+async fn flooding_engine() -> (SocketAddr, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
     let event = format!(
         "data: {{\"choices\":[{{\"delta\":{{\"content\":\"{}\"}}}}]}}\n\n",
         "x".repeat(32 * 1024)
@@ -660,7 +660,12 @@ async fn a_client_that_stops_reading_releases_the_slot() {
         ));
     }
     script.push((Vec::new(), Duration::from_secs(60)));
-    let (engine, dropped) = scripted_engine_counting(script).await;
+    scripted_engine_counting(script).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_releases_the_slot() {
+    let (engine, dropped) = flooding_engine().await;
     let lb = balancer(&config_at(&[engine], "idle_stream_timeout = \"1s\""));
     let socket = tokio::net::TcpSocket::new_v4().unwrap();
     socket.set_recv_buffer_size(4096).unwrap();
@@ -695,6 +700,58 @@ async fn a_client_that_stops_reading_releases_the_slot() {
     .await;
     assert!(aborted, "the engine's connection was not dropped");
     drop(s);
+}
+
+/// HTTP/2's flow control: a client that keeps its connection alive (it answers pings)
+/// but never opens its stream's window takes no more of the answer, and hyper stops
+/// asking the balancer for it. After `idle_stream_timeout` the engine's stream is
+/// dropped and the slot freed; the client's stream is reset when it reads again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_client_that_never_opens_its_window_releases_the_slot() {
+    use http_body_util::BodyExt;
+    let (engine, dropped) = flooding_engine().await;
+    let lb = balancer(&config_at(&[engine], "idle_stream_timeout = \"1s\""));
+    let io = hyper_util::rt::TokioIo::new(TcpStream::connect(lb.addr).await.unwrap());
+    let (mut sender, conn) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .initial_stream_window_size(1024)
+            .handshake(io)
+            .await
+            .unwrap();
+    // The connection keeps running (and answering the balancer's pings) throughout.
+    let conn = tokio::spawn(conn);
+    let body = serde_json::to_vec(&chat(
+        &[("user", "a very long answer please")],
+        true,
+        100_000,
+    ))
+    .unwrap();
+    let req = http::Request::post(lb.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+        .unwrap();
+    let resp = sender.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    // Read nothing: the stream's window stays at 1 KB.
+    let freed = eventually(Duration::from_secs(15), || async {
+        in_flight(&lb).await.iter().all(|(_, n)| *n == 0)
+    })
+    .await;
+    assert!(
+        freed,
+        "the slot stayed held by a stream whose window never opened"
+    );
+    let aborted = eventually(Duration::from_secs(5), || async {
+        dropped.load(std::sync::atomic::Ordering::Relaxed) >= 1
+    })
+    .await;
+    assert!(aborted, "the engine's connection was not dropped");
+    assert!(!conn.is_finished(), "the connection itself stays open");
+    // Reading again, the client finds its stream ended in an error, not cut silently.
+    let read = tokio::time::timeout(Duration::from_secs(10), resp.into_body().collect())
+        .await
+        .expect("the stream ends once read");
+    assert!(read.is_err(), "a stalled stream ended as if complete");
 }
 
 /// A plain answer is held before it commits, up to its first MiB: one that stalls there

@@ -29,6 +29,7 @@ use tokio::time::Sleep;
 
 use super::h1::conn::{self, Ended, Stop};
 use super::head_timer::{Activity, Answer, HeadWatch};
+use super::window_watch::WindowWatch;
 use crate::config::ServerConfig;
 use crate::proxy::body::BoxBody;
 use crate::proxy::request_body::RequestBody;
@@ -264,6 +265,7 @@ async fn serve_http2<H, F>(
     F: Future<Output = Response<BoxBody>> + Send + 'static,
 {
     let activity = Activity::new();
+    let stall = limits.write_stall_timeout;
     let service = {
         let activity = activity.clone();
         service_fn(move |req: Request<Incoming>| {
@@ -271,7 +273,9 @@ async fn serve_http2<H, F>(
             let response = Box::pin(handler(req.map(RequestBody::from), peer));
             async move {
                 let response = response.await;
-                Ok::<_, Infallible>(response.map(|body| Answer::new(body, answering)))
+                Ok::<_, Infallible>(
+                    response.map(|body| WindowWatch::new(Answer::new(body, answering), stall)),
+                )
             }
         })
     };

@@ -15,4 +15,5 @@ pub mod listener;
 pub mod reload;
 pub mod serve;
 pub mod status;
+pub mod window_watch;
 pub mod yielding;
