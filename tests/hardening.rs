@@ -754,6 +754,40 @@ async fn an_http2_client_that_never_opens_its_window_releases_the_slot() {
     assert!(read.is_err(), "a stalled stream ended as if complete");
 }
 
+/// The HTTP/2 limit is on a shut window, not on a slow answer: a stream whose engine
+/// takes longer than `idle_stream_timeout` in all, but never that long between two
+/// tokens, reaches its end over HTTP/2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_stream_longer_than_the_limit_is_not_cut() {
+    use http_body_util::BodyExt;
+    let e = engine("slow", &["--decode-ms-per-token", "300"]);
+    let lb = balancer(&config_at(&[e.addr], "idle_stream_timeout = \"1s\""));
+    let h2: hyper_util::client::legacy::Client<_, http_body_util::Full<bytes::Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .http2_only(true)
+            .build_http();
+    let body = serde_json::to_vec(&chat(&[("user", "slowly")], true, 8)).unwrap();
+    let req = http::Request::post(lb.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+        .unwrap();
+    let started = Instant::now();
+    let resp = h2.request(req).await.unwrap();
+    assert_eq!(resp.version(), http::Version::HTTP_2);
+    let text = resp
+        .into_body()
+        .collect()
+        .await
+        .expect("the stream ends whole");
+    let text = String::from_utf8(text.to_bytes().to_vec()).unwrap();
+    assert!(
+        started.elapsed() > Duration::from_secs(2),
+        "the engine was not slow"
+    );
+    assert_eq!(events(&text).last(), Some(&Value::String("[DONE]".into())));
+    assert!(in_flight_settles(&lb, Duration::from_secs(5)).await);
+}
+
 /// A plain answer is held before it commits, up to its first MiB: one that stalls there
 /// for `idle_stream_timeout` is a failure (a 504 here, with no other node), not a cut
 /// answer; one that stalls past its first MiB, committed already, is cut. Both blame

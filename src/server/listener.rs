@@ -29,7 +29,7 @@ use tokio::time::Sleep;
 
 use super::h1::conn::{self, Ended, Stop};
 use super::head_timer::{Activity, Answer, HeadWatch};
-use super::window_watch::WindowWatch;
+use super::window_watch::Windows;
 use crate::config::ServerConfig;
 use crate::proxy::body::BoxBody;
 use crate::proxy::request_body::RequestBody;
@@ -265,16 +265,17 @@ async fn serve_http2<H, F>(
     F: Future<Output = Response<BoxBody>> + Send + 'static,
 {
     let activity = Activity::new();
-    let stall = limits.write_stall_timeout;
+    let windows = Windows::new(limits.write_stall_timeout);
     let service = {
         let activity = activity.clone();
         service_fn(move |req: Request<Incoming>| {
             let answering = activity.answering(req.version());
             let response = Box::pin(handler(req.map(RequestBody::from), peer));
+            let windows = windows.clone();
             async move {
                 let response = response.await;
                 Ok::<_, Infallible>(
-                    response.map(|body| WindowWatch::new(Answer::new(body, answering), stall)),
+                    response.map(|body| Answer::new(windows.watch(body), answering)),
                 )
             }
         })
