@@ -663,6 +663,21 @@ async fn flooding_engine() -> (SocketAddr, std::sync::Arc<std::sync::atomic::Ato
     scripted_engine_counting(script).await
 }
 
+/// Asserts that `lb`'s slots all come free and the flooding engine's connection is
+/// dropped, after `who` stopped taking the answer.
+async fn freed_and_dropped(lb: &Proc, dropped: &std::sync::atomic::AtomicUsize, who: &str) {
+    let freed = eventually(Duration::from_secs(15), || async {
+        in_flight(lb).await.iter().all(|(_, n)| *n == 0)
+    })
+    .await;
+    assert!(freed, "the slot stayed held by {who}");
+    let aborted = eventually(Duration::from_secs(5), || async {
+        dropped.load(std::sync::atomic::Ordering::Relaxed) >= 1
+    })
+    .await;
+    assert!(aborted, "the engine's connection was not dropped");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_stops_reading_releases_the_slot() {
     let (engine, dropped) = flooding_engine().await;
@@ -686,19 +701,7 @@ async fn a_client_that_stops_reading_releases_the_slot() {
     s.read_exact(&mut first).await.unwrap();
     assert!(first.starts_with(b"HTTP/1.1 200"));
     // Stop reading, keep the socket open.
-    let freed = eventually(Duration::from_secs(15), || async {
-        in_flight(&lb).await.iter().all(|(_, n)| *n == 0)
-    })
-    .await;
-    assert!(
-        freed,
-        "the slot stayed held by a client that stopped reading"
-    );
-    let aborted = eventually(Duration::from_secs(5), || async {
-        dropped.load(std::sync::atomic::Ordering::Relaxed) >= 1
-    })
-    .await;
-    assert!(aborted, "the engine's connection was not dropped");
+    freed_and_dropped(&lb, &dropped, "a client that stopped reading").await;
     drop(s);
 }
 
@@ -733,19 +736,7 @@ async fn an_http2_client_that_never_opens_its_window_releases_the_slot() {
     let resp = sender.send_request(req).await.unwrap();
     assert_eq!(resp.status(), 200);
     // Read nothing: the stream's window stays at 1 KB.
-    let freed = eventually(Duration::from_secs(15), || async {
-        in_flight(&lb).await.iter().all(|(_, n)| *n == 0)
-    })
-    .await;
-    assert!(
-        freed,
-        "the slot stayed held by a stream whose window never opened"
-    );
-    let aborted = eventually(Duration::from_secs(5), || async {
-        dropped.load(std::sync::atomic::Ordering::Relaxed) >= 1
-    })
-    .await;
-    assert!(aborted, "the engine's connection was not dropped");
+    freed_and_dropped(&lb, &dropped, "a stream whose window never opened").await;
     assert!(!conn.is_finished(), "the connection itself stays open");
     // Reading again, the client finds its stream ended in an error, not cut silently.
     let read = tokio::time::timeout(Duration::from_secs(10), resp.into_body().collect())
