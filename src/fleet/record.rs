@@ -186,9 +186,9 @@ pub fn merge(
             )));
             continue;
         }
-        let nodes = |url| NodeConfig::ranks(r.id.clone(), url, r.weight, ranks);
-        let ids = nodes(http::Uri::default());
-        if ids.iter().any(|n| static_ids.contains(n.id.as_str())) {
+        // Its nodes, their URL filled in once it is checked below.
+        let nodes = NodeConfig::ranks(r.id.clone(), http::Uri::default(), r.weight, ranks);
+        if nodes.iter().any(|n| static_ids.contains(n.id.as_str())) {
             skipped.push(Skipped::StaticClash { id: r.id.clone() });
             continue;
         }
@@ -199,7 +199,7 @@ pub fn merge(
             });
             continue;
         };
-        if r.id.trim().is_empty() || ids.iter().any(|n| dynamic.contains(&n.id)) {
+        if r.id.trim().is_empty() || nodes.iter().any(|n| dynamic.contains(&n.id)) {
             skipped.push(invalid("empty or repeated id".into()));
             continue;
         }
@@ -223,7 +223,8 @@ pub fn merge(
                 config.pools[pool].models.push(m.clone());
             }
         }
-        for node in nodes(url) {
+        for mut node in nodes {
+            node.url = url.clone();
             dynamic.insert(node.id.clone());
             config.pools[pool].nodes.push(node);
         }
