@@ -92,6 +92,57 @@ async fn each_rank_of_a_data_parallel_server_is_a_node_that_keeps_its_conversati
     assert!(in_flight_settles(&lb, std::time::Duration::from_secs(5)).await);
 }
 
+/// SGLang's native `/generate` reads the rank from the body (`routed_dp_rank`), not from
+/// the header: the balancer writes it there, so a conversation's turns stay on its
+/// rank, and a rank the client wrote (one the server does not have) is overridden.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_generate_requests_carry_their_rank_in_the_body() {
+    let ranks = RANKS.to_string();
+    let engine = engine("dp", &["--data-parallel-size", &ranks]);
+    let lb = balancer(&one_server(&engine, RANKS));
+    let mut used = std::collections::BTreeSet::new();
+    for c in 0..6 {
+        // An opening longer than the routing key reads, as an agent's or a document's.
+        let mut text = format!("{} {} ", words(c, 100), words(c, 101));
+        let mut node = String::new();
+        for t in 0..4 {
+            text.push_str(&words(c, t));
+            let body = json!({
+                "text": text, "sampling_params": {"max_new_tokens": 4}, "stream": t % 2 == 1,
+            });
+            let reply = post_json(&lb.url("/generate"), &body, &[]).await;
+            assert_eq!(reply.status, 200, "{}", reply.text());
+            let served = reply.header("x-prefixlb-node").to_string();
+            // The last event of a stream, or the whole answer.
+            let answer = reply
+                .text()
+                .split("data: ")
+                .filter_map(|e| serde_json::from_str::<Value>(e.trim()).ok())
+                .last()
+                .unwrap_or_else(|| reply.json());
+            let cached = answer["meta_info"]["cached_tokens"].as_u64().unwrap();
+            if t == 0 {
+                node = served;
+                used.insert(node.clone());
+            } else {
+                assert_eq!(served, node, "conversation {c} turn {t} left its rank");
+                assert!(cached > 0, "conversation {c} turn {t}: nothing cached");
+            }
+            text.push_str(answer["text"].as_str().unwrap());
+        }
+    }
+    assert!(
+        used.len() > 1,
+        "conversations spread over the ranks: {used:?}"
+    );
+    let asks_for_9 = json!({"text": "hi", "routed_dp_rank": 9});
+    let direct = post_json(&engine.url("/generate"), &asks_for_9, &[]).await;
+    assert_eq!(direct.status, 400, "{}", direct.text());
+    let reply = post_json(&lb.url("/generate"), &asks_for_9, &[]).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert!(in_flight_settles(&lb, std::time::Duration::from_secs(5)).await);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_s_ranks_not_named_scatter_a_conversation_and_a_client_cannot_name_one() {
     // The same server as one node: its own turn-taking puts each turn on another rank,

@@ -2,7 +2,9 @@
 //! `stream_options.include_usage` the balancer asks for on the client's behalf. Every
 //! edit is a splice at an offset the routing scan found in the *original* bytes
 //! ([`BodySpans`]), and all of a request's splices are applied in one pass over those
-//! bytes, so no edit can shift another's offsets. Pure: no I/O.
+//! bytes, so no edit can shift another's offsets. Apart, per attempt: the
+//! data-parallel rank written into an SGLang `/generate` body ([`with_rank`]). Pure:
+//! no I/O.
 
 use std::ops::Range;
 
@@ -85,6 +87,36 @@ pub fn apply(body: &Bytes, spans: &BodySpans, edits: Edits<'_>) -> Bytes {
     out.freeze()
 }
 
+/// `body` (an SGLang `/generate` request, already edited) with `"routed_dp_rank":
+/// rank` as its top-level object's last member: SGLang reads the rank of `/generate`
+/// from its body, not from the `x-data-parallel-rank` header, and its JSON parser keeps
+/// the last of a repeated member, so a rank the client wrote is overridden as its
+/// header would be. `spans` are the original body's: only whether it is an object is
+/// read. A body that does not end with its object's `}` is left as it is.
+pub fn with_rank(body: &Bytes, spans: &BodySpans, rank: &[u8]) -> Bytes {
+    if spans.object.is_none() {
+        return body.clone();
+    }
+    let Some(close) = body.iter().rposition(|b| !b.is_ascii_whitespace()) else {
+        return body.clone();
+    };
+    if body[close] != b'}' {
+        return body.clone();
+    }
+    // Empty when its `{` is the last thing before its `}` (after the other edits).
+    let before = body[..close].iter().rposition(|b| !b.is_ascii_whitespace());
+    let has_members = before.is_some_and(|i| body[i] != b'{');
+    let mut out = BytesMut::with_capacity(body.len() + rank.len() + 20);
+    out.extend_from_slice(&body[..close]);
+    if has_members {
+        out.extend_from_slice(b",");
+    }
+    out.extend_from_slice(b"\"routed_dp_rank\":");
+    out.extend_from_slice(rank);
+    out.extend_from_slice(&body[close..]);
+    out.freeze()
+}
+
 /// Members inserted right after an object's `{`, with the comma its other members need.
 fn insertion(object: ObjectSpan, members: Vec<String>) -> Splice {
     let mut text = members.join(",");
@@ -116,6 +148,28 @@ mod tests {
             },
         );
         String::from_utf8(out.to_vec()).unwrap()
+    }
+
+    fn ranked(body: &str, rank: &str) -> String {
+        let spec = KeySpec::new(KeyMode::Hybrid, 64);
+        let facts = extract(Api::Generate, body.as_bytes(), None, spec).unwrap();
+        let body = Bytes::copy_from_slice(body.as_bytes());
+        let out = with_rank(&body, &facts.spans, rank.as_bytes());
+        String::from_utf8(out.to_vec()).unwrap()
+    }
+
+    #[test]
+    fn the_rank_is_the_last_member_so_it_overrides_the_client_s() {
+        assert_eq!(
+            ranked(r#"{"text":"hi","stream":true}"#, "3"),
+            r#"{"text":"hi","stream":true,"routed_dp_rank":3}"#
+        );
+        let v: serde_json::Value =
+            serde_json::from_str(&ranked("{\"routed_dp_rank\": 0, \"text\": \"x\"}\n", "5"))
+                .unwrap();
+        assert_eq!(v["routed_dp_rank"], 5, "the last member is the one read");
+        assert_eq!(ranked("{ }", "2"), r#"{ "routed_dp_rank":2}"#);
+        assert_eq!(ranked("{}", "2"), r#"{"routed_dp_rank":2}"#);
     }
 
     #[test]

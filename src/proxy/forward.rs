@@ -400,6 +400,15 @@ impl Exchange<'_> {
                 )
             })?),
         };
+        // SGLang's `/generate` reads its data-parallel rank from the body.
+        let ranked;
+        let body = match node.rank_header() {
+            Some(rank) if self.placement.api == Api::Generate => {
+                ranked = edit::with_rank(body, &self.placement.facts.spans, rank.as_bytes());
+                &ranked
+            }
+            _ => body,
+        };
         let req = Outgoing {
             tls: tls.as_ref(),
             method: &self.method,

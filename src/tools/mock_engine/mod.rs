@@ -28,6 +28,7 @@ use wire::{
 
 mod anthropic;
 mod responses;
+mod sglang;
 mod wire;
 
 /// `mock-engine` settings (the subcommand's flags).
@@ -230,6 +231,7 @@ impl MockEngine {
             (&Method::POST, "/v1/messages") => self.clone().generate(req, Kind::Messages).await,
             (&Method::POST, "/v1/messages/count_tokens") => self.count_tokens(req).await,
             (&Method::POST, "/v1/responses") => self.clone().generate(req, Kind::Responses).await,
+            (&Method::POST, "/generate") => self.clone().generate(req, Kind::Generate).await,
             (method, p) if p.starts_with("/v1/responses/") => {
                 self.store.serve(method, &p["/v1/responses/".len()..])
             }
@@ -313,7 +315,12 @@ impl MockEngine {
             Kind::Messages => anthropic::error(status, msg),
             _ => error(status, msg),
         };
-        let rank = match self.rank_for(req.headers()) {
+        // SGLang's `/generate` takes its rank from the body, not a header.
+        let rank = match kind {
+            Kind::Generate => Ok(None),
+            _ => self.rank_for(req.headers()).map(Some),
+        };
+        let rank = match rank {
             Ok(rank) => rank,
             Err(msg) => return error(StatusCode::BAD_REQUEST, &msg),
         };
@@ -325,7 +332,19 @@ impl MockEngine {
             Ok(job) => job,
             Err(msg) => return error(StatusCode::BAD_REQUEST, &msg),
         };
-        job.rank = rank;
+        job.rank = match (rank, job.routed_dp_rank) {
+            (Some(rank), _) => rank,
+            (None, Some(r)) if usize::try_from(r).is_ok_and(|r| r < self.ranks.len()) => r as usize,
+            (None, Some(r)) => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    &sglang::rank_out_of_range(r, self.ranks.len()),
+                )
+            }
+            (None, None) => {
+                self.next_rank.fetch_add(1, Ordering::Relaxed) as usize % self.ranks.len()
+            }
+        };
         if kind == Kind::Responses {
             // The conversation so far comes first, from this engine's own store.
             if let Some(previous) = &job.previous_response {
@@ -424,6 +443,12 @@ impl MockEngine {
             Kind::Responses => {
                 responses::usage(plan.prompt_tokens, completion_tokens, plan.cached_tokens)
             }
+            Kind::Generate => sglang::answer(
+                plan.prompt_tokens,
+                completion_tokens,
+                plan.cached_tokens,
+                true,
+            ),
             _ => usage(plan.prompt_tokens, completion_tokens, plan.cached_tokens),
         };
         let body = completion(&job, &content, usage);
@@ -486,6 +511,24 @@ impl MockEngine {
         }
         if job.kind == Kind::Responses {
             return self.stream_responses(job, fault, tx, plan, permit).await;
+        }
+        let answers = !matches!(
+            fault.mode,
+            FaultMode::Stall | FaultMode::Empty | FaultMode::ClientError
+        );
+        if job.kind == Kind::Generate && answers {
+            // SGLang's events: the text so far, the last with its finish reason. (A
+            // stall, an empty stream or an error event go as on the other APIs.)
+            let (p, c) = (plan.prompt_tokens, plan.cached_tokens);
+            let each = |i: usize| sglang::event(&sglang::answer(p, i + 1, c, false));
+            let first = plan.first_token() + slow_extra(fault);
+            if self.tokens(job.max_tokens, first, fault, &tx, each).await {
+                let last = sglang::answer(p, job.max_tokens, c, true);
+                let _ = tx.send(sglang::event(&last)).await;
+                let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+            }
+            drop(permit);
+            return;
         }
         let chunk = |delta: Value, finish: Value| {
             sse_chunk(job.kind, &job.model, delta, finish, job.timestamps)

@@ -25,6 +25,8 @@ pub(super) enum Kind {
     Messages,
     /// OpenAI's Responses API.
     Responses,
+    /// SGLang's native `/generate`.
+    Generate,
 }
 
 /// A parsed generation request.
@@ -55,6 +57,8 @@ pub(super) struct Job {
     pub(super) response_id: String,
     /// The data-parallel rank that runs it (its KV cache and prefill lane).
     pub(super) rank: usize,
+    /// `/generate`: the rank its body names (`routed_dp_rank`).
+    pub(super) routed_dp_rank: Option<i64>,
 }
 
 pub(super) fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<Job, String> {
@@ -80,17 +84,21 @@ pub(super) fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<
             conversation = super::responses::input_text(&v)?;
             super::responses::instructions(&v) + &conversation
         }
+        Kind::Generate => super::sglang::prompt_text(&v)?,
         Kind::Text => match &v["prompt"] {
             Value::String(s) => s.clone(),
             Value::Array(items) => items.first().map(|p| p.to_string()).unwrap_or_default(),
             _ => return Err("'prompt' is required".into()),
         },
     };
-    let max_tokens = v["max_completion_tokens"]
-        .as_u64()
-        .or_else(|| v["max_tokens"].as_u64())
-        .or_else(|| v["max_output_tokens"].as_u64())
-        .unwrap_or(16) as usize;
+    let max_tokens = match kind {
+        Kind::Generate => super::sglang::max_new_tokens(&v),
+        _ => v["max_completion_tokens"]
+            .as_u64()
+            .or_else(|| v["max_tokens"].as_u64())
+            .or_else(|| v["max_output_tokens"].as_u64())
+            .unwrap_or(16) as usize,
+    };
     Ok(Job {
         kind,
         model: v["model"].as_str().unwrap_or(default_model).to_string(),
@@ -111,6 +119,7 @@ pub(super) fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<
         conversation,
         response_id: String::new(),
         rank: 0,
+        routed_dp_rank: super::sglang::routed_dp_rank(&v),
     })
 }
 
@@ -213,7 +222,7 @@ pub(super) fn sse_chunk(
             "id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": now(), "model": model,
             "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
         }),
-        Kind::Text | Kind::Messages | Kind::Responses => json!({
+        Kind::Text | Kind::Messages | Kind::Responses | Kind::Generate => json!({
             "id": "cmpl-mock", "object": "text_completion", "created": now(), "model": model,
             "choices": [{"index": 0, "text": delta.get("content").and_then(Value::as_str).unwrap_or(""), "logprobs": null, "finish_reason": finish}],
         }),
@@ -323,6 +332,7 @@ pub(super) fn completion(job: &Job, content: &str, usage: Value) -> Value {
         }),
         Kind::Messages => super::anthropic::message(job, content, usage),
         Kind::Responses => super::responses::response(job, &job.response_id, Some(content), usage),
+        Kind::Generate => usage,
     }
 }
 
@@ -331,7 +341,7 @@ pub(super) fn completion(job: &Job, content: &str, usage: Value) -> Value {
 pub(super) fn usage_chunk(job: &Job, usage: Value) -> Bytes {
     let object = match job.kind {
         Kind::Chat => "chat.completion.chunk",
-        Kind::Text | Kind::Messages | Kind::Responses => "text_completion",
+        Kind::Text | Kind::Messages | Kind::Responses | Kind::Generate => "text_completion",
     };
     let data = json!({"id": "mock", "object": object, "created": now(), "model": job.model, "choices": [], "usage": usage});
     Bytes::from(format!("data: {data}\n\n"))
