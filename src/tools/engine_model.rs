@@ -50,6 +50,25 @@ impl Prompt {
         }
     }
 
+    /// A prompt given as token ids (a completions prompt of ids, SGLang's `input_ids`):
+    /// one token each, its blocks chained over each [`BLOCK_TOKENS`] ids.
+    pub fn from_ids(ids: &[u64]) -> Prompt {
+        let mut prev = 0u64;
+        let blocks = ids
+            .chunks_exact(BLOCK_TOKENS)
+            .map(|block| {
+                let bytes: Vec<u8> = block.iter().flat_map(|id| id.to_le_bytes()).collect();
+                prev = xxh3_64_with_seed(&bytes, prev);
+                prev
+            })
+            .collect();
+        Prompt {
+            tokens: ids.len(),
+            blocks,
+            block_tokens: BLOCK_TOKENS,
+        }
+    }
+
     /// A prompt given directly as chained block ids of `block_tokens` each (trace replay).
     pub fn from_blocks(tokens: usize, blocks: Vec<u64>, block_tokens: usize) -> Prompt {
         Prompt {

@@ -102,7 +102,8 @@ pub(super) fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<
     Ok(Job {
         kind,
         model: v["model"].as_str().unwrap_or(default_model).to_string(),
-        prompt: Prompt::from_text(&text),
+        prompt: token_ids(kind, &v)
+            .map_or_else(|| Prompt::from_text(&text), |ids| Prompt::from_ids(&ids)),
         max_tokens,
         stream: v["stream"].as_bool().unwrap_or(false),
         timestamps: v["mock_timestamps"].as_bool().unwrap_or(false),
@@ -121,6 +122,17 @@ pub(super) fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<
         rank: 0,
         routed_dp_rank: super::sglang::routed_dp_rank(&v),
     })
+}
+
+/// A prompt given as token ids, one token each: a completions `prompt` of ids (or the
+/// first of a batch of them), or SGLang's `input_ids` when there is no `text`.
+fn token_ids(kind: Kind, v: &Value) -> Option<Vec<u64>> {
+    let ids = |v: &Value| -> Option<Vec<u64>> { v.as_array()?.iter().map(Value::as_u64).collect() };
+    match kind {
+        Kind::Text => ids(&v["prompt"]).or_else(|| ids(&v["prompt"][0])),
+        Kind::Generate if v["text"].is_null() => ids(&v["input_ids"]),
+        _ => None,
+    }
 }
 
 /// A message as prompt text: `role \n text \n`, its text a string or the text of its
@@ -351,6 +363,27 @@ pub(super) fn usage_chunk(job: &Job, usage: Value) -> Bytes {
 mod tests {
     use super::*;
     use base64::Engine as _;
+
+    #[test]
+    fn token_ids_are_a_token_each_and_a_longer_list_extends_a_shorter_one() {
+        let ids: Vec<u64> = (0..40).map(|i| 1000 + i).collect();
+        let body = |ids: &[u64]| serde_json::to_vec(&json!({"prompt": ids})).unwrap();
+        let short = parse_job(&body(&ids[..33]), Kind::Text, "m")
+            .unwrap()
+            .prompt;
+        let long = parse_job(&body(&ids), Kind::Text, "m").unwrap().prompt;
+        assert_eq!((short.tokens, long.tokens), (33, 40));
+        assert_eq!(short.blocks.len(), 2);
+        assert_eq!(short.blocks[..], long.blocks[..2]);
+        let generate = serde_json::to_vec(&json!({"input_ids": &ids[..33]})).unwrap();
+        let g = parse_job(&generate, Kind::Generate, "m").unwrap().prompt;
+        assert_eq!(g.blocks, short.blocks, "the same ids, the same blocks");
+        let batch = serde_json::to_vec(&json!({"prompt": [&ids[..33]]})).unwrap();
+        assert_eq!(
+            parse_job(&batch, Kind::Text, "m").unwrap().prompt.tokens,
+            33
+        );
+    }
 
     #[test]
     fn embeddings_come_as_floats_or_as_base64_of_the_same_f32s() {
