@@ -23,9 +23,15 @@
 #   WORKLOADS="multi-turn doc-qa agentic"
 #   ROUTERS="prefixlb prefixlb-cap8 sglang vllm vllm-session round-robin"
 #   SEEDS="1 2 3"
-#   CONC=16 MAX_TOKENS=16 PREFILL_US=50 CACHE=30000 SCALE=1 REQUESTS=all
+#   CONC=16 MAX_TOKENS=16 PREFILL_US=50 CACHE=30000 SCALE=1 REQUESTS=all NODES=8
+#   DECODE_MS=  (the engines' decode ms per token; unset: mock-engine's default)
+#   STREAM=1    (0: answers whole, TTFT then being the whole answer's time)
 # A continuations workload replays as completions prompts: e.g.
 #   WORKLOADS=continuations CACHE=2048000 SCALE=0.05 CONC=12 MAX_TOKENS=64
+# and saturated, in its three forms (docs/evidence.md, "As token ids, and saturated"):
+#   NODES=4 CACHE=200000 PREFILL_US=5 DECODE_MS=0 STREAM=0 CONC=16 REQUESTS=3000 \
+#   WORKLOADS="continuations continuations-tokens continuations-generate" \
+#   ROUTERS="prefixlb prefixlb-cap8 sglang" SEEDS="1 2" scripts/vs_sglang_router.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORKLOADS=${WORKLOADS:-"multi-turn doc-qa agentic"}
@@ -38,6 +44,8 @@ MAX_TOKENS=${MAX_TOKENS:-16}
 PREFILL_US=${PREFILL_US:-50}
 CACHE=${CACHE:-30000}
 NODES=${NODES:-8}
+DECODE_MS=${DECODE_MS:-}
+STREAM=${STREAM:-1}
 BASE_PORT=${BASE_PORT:-19500}
 # B=path/to/prefixlb runs another build (an older one, to see what a change changed).
 if [ -z "${B:-}" ]; then
@@ -72,12 +80,16 @@ printf '%-14s %-13s %5s %9s %8s %8s %8s %8s\n' workload router seed requests err
 for w in $WORKLOADS; do
   for seed in $SEEDS; do
     for r in $ROUTERS; do
-      engines --cache-tokens "$CACHE" --prefill-us-per-token "$PREFILL_US"
+      decode=()
+      [ -z "$DECODE_MS" ] || decode=(--decode-ms-per-token "$DECODE_MS")
+      engines --cache-tokens "$CACHE" --prefill-us-per-token "$PREFILL_US" "${decode[@]}"
       router "$r"
       limit=()
       [ "$REQUESTS" = all ] || limit=(--requests "$REQUESTS")
+      stream=()
+      [ "$STREAM" = 0 ] || stream=(--stream)
       # shellcheck disable=SC2086
-      out=$($B bench $TARGETS --workload "$w" --concurrency "$CONC" --stream --scale "$SCALE" \
+      out=$($B bench $TARGETS --workload "$w" --concurrency "$CONC" "${stream[@]}" --scale "$SCALE" \
         --max-tokens "$MAX_TOKENS" --seed "$seed" "${limit[@]}" "${SESSION[@]}" --json 2>/dev/null)
       stop
       python3 -c '

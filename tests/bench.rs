@@ -132,3 +132,69 @@ fn bench_sends_each_conversation_s_id_in_the_session_header_it_is_given() {
     // Conversation 0 sent its first turn and its refused second, none after.
     assert_eq!(keyed["requests"], 24 * 8 - 6);
 }
+
+#[test]
+fn bench_sends_a_workload_s_token_ids_in_the_form_it_names() {
+    // `continuations` as text, as a completions prompt of token ids, and as SGLang's
+    // `/generate` with `input_ids`: each engine counts the form it was sent, and the
+    // hit rate bench reads (from `usage`, or `/generate`'s `meta_info`) is the one the
+    // engines measured.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for (workload, ids, generate) in [
+        ("continuations", false, false),
+        ("continuations-tokens", true, false),
+        ("continuations-generate", true, true),
+    ] {
+        let engines = engines(
+            2,
+            &["--decode-ms-per-token", "0", "--prefill-us-per-token", "1"],
+        );
+        let lb = balancer(&config(&engines.iter().collect::<Vec<_>>(), "", ""));
+        let out = run_cli(&[
+            "bench",
+            "--target",
+            &lb.url(""),
+            "--workload",
+            workload,
+            "--requests",
+            "60",
+            "--concurrency",
+            "4",
+            "--max-tokens",
+            "4",
+            "--stream",
+            "--json",
+        ]);
+        let report: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(report["errors"], 0, "{workload}: {report}");
+        assert_eq!(report["requests"], 60, "{workload}");
+        let sum = |name: &str| -> f64 {
+            engines
+                .iter()
+                .map(|e| rt.block_on(metric(&e.url("/metrics"), name)))
+                .sum()
+        };
+        let expect = |yes: bool| if yes { 60.0 } else { 0.0 };
+        assert_eq!(
+            sum("mock_engine_token_id_prompts_total"),
+            expect(ids),
+            "{workload}"
+        );
+        assert_eq!(
+            sum("mock_engine_generate_requests_total"),
+            expect(generate),
+            "{workload}"
+        );
+        let engines_rate =
+            sum("vllm:prefix_cache_hits_total") / sum("vllm:prefix_cache_queries_total");
+        let bench_rate = report["hit_rate"].as_f64().unwrap();
+        assert!(
+            bench_rate > 0.1,
+            "{workload}: the preamble is found cached: {bench_rate}"
+        );
+        assert!(
+            (bench_rate - engines_rate).abs() < 0.01,
+            "{workload}: bench {bench_rate} vs engines {engines_rate}"
+        );
+    }
+}

@@ -34,8 +34,8 @@ pub struct Script {
 pub struct ScriptTurn {
     /// Messages added by this turn (the previous answer is added by the replay).
     pub messages: Vec<(&'static str, Arc<str>)>,
-    /// A prompt string sent to `/v1/completions` instead of messages (a trace request).
-    pub prompt: Option<Arc<str>>,
+    /// A trace request's prompt, sent instead of messages.
+    pub prompt: Option<TracePrompt>,
     pub max_tokens: usize,
 }
 
@@ -43,17 +43,23 @@ impl Script {
     /// Scripts from a simulator workload (its generated answers are replaced by the
     /// engines' real ones during the replay). A trace request becomes a one-turn
     /// conversation sending its blocks as an untemplated `/v1/completions` prompt
-    /// ([`crate::tools::workload::trace_text`]), as production prompt strings come.
+    /// ([`crate::tools::workload::trace_text`]), as production prompt strings come, or
+    /// as the token ids its workload asks for (to `/v1/completions` or `/generate`).
     pub fn from_workload(w: &Workload) -> Vec<Script> {
         w.conversations
             .iter()
             .map(|c| {
                 if let Some(p) = c.turns.first().and_then(|t| t.trace.as_ref()) {
-                    let text = crate::tools::workload::trace_text(p);
+                    let ids = || crate::tools::workload::token_ids(p).into();
+                    let prompt = match c.turns[0].api {
+                        TurnApi::TokenIds => TracePrompt::Ids(ids()),
+                        TurnApi::Generate => TracePrompt::Generate(ids()),
+                        _ => TracePrompt::Text(crate::tools::workload::trace_text(p).into()),
+                    };
                     return Script {
                         turns: vec![ScriptTurn {
                             messages: Vec::new(),
-                            prompt: Some(text.into()),
+                            prompt: Some(prompt),
                             max_tokens: c.turns[0].output_tokens,
                         }],
                         messages_api: false,
@@ -91,6 +97,17 @@ impl Script {
     fn requests(scripts: &[Script]) -> usize {
         scripts.iter().map(|s| s.turns.len()).sum()
     }
+}
+
+/// A trace request's prompt, in the form its workload sends it.
+#[derive(Debug, Clone)]
+pub enum TracePrompt {
+    /// An untemplated `/v1/completions` prompt string.
+    Text(Arc<str>),
+    /// A `/v1/completions` prompt of token ids (`continuations-tokens`).
+    Ids(Arc<[u32]>),
+    /// SGLang's `/generate` with `input_ids` (`continuations-generate`).
+    Generate(Arc<[u32]>),
 }
 
 /// How to drive the load.
@@ -306,9 +323,17 @@ async fn step(
             .push(message_json(role, content, live.history.len()));
     }
     let (api, mut body) = match &turn.prompt {
-        Some(prompt) => (
+        Some(TracePrompt::Text(prompt)) => (
             Api::Completions,
             json!({"model": opts.model, "prompt": &**prompt, "max_tokens": turn.max_tokens, "stream": opts.stream}),
+        ),
+        Some(TracePrompt::Ids(ids)) => (
+            Api::Completions,
+            json!({"model": opts.model, "prompt": &**ids, "max_tokens": turn.max_tokens, "stream": opts.stream}),
+        ),
+        Some(TracePrompt::Generate(ids)) => (
+            Api::Generate,
+            json!({"model": opts.model, "input_ids": &**ids, "sampling_params": {"max_new_tokens": turn.max_tokens}, "stream": opts.stream}),
         ),
         None if shared.scripts[live.script].messages_api => (
             Api::Messages,
@@ -319,7 +344,7 @@ async fn step(
             json!({"model": opts.model, "messages": live.history, "max_tokens": turn.max_tokens, "stream": opts.stream}),
         ),
     };
-    if opts.stream && api != Api::Messages {
+    if opts.stream && matches!(api, Api::Chat | Api::Completions) {
         body["stream_options"] = json!({"include_usage": true});
     }
     let target = &opts.targets[shared
@@ -453,6 +478,18 @@ impl Reply {
             self.completion_tokens = out;
         }
     }
+
+    /// Takes SGLang's `/generate` answer or event: its text so far and its counts.
+    fn generated(&mut self, v: &Value) {
+        let m = &v["meta_info"];
+        let n = |k: &str| m[k].as_u64().unwrap_or(0);
+        self.prompt_tokens = n("prompt_tokens");
+        self.cached_tokens = n("cached_tokens");
+        self.completion_tokens = n("completion_tokens");
+        if let Some(text) = v["text"].as_str() {
+            text.clone_into(&mut self.text);
+        }
+    }
 }
 
 /// Which API a request goes to.
@@ -462,6 +499,8 @@ pub enum Api {
     Completions,
     /// Anthropic's Messages API.
     Messages,
+    /// SGLang's native `/generate`.
+    Generate,
 }
 
 /// Sends one chat or completions request to `base`, with the session header and id
@@ -478,6 +517,7 @@ pub async fn exchange(
         Api::Chat => "/v1/chat/completions",
         Api::Completions => "/v1/completions",
         Api::Messages => "/v1/messages",
+        Api::Generate => "/generate",
     };
     let mut req = http::Request::post(format!("{}{path}", base.trim_end_matches('/')))
         .header("content-type", "application/json");
@@ -520,6 +560,10 @@ pub async fn exchange(
         let v: Value = serde_json::from_slice(&bytes).map_err(|e| format!("not JSON: {e}"))?;
         reply.latency = sent.elapsed();
         reply.ttft = reply.latency;
+        if api == Api::Generate {
+            reply.generated(&v);
+            return Ok(reply);
+        }
         let choice = &v["choices"][0];
         reply.text = choice["message"]["content"]
             .as_str()
@@ -579,6 +623,14 @@ async fn read_stream(mut body: Incoming, sent: Instant, mut reply: Reply) -> Res
                 _ => {}
             }
             if v["type"].is_string() {
+                continue;
+            }
+            // SGLang's `/generate`: each event carries the text so far.
+            if v.get("meta_info").is_some() {
+                if reply.text.is_empty() && v["text"].as_str().is_some_and(|t| !t.is_empty()) {
+                    reply.ttft = sent.elapsed();
+                }
+                reply.generated(&v);
                 continue;
             }
             let choice = &v["choices"][0];

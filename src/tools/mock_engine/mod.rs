@@ -124,6 +124,10 @@ pub struct MockEngine {
     http_requests: AtomicU64,
     /// `GET /health` requests received.
     health_checks: AtomicU64,
+    /// Requests to SGLang's native `/generate`.
+    generate_requests: AtomicU64,
+    /// Generation requests whose prompt came as token ids.
+    token_id_prompts: AtomicU64,
     cancelled: AtomicU64,
     prompt_tokens: AtomicU64,
     cached_tokens: AtomicU64,
@@ -171,6 +175,8 @@ impl MockEngine {
             requests: AtomicU64::new(0),
             http_requests: AtomicU64::new(0),
             health_checks: AtomicU64::new(0),
+            generate_requests: AtomicU64::new(0),
+            token_id_prompts: AtomicU64::new(0),
             cancelled: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
             cached_tokens: AtomicU64::new(0),
@@ -366,6 +372,12 @@ impl MockEngine {
             );
         }
         self.requests.fetch_add(1, Ordering::Relaxed);
+        if kind == Kind::Generate {
+            self.generate_requests.fetch_add(1, Ordering::Relaxed);
+        }
+        if job.token_ids {
+            self.token_id_prompts.fetch_add(1, Ordering::Relaxed);
+        }
         if job.image {
             // What llama.cpp answers for an image sent to a model without a projector.
             return error(
@@ -812,6 +824,18 @@ impl MockEngine {
                 "counter",
                 "GET /health requests received.",
                 self.health_checks.load(Ordering::Relaxed),
+            ),
+            g(
+                "mock_engine_generate_requests_total",
+                "counter",
+                "Requests to SGLang's native /generate.",
+                self.generate_requests.load(Ordering::Relaxed),
+            ),
+            g(
+                "mock_engine_token_id_prompts_total",
+                "counter",
+                "Generation requests whose prompt came as token ids.",
+                self.token_id_prompts.load(Ordering::Relaxed),
             ),
             g(
                 "mock_engine_cancelled_total",

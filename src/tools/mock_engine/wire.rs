@@ -59,6 +59,8 @@ pub(super) struct Job {
     pub(super) rank: usize,
     /// `/generate`: the rank its body names (`routed_dp_rank`).
     pub(super) routed_dp_rank: Option<i64>,
+    /// The prompt came as token ids.
+    pub(super) token_ids: bool,
 }
 
 pub(super) fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<Job, String> {
@@ -99,11 +101,12 @@ pub(super) fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<
             .or_else(|| v["max_output_tokens"].as_u64())
             .unwrap_or(16) as usize,
     };
+    let ids = token_ids(kind, &v);
     Ok(Job {
         kind,
+        token_ids: ids.is_some(),
         model: v["model"].as_str().unwrap_or(default_model).to_string(),
-        prompt: token_ids(kind, &v)
-            .map_or_else(|| Prompt::from_text(&text), |ids| Prompt::from_ids(&ids)),
+        prompt: ids.map_or_else(|| Prompt::from_text(&text), |ids| Prompt::from_ids(&ids)),
         max_tokens,
         stream: v["stream"].as_bool().unwrap_or(false),
         timestamps: v["mock_timestamps"].as_bool().unwrap_or(false),

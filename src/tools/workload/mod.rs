@@ -10,7 +10,7 @@ use crate::tools::engine_model::Prompt;
 pub mod continuations;
 pub mod trace;
 
-pub use trace::{to_trace, trace, trace_text};
+pub use trace::{to_trace, token_ids, trace, trace_text};
 
 /// A small seeded generator (xorshift64*): the same seed gives the same workload.
 #[derive(Debug, Clone)]
