@@ -6,9 +6,9 @@
 //! the next since; one timer per connection ([`Windows`]) drops such a body (the
 //! engine's stream and the slot, as when a client leaves) once that wait reaches
 //! `idle_stream_timeout`; the stream ends in an error, which hyper sends as a reset,
-//! when it is next asked for a frame. A body that waits on its engine is not watched here: that is the
-//! relay's own silence limit. HTTP/1.1 has the same limit on its socket writes
-//! ([`super::h1::conn`]).
+//! when it is next asked for a frame. A body that waits on its engine is not watched
+//! here: that is the relay's own silence limit. HTTP/1.1 has the same limit on its
+//! socket writes ([`super::h1::conn`]).
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -33,6 +33,8 @@ pub struct Windows(Arc<Registry>);
 
 struct Registry {
     stall: Duration,
+    /// The connection's start: its streams' clock readings are kept after it.
+    start: Instant,
     streams: Mutex<Streams>,
 }
 
@@ -56,6 +58,7 @@ impl Windows {
     pub fn new(stall: Duration) -> Windows {
         Windows(Arc::new(Registry {
             stall,
+            start: Instant::now(),
             streams: Mutex::default(),
         }))
     }
@@ -65,6 +68,7 @@ impl Windows {
         WindowWatch {
             shared: Arc::new(Shared {
                 body: Mutex::new(Some(body)),
+                start: self.0.start,
                 owed_since: AtomicU64::new(0),
             }),
             windows: self.clone(),
@@ -118,9 +122,10 @@ async fn watch(registry: Weak<Registry>, stall: Duration) {
 struct Shared {
     /// `None` once the timer dropped it.
     body: Mutex<Option<BoxBody>>,
+    /// Its connection's start.
+    start: Instant,
     /// When a frame was handed to hyper with no ask for the next since, in
-    /// nanoseconds after the process's clock origin (0: hyper is asking, or has asked,
-    /// for the next).
+    /// nanoseconds after `start` (0: hyper is asking, or has asked, for the next).
     owed_since: AtomicU64,
 }
 
@@ -128,12 +133,12 @@ impl Shared {
     fn owed_since(&self) -> Option<Instant> {
         match self.owed_since.load(Ordering::Relaxed) {
             0 => None,
-            ns => Some(origin() + Duration::from_nanos(ns)),
+            ns => Some(self.start + Duration::from_nanos(ns)),
         }
     }
 
     fn owe_from(&self, now: Instant) {
-        let ns = now.saturating_duration_since(origin()).as_nanos() as u64;
+        let ns = now.saturating_duration_since(self.start).as_nanos() as u64;
         // At least 1 ns: 0 is "nothing owed".
         self.owed_since.store(ns.max(1), Ordering::Relaxed);
     }
@@ -155,12 +160,6 @@ impl Shared {
             "an HTTP/2 stream's window stayed shut: its engine stream is dropped"
         );
     }
-}
-
-/// The clock origin of `owed_since`: the first time it is asked for.
-fn origin() -> Instant {
-    static ORIGIN: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-    *ORIGIN.get_or_init(Instant::now)
 }
 
 /// What the stall timer does with a stream when it fires.
