@@ -529,14 +529,16 @@ impl MockEngine {
             FaultMode::Stall | FaultMode::Empty | FaultMode::ClientError
         );
         if job.kind == Kind::Generate && answers {
-            // SGLang's events: the text so far, the last with its finish reason. (A
-            // stall, an empty stream or an error event go as on the other APIs.)
-            let (p, c) = (plan.prompt_tokens, plan.cached_tokens);
-            let each = |i: usize| sglang::event(&sglang::answer(p, i + 1, c, false));
+            // SGLang's events: the text so far, the last token's with its finish
+            // reason (no tokens: one empty event with it). (A stall, an empty stream or
+            // an error event go as on the other APIs.)
+            let (p, c, n) = (plan.prompt_tokens, plan.cached_tokens, job.max_tokens);
+            let each = |i: usize| sglang::event(&sglang::answer(p, i + 1, c, i + 1 == n));
             let first = plan.first_token() + slow_extra(fault);
-            if self.tokens(job.max_tokens, first, fault, &tx, each).await {
-                let last = sglang::answer(p, job.max_tokens, c, true);
-                let _ = tx.send(sglang::event(&last)).await;
+            if self.tokens(n, first, fault, &tx, each).await {
+                if n == 0 {
+                    let _ = tx.send(sglang::event(&sglang::answer(p, 0, c, true))).await;
+                }
                 let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
             }
             drop(permit);
