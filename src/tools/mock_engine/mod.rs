@@ -455,12 +455,6 @@ impl MockEngine {
             Kind::Responses => {
                 responses::usage(plan.prompt_tokens, completion_tokens, plan.cached_tokens)
             }
-            Kind::Generate => sglang::answer(
-                plan.prompt_tokens,
-                completion_tokens,
-                plan.cached_tokens,
-                true,
-            ),
             _ => usage(plan.prompt_tokens, completion_tokens, plan.cached_tokens),
         };
         let body = completion(&job, &content, usage);

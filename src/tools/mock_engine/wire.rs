@@ -347,7 +347,12 @@ pub(super) fn completion(job: &Job, content: &str, usage: Value) -> Value {
         }),
         Kind::Messages => super::anthropic::message(job, content, usage),
         Kind::Responses => super::responses::response(job, &job.response_id, Some(content), usage),
-        Kind::Generate => usage,
+        Kind::Generate => {
+            let n = |v: &Value| v.as_u64().unwrap_or(0) as usize;
+            let cached = n(&usage["prompt_tokens_details"]["cached_tokens"]);
+            let (prompt, completion) = (n(&usage["prompt_tokens"]), n(&usage["completion_tokens"]));
+            super::sglang::answer(prompt, completion, cached, true)
+        }
     }
 }
 
