@@ -382,6 +382,74 @@ async fn an_agent_s_data_parallel_server_joins_as_a_node_per_rank() {
     assert!(cached.as_u64().unwrap() > 0, "{cached}");
 }
 
+/// Each rank node's `engine_load`, as `/admin/nodes` shows it: (id, running).
+async fn engine_running(lb: &Proc) -> Vec<(String, Option<f64>)> {
+    let nodes = get_json(&lb.admin_url("/admin/nodes")).await;
+    let mut running: Vec<_> = nodes["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| {
+            let id = n["id"].as_str().unwrap().to_string();
+            (id, n["engine_load"]["running"].as_f64())
+        })
+        .collect();
+    running.sort_by(|a, b| a.0.cmp(&b.0));
+    running
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_parallel_server_s_ranks_each_show_their_own_engine_load() {
+    let Some(redis) = Redis::start(&[]) else {
+        return;
+    };
+    let e = engine(
+        "dp",
+        &["--data-parallel-size", "2", "--decode-ms-per-token", "50"],
+    );
+    let lb = balancer(&fleet_config(&redis.url(), ""));
+    let _agent = agent(&redis.url(), &e, "d", &["--data-parallel-size", "2"]);
+    until_nodes(&lb, 2, Duration::from_secs(3)).await;
+    // Two sequences on rank 1 of the server, sent straight to it (not through the
+    // balancer, so only the engine's metrics can tell the balancer of them).
+    let held: Vec<_> = (0..2)
+        .map(|i| {
+            let url = e.url("/v1/chat/completions");
+            let body = chat(&[("user", &format!("question {i}"))], false, 80);
+            tokio::spawn(
+                async move { post_json(&url, &body, &[("x-data-parallel-rank", "1")]).await },
+            )
+        })
+        .collect();
+    let want = [
+        ("d@0".to_string(), Some(0.0)),
+        ("d@1".to_string(), Some(2.0)),
+    ];
+    let start = Instant::now();
+    while engine_running(&lb).await != want {
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "{:?}, wanted {want:?}",
+            engine_running(&lb).await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let series = "prefixlb_engine_requests_running{node=\"d@1\",pool=\"mock\"}";
+    assert_eq!(gauge(&lb, series).await, 2.0);
+    for h in held {
+        assert_eq!(h.await.unwrap().status, 200);
+    }
+    let idle = [
+        ("d@0".to_string(), Some(0.0)),
+        ("d@1".to_string(), Some(0.0)),
+    ];
+    let start = Instant::now();
+    while engine_running(&lb).await != idle {
+        assert!(start.elapsed() < Duration::from_secs(3), "never idle again");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_know_each_other_agree_and_split_the_cap() {
     let Some(redis) = Redis::start(&[]) else {

@@ -250,12 +250,17 @@ impl NodeConfig {
         }
         (0..data_parallel_size)
             .map(|rank| NodeConfig {
-                id: format!("{id}@{rank}"),
+                id: Self::rank_id(&id, rank),
                 url: url.clone(),
                 weight,
                 data_parallel_rank: Some(rank),
             })
             .collect()
+    }
+
+    /// The id of rank `rank`'s node of the server `id`.
+    pub fn rank_id(id: &str, rank: u32) -> String {
+        format!("{id}@{rank}")
     }
 
     /// The engine URL's path without its trailing `/` (empty for `http://h:8000/`).

@@ -78,9 +78,12 @@ pub async fn run(
                 } else {
                     o.models.clone()
                 };
-                let load = get(&client, &o.backend, "/metrics", deadline)
-                    .await
-                    .and_then(|text| EngineLoad::from_metrics(&text));
+                let metrics = get(&client, &o.backend, "/metrics", deadline).await;
+                let load = metrics.as_deref().and_then(EngineLoad::from_metrics);
+                let rank_loads = match (&metrics, o.data_parallel_size) {
+                    (Some(text), ranks) if ranks > 1 => EngineLoad::by_rank(text, ranks),
+                    _ => Vec::new(),
+                };
                 let record = NodeRecord {
                     id: o.id.clone(),
                     pool: o.pool.clone(),
@@ -90,6 +93,7 @@ pub async fn run(
                     started_at,
                     load,
                     data_parallel_size: (o.data_parallel_size > 1).then_some(o.data_parallel_size),
+                    rank_loads,
                 };
                 s.beat_node(&record, o.ttl).await.map(|()| {
                     registered = true;

@@ -48,7 +48,12 @@ impl Keys {
 
 /// Reads an engine's load figures ([`EngineLoad`]) from its metrics.
 pub trait FromMetrics: Sized {
+    /// The whole server's figures.
     fn from_metrics(text: &str) -> Option<Self>;
+    /// Each data-parallel rank's figures, for ranks `0..ranks`: from the series that
+    /// name their rank (vLLM's `engine` label, SGLang's `dp_rank`); `None` for a rank
+    /// no series names.
+    fn by_rank(text: &str, ranks: u32) -> Vec<Option<Self>>;
 }
 
 impl FromMetrics for EngineLoad {
@@ -61,35 +66,110 @@ impl FromMetrics for EngineLoad {
     /// label by model). `None` if none is found.
     fn from_metrics(text: &str) -> Option<EngineLoad> {
         let mut load = EngineLoad::default();
-        for line in text.lines() {
-            let line = line.trim();
-            if line.is_empty() || line.starts_with('#') {
-                continue;
-            }
-            let name_end = line.find(['{', ' ']).unwrap_or(line.len());
-            let name = &line[..name_end];
-            let Some(value) = line
-                .rsplit_once(char::is_whitespace)
-                .and_then(|(_, v)| v.parse::<f64>().ok())
-                .filter(|v| v.is_finite())
-            else {
-                continue;
-            };
-            let slot = match name {
-                "vllm:num_requests_running"
-                | "sglang:num_running_reqs"
-                | "llamacpp:requests_processing" => &mut load.running,
-                "vllm:num_requests_waiting"
-                | "sglang:num_queue_reqs"
-                | "llamacpp:requests_deferred" => &mut load.waiting,
-                "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" | "sglang:token_usage" => {
-                    &mut load.kv_cache_usage
-                }
-                _ => continue,
-            };
-            *slot = Some(slot.unwrap_or(0.0) + value);
+        for s in samples(text) {
+            s.add_to(&mut load);
         }
         (load != EngineLoad::default()).then_some(load)
+    }
+
+    fn by_rank(text: &str, ranks: u32) -> Vec<Option<EngineLoad>> {
+        let mut loads = vec![EngineLoad::default(); ranks as usize];
+        for s in samples(text) {
+            if let Some(load) = s.rank.and_then(|r| loads.get_mut(r as usize)) {
+                s.add_to(load);
+            }
+        }
+        loads
+            .into_iter()
+            .map(|l| (l != EngineLoad::default()).then_some(l))
+            .collect()
+    }
+}
+
+/// Which of [`EngineLoad`]'s figures a series gives.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Figure {
+    Running,
+    Waiting,
+    KvCacheUsage,
+}
+
+/// One sample of a known gauge: its figure, the rank it names, its value.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Sample {
+    figure: Figure,
+    rank: Option<u32>,
+    value: f64,
+}
+
+impl Sample {
+    fn add_to(&self, load: &mut EngineLoad) {
+        let slot = match self.figure {
+            Figure::Running => &mut load.running,
+            Figure::Waiting => &mut load.waiting,
+            Figure::KvCacheUsage => &mut load.kv_cache_usage,
+        };
+        *slot = Some(slot.unwrap_or(0.0) + self.value);
+    }
+}
+
+/// The samples of the known gauges in a Prometheus text exposition; lines that are
+/// not one (comments, other series, values not finite) are skipped.
+fn samples(text: &str) -> impl Iterator<Item = Sample> + '_ {
+    text.lines().filter_map(|line| {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            return None;
+        }
+        let name_end = line.find(['{', ' ']).unwrap_or(line.len());
+        let figure = match &line[..name_end] {
+            "vllm:num_requests_running"
+            | "sglang:num_running_reqs"
+            | "llamacpp:requests_processing" => Figure::Running,
+            "vllm:num_requests_waiting"
+            | "sglang:num_queue_reqs"
+            | "llamacpp:requests_deferred" => Figure::Waiting,
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" | "sglang:token_usage" => {
+                Figure::KvCacheUsage
+            }
+            _ => return None,
+        };
+        let value = line
+            .rsplit_once(char::is_whitespace)
+            .and_then(|(_, v)| v.parse::<f64>().ok())
+            .filter(|v| v.is_finite())?;
+        let labels = line[name_end..]
+            .strip_prefix('{')
+            .and_then(|rest| rest.rsplit_once('}'))
+            .map_or("", |(labels, _)| labels);
+        let rank = label(labels, "engine")
+            .or_else(|| label(labels, "dp_rank"))
+            .and_then(|v| v.parse().ok());
+        Some(Sample {
+            figure,
+            rank,
+            value,
+        })
+    })
+}
+
+/// The value of label `name` in a series' label set (`a="1",b="x"`, the text between
+/// its braces), if it has it. Values with escaped quotes are read to their end.
+fn label<'a>(labels: &'a str, name: &str) -> Option<&'a str> {
+    let mut rest = labels;
+    loop {
+        let (key, after) = rest.split_once('=')?;
+        let after = after.strip_prefix('"')?;
+        let mut end = 0;
+        let bytes = after.as_bytes();
+        while end < bytes.len() && bytes[end] != b'"' {
+            end += if bytes[end] == b'\\' { 2 } else { 1 };
+        }
+        let value = after.get(..end)?;
+        if key.trim() == name {
+            return Some(value);
+        }
+        rest = after.get(end + 1..)?.trim_start().strip_prefix(',')?;
     }
 }
 
@@ -112,6 +192,10 @@ pub struct NodeRecord {
     /// each a node of its own (`{id}@{rank}`); absent: one node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data_parallel_size: Option<u32>,
+    /// Each rank's load figures, by rank, where the engine's metrics name its ranks
+    /// (a server of several ranks only); `load` is then the server's as a whole.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rank_loads: Vec<Option<EngineLoad>>,
 }
 
 /// What the watcher read: the live heartbeating engines (sorted by id) and the
@@ -246,6 +330,7 @@ mod tests {
             started_at: 0,
             load: None,
             data_parallel_size: None,
+            rank_loads: Vec::new(),
         }
     }
 
@@ -347,6 +432,47 @@ mod tests {
             EngineLoad::from_metrics("vllm:num_requests_running NaN\n"),
             None
         );
+    }
+
+    #[test]
+    fn a_data_parallel_server_s_load_is_read_rank_by_rank() {
+        // vLLM labels each engine (rank) of a data-parallel server `engine`.
+        let vllm = "vllm:num_requests_running{model_name=\"m\",engine=\"0\"} 3\n\
+                    vllm:num_requests_running{engine=\"1\",model_name=\"a \\\"b\\\", c\"} 1\n\
+                    vllm:num_requests_waiting{model_name=\"m\",engine=\"1\"} 2\n\
+                    vllm:kv_cache_usage_perc{model_name=\"m\",engine=\"1\"} 0.5\n\
+                    vllm:num_requests_running{model_name=\"m\",engine=\"7\"} 9\n";
+        let ranks = EngineLoad::by_rank(vllm, 3);
+        assert_eq!(
+            ranks,
+            [
+                Some(EngineLoad {
+                    running: Some(3.0),
+                    ..EngineLoad::default()
+                }),
+                Some(EngineLoad {
+                    running: Some(1.0),
+                    waiting: Some(2.0),
+                    kv_cache_usage: Some(0.5),
+                }),
+                None,
+            ]
+        );
+        assert_eq!(EngineLoad::from_metrics(vllm).unwrap().running, Some(13.0));
+        // SGLang's `dp_rank`.
+        let sglang = "sglang:num_running_reqs{dp_rank=\"1\",tp_rank=\"0\"} 5\n\
+                      sglang:num_queue_reqs{tp_rank=\"0\",dp_rank=\"0\"} 4\n";
+        let ranks = EngineLoad::by_rank(sglang, 2);
+        assert_eq!(ranks[0].unwrap().waiting, Some(4.0));
+        assert_eq!(ranks[1].unwrap().running, Some(5.0));
+        // Series that name no rank give no rank's figures.
+        assert_eq!(
+            EngineLoad::by_rank("vllm:num_requests_running{model_name=\"m\"} 3\n", 2),
+            [None, None]
+        );
+        assert_eq!(label("a=\"1\",engine=\"2\"", "engine"), Some("2"));
+        assert_eq!(label("a=\"x\\\"engine=\\\"3\"", "engine"), None);
+        assert_eq!(label("broken", "engine"), None);
     }
 
     #[test]

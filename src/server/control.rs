@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::config::{Config, ConfigError, RedisConfig};
+use crate::config::{Config, ConfigError, NodeConfig, RedisConfig};
 use crate::fleet::record::{self, Membership, NodeRecord};
 use crate::fleet::watcher::Members;
 use crate::proxy::Proxy;
@@ -181,14 +181,20 @@ impl Members for Control {
     /// Applies what the Redis watcher read: each engine's load figures, the number of
     /// balancer replicas, and, when the set of engines changed, a new snapshot.
     fn apply(&self, m: &Membership) {
-        // A server split into data-parallel ranks reports its load as a whole, which
-        // is no one rank's: its nodes show none.
-        for r in m
-            .nodes
-            .iter()
-            .filter(|r| r.data_parallel_size.unwrap_or(1) <= 1)
-        {
-            self.registry.node(&r.id).set_engine_load(r.load);
+        // A server split into data-parallel ranks: each rank's node shows its rank's
+        // figures (none if the engine's metrics do not name ranks), never the whole
+        // server's, which is no one rank's.
+        for r in &m.nodes {
+            match r.data_parallel_size {
+                Some(ranks) if ranks > 1 => {
+                    for rank in 0..ranks {
+                        let load = r.rank_loads.get(rank as usize).copied().flatten();
+                        let id = NodeConfig::rank_id(&r.id, rank);
+                        self.registry.node(&id).set_engine_load(load);
+                    }
+                }
+                _ => self.registry.node(&r.id).set_engine_load(r.load),
+            }
         }
         let mut sources = self.sources.lock();
         for p in &sources.config.pools {
@@ -199,6 +205,7 @@ impl Members for Control {
             .iter()
             .map(|r| NodeRecord {
                 load: None,
+                rank_loads: Vec::new(),
                 started_at: 0,
                 ..r.clone()
             })
@@ -215,6 +222,58 @@ impl Members for Control {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::routing::node::EngineLoad;
+
+    /// Each rank's node of a data-parallel server shows its rank's load (none where the
+    /// metrics named no rank); a change of load alone rebuilds no routing table.
+    #[test]
+    fn a_data_parallel_server_s_ranks_show_their_own_load_without_a_rebuild() {
+        let text = "[redis]\nurl = \"redis://127.0.0.1:1\"\n[[pools]]\nname = \"p\"\n";
+        let config = Config::parse(text, "t.toml").unwrap();
+        let control = Control::new(config, None);
+        let running = |n: f64| {
+            Some(EngineLoad {
+                running: Some(n),
+                ..EngineLoad::default()
+            })
+        };
+        let server = |rank_loads: Vec<Option<EngineLoad>>| Membership {
+            nodes: vec![NodeRecord {
+                id: "d".into(),
+                pool: "p".into(),
+                url: "http://127.0.0.1:1".into(),
+                weight: 1,
+                models: vec![],
+                started_at: 1,
+                load: running(9.0),
+                data_parallel_size: Some(3),
+                rank_loads,
+            }],
+            replicas: 1,
+        };
+        control.apply(&server(vec![running(2.0), None, running(7.0)]));
+        let table = control.table();
+        let load = |id: &str| {
+            control
+                .registry
+                .node(id)
+                .engine_load()
+                .and_then(|l| l.running)
+        };
+        assert_eq!(
+            [load("d@0"), load("d@1"), load("d@2"), load("d")],
+            [Some(2.0), None, Some(7.0), None]
+        );
+        control.apply(&server(vec![running(1.0), running(4.0)]));
+        assert_eq!(
+            [load("d@0"), load("d@1"), load("d@2")],
+            [Some(1.0), Some(4.0), None]
+        );
+        assert!(
+            Arc::ptr_eq(&table, &control.table()),
+            "rebuilt on a load change"
+        );
+    }
 
     /// A scrape racing startup finds every lane's connection count and yields, at zero.
     #[test]

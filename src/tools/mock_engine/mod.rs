@@ -118,6 +118,10 @@ pub struct MockEngine {
     fault: Mutex<Fault>,
     waiting: AtomicU64,
     running: AtomicU64,
+    /// Each rank's sequences waiting and running (a server of several ranks shows
+    /// them by rank in its metrics, as vLLM's `engine` label does).
+    rank_waiting: Vec<AtomicU64>,
+    rank_running: Vec<AtomicU64>,
     peak_running: AtomicU64,
     requests: AtomicU64,
     /// HTTP requests received on any path but /metrics, /health, /v1/models and /mock/fault.
@@ -135,27 +139,30 @@ pub struct MockEngine {
     store: responses::Store,
 }
 
-/// Counts a running sequence for as long as it lives.
-struct Running(Arc<MockEngine>);
+/// Counts a running sequence, on its rank, for as long as it lives.
+struct Running(Arc<MockEngine>, usize);
 
 impl Running {
-    fn start(engine: &Arc<MockEngine>) -> Running {
+    fn start(engine: &Arc<MockEngine>, rank: usize) -> Running {
         let now = engine.running.fetch_add(1, Ordering::AcqRel) + 1;
+        engine.rank_running[rank].fetch_add(1, Ordering::AcqRel);
         engine.peak_running.fetch_max(now, Ordering::AcqRel);
-        Running(engine.clone())
+        Running(engine.clone(), rank)
     }
 }
 
 impl Drop for Running {
     fn drop(&mut self) {
         self.0.running.fetch_sub(1, Ordering::AcqRel);
+        self.0.rank_running[self.1].fetch_sub(1, Ordering::AcqRel);
     }
 }
 
 impl MockEngine {
     pub fn new(config: MockConfig) -> Arc<MockEngine> {
+        let ranks = config.data_parallel_size.max(1);
         Arc::new(MockEngine {
-            ranks: (0..config.data_parallel_size.max(1))
+            ranks: (0..ranks)
                 .map(|_| {
                     Mutex::new(EngineModel::new(
                         config.cache_tokens,
@@ -171,6 +178,8 @@ impl MockEngine {
             fault: Mutex::new(Fault::default()),
             waiting: AtomicU64::new(0),
             running: AtomicU64::new(0),
+            rank_waiting: (0..ranks).map(|_| AtomicU64::new(0)).collect(),
+            rank_running: (0..ranks).map(|_| AtomicU64::new(0)).collect(),
             peak_running: AtomicU64::new(0),
             requests: AtomicU64::new(0),
             http_requests: AtomicU64::new(0),
@@ -425,8 +434,8 @@ impl MockEngine {
 
     /// A non-streaming answer, after the whole generation's time.
     async fn complete(self: Arc<Self>, job: Job, fault: Fault) -> Response<BoxBody> {
-        let permit = self.admit().await;
-        let _running = Running::start(&self);
+        let permit = self.admit(job.rank).await;
+        let _running = Running::start(&self, job.rank);
         let plan = self.prefill(&job);
         self.count_prompt(plan.prompt_tokens, plan.cached_tokens);
         let content = match fault.mode {
@@ -506,10 +515,10 @@ impl MockEngine {
     /// there: a failed send means it left, and the sequence is aborted at once.
     async fn stream(self: Arc<Self>, job: Job, fault: Fault, tx: mpsc::Sender<Bytes>) {
         let permit = tokio::select! {
-            p = self.admit() => p,
+            p = self.admit(job.rank) => p,
             _ = tx.closed() => return self.cancel(),
         };
-        let _running = Running::start(&self);
+        let _running = Running::start(&self, job.rank);
         let plan = self.prefill(&job);
         self.count_prompt(plan.prompt_tokens, plan.cached_tokens);
         if job.kind == Kind::Messages {
@@ -748,14 +757,16 @@ impl MockEngine {
         true
     }
 
-    async fn admit(&self) -> tokio::sync::SemaphorePermit<'_> {
+    async fn admit(&self, rank: usize) -> tokio::sync::SemaphorePermit<'_> {
         self.waiting.fetch_add(1, Ordering::AcqRel);
+        self.rank_waiting[rank].fetch_add(1, Ordering::AcqRel);
         let permit = self
             .seqs
             .acquire()
             .await
             .expect("the semaphore is never closed");
         self.waiting.fetch_sub(1, Ordering::AcqRel);
+        self.rank_waiting[rank].fetch_sub(1, Ordering::AcqRel);
         permit
     }
 
@@ -778,18 +789,31 @@ impl MockEngine {
                 "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{model_name=\"{m}\"}} {v}\n"
             )
         };
+        // A server of several ranks gives its gauges by rank, as vLLM does (one
+        // series per engine, labelled `engine`).
+        let by_rank = |name: &str, help: &str, whole: &AtomicU64, ranks: &[AtomicU64]| {
+            if ranks.len() <= 1 {
+                return g(name, "gauge", help, whole.load(Ordering::Acquire));
+            }
+            let mut text = format!("# HELP {name} {help}\n# TYPE {name} gauge\n");
+            for (rank, v) in ranks.iter().enumerate() {
+                let v = v.load(Ordering::Acquire);
+                text += &format!("{name}{{model_name=\"{m}\",engine=\"{rank}\"}} {v}\n");
+            }
+            text
+        };
         [
-            g(
+            by_rank(
                 "vllm:num_requests_running",
-                "gauge",
                 "Sequences running now.",
-                self.running.load(Ordering::Acquire),
+                &self.running,
+                &self.rank_running,
             ),
-            g(
+            by_rank(
                 "vllm:num_requests_waiting",
-                "gauge",
                 "Sequences waiting for a slot.",
-                self.waiting.load(Ordering::Acquire),
+                &self.waiting,
+                &self.rank_waiting,
             ),
             g(
                 "vllm:prefix_cache_queries_total",
