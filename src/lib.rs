@@ -21,6 +21,7 @@
 pub mod clip;
 pub mod config;
 pub mod decimal;
+pub mod engine_load;
 pub mod fleet;
 pub mod name_hash;
 pub mod proxy;

@@ -394,6 +394,100 @@ async fn watch_config_applies_edits_by_itself() {
     );
 }
 
+/// Each node's `running` engine load, as `/admin/nodes` shows it, sorted by id.
+async fn engine_running(lb: &Proc) -> Vec<(String, Option<f64>)> {
+    let nodes = get_json(&lb.admin_url("/admin/nodes")).await;
+    let mut running: Vec<_> = nodes["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| {
+            let id = n["id"].as_str().unwrap().to_string();
+            (id, n["engine_load"]["running"].as_f64())
+        })
+        .collect();
+    running.sort_by(|a, b| a.0.cmp(&b.0));
+    running
+}
+
+/// The nodes of the config show the load their engines report (read from the
+/// engine's `/metrics` after each passed health check): a server's own, or each
+/// rank's its rank's; with `health.metrics_path = ""` none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_of_the_config_show_the_load_their_engines_report() {
+    let slow = ["--decode-ms-per-token", "50"];
+    let plain = engine("plain", &slow);
+    let split = engine(
+        "split",
+        &[&slow[..], &["--data-parallel-size", "2"]].concat(),
+    );
+    let text = |metrics_path: &str| {
+        format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+             [health]\ninterval = \"100ms\"\n{metrics_path}\n\
+             [[pools]]\nname = \"mock\"\nmodels = [\"mock\"]\n\
+             [[pools.nodes]]\nid = \"plain\"\nurl = \"http://{}\"\n\
+             [[pools.nodes]]\nid = \"split\"\nurl = \"http://{}\"\ndata_parallel_size = 2\n",
+            plain.addr, split.addr
+        )
+    };
+    let lb = balancer(&text(""));
+    let quiet = balancer(&text("metrics_path = \"\""));
+    // Sequences sent straight to the engines (not through a balancer, so only the
+    // engines' metrics can tell of them): one on `plain`, two on rank 1 of `split`.
+    let held: Vec<_> = [(&plain, None), (&split, Some("1")), (&split, Some("1"))]
+        .into_iter()
+        .enumerate()
+        .map(|(i, (e, rank))| {
+            let url = e.url("/v1/chat/completions");
+            let body = chat(&[("user", &format!("question {i}"))], false, 60);
+            tokio::spawn(async move {
+                let rank: Vec<_> = rank
+                    .map(|r| ("x-data-parallel-rank", r))
+                    .into_iter()
+                    .collect();
+                post_json(&url, &body, &rank).await
+            })
+        })
+        .collect();
+    let want = [("plain", 1.0), ("split@0", 0.0), ("split@1", 2.0)]
+        .map(|(id, n)| (id.to_string(), Some(n)));
+    let start = std::time::Instant::now();
+    while engine_running(&lb).await != want {
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "{:?}, wanted {want:?}",
+            engine_running(&lb).await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (_, page) = scrape(&lb).await;
+    let series = |name: &str, node: &str| total(&page, name, &[("node", node)]);
+    assert_eq!(series("prefixlb_engine_requests_running", "split@1"), 2.0);
+    let waiting = |n: &str| {
+        page.samples.iter().any(|x| {
+            x.metric == "prefixlb_engine_requests_waiting" && x.labels.get("node") == Some(n)
+        })
+    };
+    assert!(waiting("plain") && waiting("split@0"), "{:?}", page.samples);
+    // The KV cache its sequences hold (mock-engine: prompt and answer tokens over its
+    // cache's), on their rank only.
+    let kv = |n: &str| total(&page, "prefixlb_engine_kv_cache_usage", &[("node", n)]);
+    assert!(
+        kv("split@1") > 0.0 && kv("split@1") < 1.0,
+        "{}",
+        kv("split@1")
+    );
+    assert_eq!(kv("split@0"), 0.0);
+    assert!(engine_running(&quiet)
+        .await
+        .iter()
+        .all(|(_, n)| n.is_none()));
+    for h in held {
+        assert_eq!(h.await.unwrap().status, 200);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_explain_answers_like_prefixlb_route() {
     let e = engines(3, &[]);

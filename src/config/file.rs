@@ -290,6 +290,10 @@ pub struct HealthSection {
     pub unhealthy_after: Spanned<u32>,
     /// Consecutive passed checks that mark it up again. Default 1.
     pub healthy_after: Spanned<u32>,
+    /// Path read with GET, after each passed check, for the load the engine reports
+    /// (its running and waiting sequences, its KV cache in use; nodes of the config
+    /// only: an agent reads a heartbeating node's). Default `"/metrics"`; `""`: not read.
+    pub metrics_path: String,
 }
 
 /// `[redis]`: membership from heartbeats (`prefixlb agent`), and this balancer's own.
@@ -384,6 +388,7 @@ impl Default for HealthSection {
             timeout: Dur::secs(2),
             unhealthy_after: unspanned(2),
             healthy_after: unspanned(1),
+            metrics_path: "/metrics".into(),
         }
     }
 }

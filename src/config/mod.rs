@@ -136,6 +136,8 @@ pub struct HealthConfig {
     pub timeout: Duration,
     pub unhealthy_after: u32,
     pub healthy_after: u32,
+    /// Where a node of the config reports its load (none: not read).
+    pub metrics_path: Option<String>,
 }
 
 #[derive(Debug, Clone)]

@@ -28,6 +28,15 @@ fn minimal_config_gets_documented_defaults() {
     assert_eq!(c.routing.when_saturated, WhenSaturated::Queue);
     assert_eq!(c.pools[0].models, vec!["llama".to_string()]);
     assert_eq!(c.pools[0].nodes[0].weight, 1);
+    assert_eq!(c.health.metrics_path.as_deref(), Some("/metrics"));
+}
+
+#[test]
+fn the_engine_metrics_path_may_be_turned_off_and_must_be_a_path() {
+    let off = Config::parse(&format!("[health]\nmetrics_path = \"\"\n{MIN}"), "t.toml").unwrap();
+    assert_eq!(off.health.metrics_path, None);
+    let e = err(&format!("[health]\nmetrics_path = \"metrics\"\n{MIN}"));
+    assert!(e.message.contains("health.metrics_path"), "{e}");
 }
 
 #[test]

@@ -495,6 +495,15 @@ fn validate_health(h: HealthSection) -> Result<HealthConfig, Invalid> {
             format!("health.path {:?} must start with '/'", h.path),
         );
     }
+    if !(h.metrics_path.is_empty() || h.metrics_path.starts_with('/')) {
+        return invalid(
+            0..0,
+            format!(
+                "health.metrics_path {:?} must start with '/' (or be \"\" to read none)",
+                h.metrics_path
+            ),
+        );
+    }
     if h.interval.0.is_zero() || h.timeout.0.is_zero() {
         return invalid(
             0..0,
@@ -507,6 +516,7 @@ fn validate_health(h: HealthSection) -> Result<HealthConfig, Invalid> {
         timeout: h.timeout.0,
         unhealthy_after: within(&h.unhealthy_after, 1..=1000, "unhealthy_after")?,
         healthy_after: within(&h.healthy_after, 1..=1000, "healthy_after")?,
+        metrics_path: (!h.metrics_path.is_empty()).then_some(h.metrics_path),
     })
 }
 

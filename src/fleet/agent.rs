@@ -14,8 +14,9 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
-use super::record::{EngineLoad, FromMetrics, NodeRecord};
+use super::record::NodeRecord;
 use super::store::{connection_info, unix_now, Store, StoreError};
+use crate::engine_load;
 
 /// What `prefixlb agent` is told.
 #[derive(Debug, Clone)]
@@ -79,9 +80,9 @@ pub async fn run(
                     o.models.clone()
                 };
                 let metrics = get(&client, &o.backend, "/metrics", deadline).await;
-                let load = metrics.as_deref().and_then(EngineLoad::from_metrics);
+                let load = metrics.as_deref().and_then(engine_load::whole);
                 let rank_loads = match (&metrics, o.data_parallel_size) {
-                    (Some(text), ranks) if ranks > 1 => EngineLoad::by_rank(text, ranks),
+                    (Some(text), ranks) if ranks > 1 => engine_load::by_rank(text, ranks),
                     _ => Vec::new(),
                 };
                 let record = NodeRecord {

@@ -146,6 +146,20 @@ impl Proxy {
             .and_then(|body| crate::routing::node::Served::from_json(&body))
     }
 
+    /// Reads the Prometheus text of `node`'s engine at `path` (on the checks'
+    /// connections, bounded by `timeout`). None: no 2xx answer in time.
+    pub async fn read_metrics(
+        &self,
+        node: &crate::routing::node::Node,
+        path: &str,
+        timeout: Duration,
+    ) -> Option<bytes::Bytes> {
+        tokio::time::timeout(timeout, self.get(&self.checks, node, path))
+            .await
+            .ok()
+            .and_then(Result::ok)
+    }
+
     /// `GET path` on `node`'s engine over `via`: the body of a 2xx, else why not.
     async fn get(
         &self,
@@ -182,7 +196,7 @@ impl Proxy {
         let mut bytes = bytes::BytesMut::new();
         while let Some(frame) = http_body_util::BodyExt::frame(&mut body).await {
             if let Ok(data) = frame.map_err(|e| e.to_string())?.into_data() {
-                if bytes.len() + data.len() > MAX_MODELS_BYTES {
+                if bytes.len() + data.len() > MAX_READ_BYTES {
                     return Err("the answer is too long".into());
                 }
                 bytes.extend_from_slice(&data);
@@ -411,8 +425,8 @@ fn credential(headers: &http::HeaderMap, api: Api) -> Option<&[u8]> {
     }
 }
 
-/// Most bytes of an engine's health or `/v1/models` answer read.
-const MAX_MODELS_BYTES: usize = 1 << 20;
+/// Most bytes of an engine's health, `/v1/models` or metrics answer read.
+const MAX_READ_BYTES: usize = 1 << 20;
 
 /// How long an idle upstream connection is kept for reuse: engines close idle
 /// keep-alive connections early (uvicorn under vLLM and SGLang after 5 s, llama.cpp's

@@ -94,6 +94,11 @@ impl Node {
         &self.config.id
     }
 
+    /// Its rank, if it is one rank of a data-parallel server.
+    pub fn data_parallel_rank(&self) -> Option<u32> {
+        self.config.data_parallel_rank
+    }
+
     /// The engine's base URL.
     pub fn url(&self) -> &http::Uri {
         &self.config.url

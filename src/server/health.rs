@@ -6,10 +6,12 @@
 //! `healthy_after` passes bring it back, and a passing check moves an open breaker
 //! whose `open_for` is over to half_open, so recovery starts even with no traffic.
 //! A node that passes has its engine's `/v1/models` read too (the LoRA adapters it
-//! serves), at once and then every [`MODELS_EVERY`] rounds. Checks go over the data plane's engine-side HTTP/1.1 code (TLS included)
-//! on connections of their own, and why the last
-//! one failed is kept for `/admin/nodes`. Each round ends by sweeping expired idle
-//! connections out of the upstream pool.
+//! serves), at once and then every [`MODELS_EVERY`] rounds, and, for the nodes of the
+//! config, its `health.metrics_path` on every round, for the load the engine reports
+//! ([`engine_load`]; an agent relays a heartbeating node's). Checks go over the data
+//! plane's engine-side HTTP/1.1 code (TLS included) on connections of their own, and
+//! why the last one failed is kept for `/admin/nodes`. Each round ends by sweeping
+//! expired idle connections out of the upstream pool.
 
 use std::collections::hash_map::{Entry, HashMap};
 use std::sync::Arc;
@@ -17,9 +19,10 @@ use std::sync::Arc;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
+use crate::engine_load;
 use crate::proxy::Proxy;
 use crate::routing::breaker::BreakerSettings;
-use crate::routing::node::Node;
+use crate::routing::node::{Node, NodeSource};
 use crate::routing::table::Table;
 
 /// A passing node's `/v1/models` is read again every this many rounds (every 30 s at
@@ -49,6 +52,18 @@ pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
                         now,
                     );
                 }
+                // The load its engine reports, for the nodes of the config (an agent
+                // relays a heartbeating node's): none while it fails its checks.
+                if server.iter().any(|(n, _)| n.source() == NodeSource::Static) {
+                    let text = match (passed, h.metrics_path.as_deref()) {
+                        (true, Some(path)) => proxy.read_metrics(first, path, h.timeout).await,
+                        _ => None,
+                    };
+                    show_engine_load(
+                        &server,
+                        text.as_deref().map(String::from_utf8_lossy).as_deref(),
+                    );
+                }
                 // The model list: at once, then every few rounds.
                 let unknown = server.iter().any(|(n, _)| n.state().served().is_none());
                 if passed && (round % MODELS_EVERY == 0 || unknown) {
@@ -65,6 +80,28 @@ pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
             _ = tokio::time::sleep(h.interval) => {}
             _ = stop.wait_for(|s| *s) => return,
         }
+    }
+}
+
+/// Sets the engine load of the nodes of the config behind one URL from its engine's
+/// metrics (`None`: not read): the server's own, or each rank's its rank's.
+fn show_engine_load(server: &[(Node, Arc<BreakerSettings>)], metrics: Option<&str>) {
+    let ranks = server
+        .iter()
+        .filter_map(|(n, _)| n.data_parallel_rank())
+        .max()
+        .map_or(0, |r| r + 1);
+    let by_rank = metrics.map_or_else(Vec::new, |t| engine_load::by_rank(t, ranks));
+    let whole = metrics.and_then(engine_load::whole);
+    for (node, _) in server
+        .iter()
+        .filter(|(n, _)| n.source() == NodeSource::Static)
+    {
+        let load = match node.data_parallel_rank() {
+            None => whole,
+            Some(rank) => by_rank.get(rank as usize).copied().flatten(),
+        };
+        node.state().set_engine_load(load);
     }
 }
 

@@ -116,12 +116,15 @@ pub struct MockEngine {
     epoch: Instant,
     seqs: Semaphore,
     fault: Mutex<Fault>,
-    waiting: AtomicU64,
     running: AtomicU64,
     /// Each rank's sequences waiting and running (a server of several ranks shows
     /// them by rank in its metrics, as vLLM's `engine` label does).
     rank_waiting: Vec<AtomicU64>,
     rank_running: Vec<AtomicU64>,
+    /// Each rank's KV cache held by its running sequences, in tokens (prompt and
+    /// answer, as vLLM's `kv_cache_usage_perc` counts blocks in use, cached blocks no
+    /// sequence holds left out).
+    rank_kv_tokens: Vec<AtomicU64>,
     peak_running: AtomicU64,
     requests: AtomicU64,
     /// HTTP requests received on any path but /metrics, /health, /v1/models and /mock/fault.
@@ -139,22 +142,35 @@ pub struct MockEngine {
     store: responses::Store,
 }
 
-/// Counts a running sequence, on its rank, for as long as it lives.
-struct Running(Arc<MockEngine>, usize);
+/// Counts a running sequence, and the KV cache it holds, on its rank, for as long as
+/// it lives.
+struct Running {
+    engine: Arc<MockEngine>,
+    rank: usize,
+    kv_tokens: u64,
+}
 
 impl Running {
-    fn start(engine: &Arc<MockEngine>, rank: usize) -> Running {
+    fn start(engine: &Arc<MockEngine>, job: &Job) -> Running {
         let now = engine.running.fetch_add(1, Ordering::AcqRel) + 1;
-        engine.rank_running[rank].fetch_add(1, Ordering::AcqRel);
         engine.peak_running.fetch_max(now, Ordering::AcqRel);
-        Running(engine.clone(), rank)
+        let kv_tokens = (job.prompt.tokens + job.max_tokens) as u64;
+        engine.rank_running[job.rank].fetch_add(1, Ordering::AcqRel);
+        engine.rank_kv_tokens[job.rank].fetch_add(kv_tokens, Ordering::AcqRel);
+        Running {
+            engine: engine.clone(),
+            rank: job.rank,
+            kv_tokens,
+        }
     }
 }
 
 impl Drop for Running {
     fn drop(&mut self) {
-        self.0.running.fetch_sub(1, Ordering::AcqRel);
-        self.0.rank_running[self.1].fetch_sub(1, Ordering::AcqRel);
+        let e = &self.engine;
+        e.running.fetch_sub(1, Ordering::AcqRel);
+        e.rank_running[self.rank].fetch_sub(1, Ordering::AcqRel);
+        e.rank_kv_tokens[self.rank].fetch_sub(self.kv_tokens, Ordering::AcqRel);
     }
 }
 
@@ -176,10 +192,10 @@ impl MockEngine {
             seqs: Semaphore::new(config.max_num_seqs.max(1)),
             config,
             fault: Mutex::new(Fault::default()),
-            waiting: AtomicU64::new(0),
             running: AtomicU64::new(0),
             rank_waiting: (0..ranks).map(|_| AtomicU64::new(0)).collect(),
             rank_running: (0..ranks).map(|_| AtomicU64::new(0)).collect(),
+            rank_kv_tokens: (0..ranks).map(|_| AtomicU64::new(0)).collect(),
             peak_running: AtomicU64::new(0),
             requests: AtomicU64::new(0),
             http_requests: AtomicU64::new(0),
@@ -435,7 +451,7 @@ impl MockEngine {
     /// A non-streaming answer, after the whole generation's time.
     async fn complete(self: Arc<Self>, job: Job, fault: Fault) -> Response<BoxBody> {
         let permit = self.admit(job.rank).await;
-        let _running = Running::start(&self, job.rank);
+        let _running = Running::start(&self, &job);
         let plan = self.prefill(&job);
         self.count_prompt(plan.prompt_tokens, plan.cached_tokens);
         let content = match fault.mode {
@@ -518,7 +534,7 @@ impl MockEngine {
             p = self.admit(job.rank) => p,
             _ = tx.closed() => return self.cancel(),
         };
-        let _running = Running::start(&self, job.rank);
+        let _running = Running::start(&self, &job);
         let plan = self.prefill(&job);
         self.count_prompt(plan.prompt_tokens, plan.cached_tokens);
         if job.kind == Kind::Messages {
@@ -758,14 +774,12 @@ impl MockEngine {
     }
 
     async fn admit(&self, rank: usize) -> tokio::sync::SemaphorePermit<'_> {
-        self.waiting.fetch_add(1, Ordering::AcqRel);
         self.rank_waiting[rank].fetch_add(1, Ordering::AcqRel);
         let permit = self
             .seqs
             .acquire()
             .await
             .expect("the semaphore is never closed");
-        self.waiting.fetch_sub(1, Ordering::AcqRel);
         self.rank_waiting[rank].fetch_sub(1, Ordering::AcqRel);
         permit
     }
@@ -791,29 +805,43 @@ impl MockEngine {
         };
         // A server of several ranks gives its gauges by rank, as vLLM does (one
         // series per engine, labelled `engine`).
-        let by_rank = |name: &str, help: &str, whole: &AtomicU64, ranks: &[AtomicU64]| {
-            if ranks.len() <= 1 {
-                return g(name, "gauge", help, whole.load(Ordering::Acquire));
-            }
+        // Each rank's gauges, as vLLM gives them: one series per engine (rank),
+        // labelled `engine`, when the server has several.
+        let by_rank = |name: &str, help: &str, values: Vec<f64>| {
             let mut text = format!("# HELP {name} {help}\n# TYPE {name} gauge\n");
-            for (rank, v) in ranks.iter().enumerate() {
-                let v = v.load(Ordering::Acquire);
-                text += &format!("{name}{{model_name=\"{m}\",engine=\"{rank}\"}} {v}\n");
+            for (rank, v) in values.iter().enumerate() {
+                text += &match values.len() {
+                    1 => format!("{name}{{model_name=\"{m}\"}} {v}\n"),
+                    _ => format!("{name}{{model_name=\"{m}\",engine=\"{rank}\"}} {v}\n"),
+                };
             }
             text
         };
+        let each = |ranks: &[AtomicU64]| -> Vec<f64> {
+            ranks
+                .iter()
+                .map(|v| v.load(Ordering::Acquire) as f64)
+                .collect()
+        };
+        let cache = self.config.cache_tokens.max(1) as f64;
         [
             by_rank(
                 "vllm:num_requests_running",
                 "Sequences running now.",
-                &self.running,
-                &self.rank_running,
+                each(&self.rank_running),
             ),
             by_rank(
                 "vllm:num_requests_waiting",
                 "Sequences waiting for a slot.",
-                &self.waiting,
-                &self.rank_waiting,
+                each(&self.rank_waiting),
+            ),
+            by_rank(
+                "vllm:kv_cache_usage_perc",
+                "Share of the KV cache held by running sequences (prompt and answer), 0-1.",
+                each(&self.rank_kv_tokens)
+                    .into_iter()
+                    .map(|tokens| (tokens / cache).min(1.0))
+                    .collect(),
             ),
             g(
                 "vllm:prefix_cache_queries_total",

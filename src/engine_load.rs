@@ -1,0 +1,201 @@
+//! What an engine says of its own load: the running and waiting sequences and the KV
+//! cache in use, read out of the Prometheus text of its `/metrics` (vLLM, SGLang,
+//! llama.cpp), for the whole server and, where the series name one, for each
+//! data-parallel rank. Shown to operators (`/admin/nodes`, `prefixlb_engine_*`), never
+//! routed on. Read by `prefixlb agent` for the nodes that heartbeat, and by the health
+//! checks for the nodes of the config. Pure.
+
+use crate::routing::node::EngineLoad;
+
+/// The whole server's figures: the known gauges read out of a Prometheus text
+/// exposition (vLLM's `vllm:num_requests_running`, `vllm:num_requests_waiting`,
+/// `vllm:kv_cache_usage_perc` or `vllm:gpu_cache_usage_perc`; SGLang's
+/// `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`;
+/// llama.cpp's `llamacpp:requests_processing`, `llamacpp:requests_deferred`, its server
+/// started with `--metrics`), summed over label sets (an engine may label by model, or
+/// by rank). `None` if none is found.
+pub fn whole(text: &str) -> Option<EngineLoad> {
+    let mut load = EngineLoad::default();
+    for s in samples(text) {
+        s.add_to(&mut load);
+    }
+    (load != EngineLoad::default()).then_some(load)
+}
+
+/// Each data-parallel rank's figures, for ranks `0..ranks`: from the series that name
+/// their rank (vLLM's `engine` label, SGLang's `dp_rank`); `None` for a rank no series
+/// names.
+pub fn by_rank(text: &str, ranks: u32) -> Vec<Option<EngineLoad>> {
+    let mut loads = vec![EngineLoad::default(); ranks as usize];
+    for s in samples(text) {
+        if let Some(load) = s.rank.and_then(|r| loads.get_mut(r as usize)) {
+            s.add_to(load);
+        }
+    }
+    loads
+        .into_iter()
+        .map(|l| (l != EngineLoad::default()).then_some(l))
+        .collect()
+}
+
+/// Which of [`EngineLoad`]'s figures a series gives.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Figure {
+    Running,
+    Waiting,
+    KvCacheUsage,
+}
+
+/// One sample of a known gauge: its figure, the rank it names, its value.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Sample {
+    figure: Figure,
+    rank: Option<u32>,
+    value: f64,
+}
+
+impl Sample {
+    fn add_to(&self, load: &mut EngineLoad) {
+        let slot = match self.figure {
+            Figure::Running => &mut load.running,
+            Figure::Waiting => &mut load.waiting,
+            Figure::KvCacheUsage => &mut load.kv_cache_usage,
+        };
+        *slot = Some(slot.unwrap_or(0.0) + self.value);
+    }
+}
+
+/// The samples of the known gauges in a Prometheus text exposition; lines that are
+/// not one (comments, other series, values not finite) are skipped.
+fn samples(text: &str) -> impl Iterator<Item = Sample> + '_ {
+    text.lines().filter_map(|line| {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            return None;
+        }
+        let name_end = line.find(['{', ' ']).unwrap_or(line.len());
+        let figure = match &line[..name_end] {
+            "vllm:num_requests_running"
+            | "sglang:num_running_reqs"
+            | "llamacpp:requests_processing" => Figure::Running,
+            "vllm:num_requests_waiting"
+            | "sglang:num_queue_reqs"
+            | "llamacpp:requests_deferred" => Figure::Waiting,
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" | "sglang:token_usage" => {
+                Figure::KvCacheUsage
+            }
+            _ => return None,
+        };
+        let value = line
+            .rsplit_once(char::is_whitespace)
+            .and_then(|(_, v)| v.parse::<f64>().ok())
+            .filter(|v| v.is_finite())?;
+        let labels = line[name_end..]
+            .strip_prefix('{')
+            .and_then(|rest| rest.rsplit_once('}'))
+            .map_or("", |(labels, _)| labels);
+        let rank = label(labels, "engine")
+            .or_else(|| label(labels, "dp_rank"))
+            .and_then(|v| v.parse().ok());
+        Some(Sample {
+            figure,
+            rank,
+            value,
+        })
+    })
+}
+
+/// The value of label `name` in a series' label set (`a="1",b="x"`, the text between
+/// its braces), if it has it. Values with escaped quotes are read to their end.
+fn label<'a>(labels: &'a str, name: &str) -> Option<&'a str> {
+    let mut rest = labels;
+    loop {
+        let (key, after) = rest.split_once('=')?;
+        let after = after.strip_prefix('"')?;
+        let mut end = 0;
+        let bytes = after.as_bytes();
+        while end < bytes.len() && bytes[end] != b'"' {
+            end += if bytes[end] == b'\\' { 2 } else { 1 };
+        }
+        let value = after.get(..end)?;
+        if key.trim() == name {
+            return Some(value);
+        }
+        rest = after.get(end + 1..)?.trim_start().strip_prefix(',')?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engine_load_is_read_from_vllm_and_sglang_metrics() {
+        let vllm = "# HELP vllm:num_requests_running x\nvllm:num_requests_running{model_name=\"a\"} 3\nvllm:num_requests_running{model_name=\"b\"} 1\nvllm:num_requests_waiting{model_name=\"a\"} 2.0\nvllm:kv_cache_usage_perc{model_name=\"a\"} 0.25\nvllm:other 9\n";
+        assert_eq!(
+            whole(vllm),
+            Some(EngineLoad {
+                running: Some(4.0),
+                waiting: Some(2.0),
+                kv_cache_usage: Some(0.25),
+            })
+        );
+        let sglang =
+            "sglang:num_running_reqs{tp_rank=\"0\"} 5\nsglang:num_queue_reqs{tp_rank=\"0\"} 0\n";
+        let load = whole(sglang).unwrap();
+        assert_eq!(
+            (load.running, load.waiting, load.kv_cache_usage),
+            (Some(5.0), Some(0.0), None)
+        );
+        // llama.cpp's server with `--metrics` (as xllamacpp 0.2 printed it).
+        let llamacpp = "llamacpp:prompt_tokens_total 0\nllamacpp:requests_processing 1\nllamacpp:requests_deferred 2\nllamacpp:n_busy_slots_per_decode 0\n";
+        let load = whole(llamacpp).unwrap();
+        assert_eq!(
+            (load.running, load.waiting, load.kv_cache_usage),
+            (Some(1.0), Some(2.0), None)
+        );
+        assert_eq!(whole("tgi_queue_size 1\n"), None);
+        assert_eq!(whole("vllm:num_requests_running NaN\n"), None);
+    }
+
+    #[test]
+    fn a_data_parallel_server_s_load_is_read_rank_by_rank() {
+        // vLLM labels each engine (rank) of a data-parallel server `engine`.
+        let vllm = "vllm:num_requests_running{model_name=\"m\",engine=\"0\"} 3\n\
+                    vllm:num_requests_running{engine=\"1\",model_name=\"a \\\"b\\\", c\"} 1\n\
+                    vllm:num_requests_waiting{model_name=\"m\",engine=\"1\"} 2\n\
+                    vllm:kv_cache_usage_perc{model_name=\"m\",engine=\"1\"} 0.5\n\
+                    vllm:num_requests_running{model_name=\"m\",engine=\"7\"} 9\n";
+        let ranks = by_rank(vllm, 3);
+        assert_eq!(
+            ranks,
+            [
+                Some(EngineLoad {
+                    running: Some(3.0),
+                    ..EngineLoad::default()
+                }),
+                Some(EngineLoad {
+                    running: Some(1.0),
+                    waiting: Some(2.0),
+                    kv_cache_usage: Some(0.5),
+                }),
+                None,
+            ]
+        );
+        assert_eq!(whole(vllm).unwrap().running, Some(13.0));
+        // SGLang's `dp_rank`.
+        let sglang = "sglang:num_running_reqs{dp_rank=\"1\",tp_rank=\"0\"} 5\n\
+                      sglang:num_queue_reqs{tp_rank=\"0\",dp_rank=\"0\"} 4\n";
+        let ranks = by_rank(sglang, 2);
+        assert_eq!(ranks[0].unwrap().waiting, Some(4.0));
+        assert_eq!(ranks[1].unwrap().running, Some(5.0));
+        // Series that name no rank give no rank's figures.
+        assert_eq!(
+            by_rank("vllm:num_requests_running{model_name=\"m\"} 3\n", 2),
+            [None, None]
+        );
+        assert_eq!(label("a=\"1\",engine=\"2\"", "engine"), Some("2"));
+        assert_eq!(label("a=\"x\\\"engine=\\\"3\"", "engine"), None);
+        assert_eq!(label("broken", "engine"), None);
+    }
+}
