@@ -198,4 +198,21 @@ mod tests {
         assert_eq!(label("a=\"x\\\"engine=\\\"3\"", "engine"), None);
         assert_eq!(label("broken", "engine"), None);
     }
+
+    proptest::proptest! {
+        /// An engine's metrics page is the engine's to write: whatever it holds, it is
+        /// read without a panic, and no rank's figures fall outside the ranks asked.
+        #[test]
+        fn any_page_is_read_without_a_panic(
+            lines in proptest::collection::vec(
+                "(vllm:num_requests_running|sglang:num_queue_reqs|x)?[{}=\",\\\\a-z0-9 .-]{0,40}",
+                0..8,
+            ),
+            ranks in 0u32..4,
+        ) {
+            let page = lines.join("\n");
+            let _ = whole(&page);
+            proptest::prop_assert_eq!(by_rank(&page, ranks).len(), ranks as usize);
+        }
+    }
 }
