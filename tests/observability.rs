@@ -488,6 +488,32 @@ async fn nodes_of_the_config_show_the_load_their_engines_report() {
     }
 }
 
+/// An engine whose metrics page is slow does not slow the health checks of the others:
+/// its reads are not waited for by the rounds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_metrics_page_does_not_slow_the_health_checks() {
+    let e = engines(2, &[]);
+    set_fault(&e[0], "slow_metrics", 60_000).await;
+    let lb = balancer(&config(
+        &refs(&e),
+        "[health]\ninterval = \"100ms\"\ntimeout = \"5s\"",
+        "",
+    ));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let checks = || metric_of(&e[1], "mock_engine_health_checks_total");
+    let before = checks().await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let during = checks().await - before;
+    // About 20 at one every 100 ms; were the rounds held by the 5 s read, at most 1.
+    assert!(during >= 8.0, "{during} health checks in 2 s");
+    drop(lb);
+}
+
+/// A metric of an engine's own `/metrics`.
+async fn metric_of(engine: &Proc, name: &str) -> f64 {
+    metric(&engine.url("/metrics"), name).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_explain_answers_like_prefixlb_route() {
     let e = engines(3, &[]);

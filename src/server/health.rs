@@ -14,6 +14,7 @@
 //! expired idle connections out of the upstream pool.
 
 use std::collections::hash_map::{Entry, HashMap};
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use tokio::sync::watch;
@@ -29,14 +30,20 @@ use crate::routing::table::Table;
 /// the default `health.interval`), and on every round while it is not known.
 const MODELS_EVERY: u64 = 6;
 
+/// Engine URLs whose metrics are being read. A read is not waited for by its round
+/// (a slow metrics page must not slow every engine's checks); a URL is read again only
+/// once its last read has ended.
+type Reading = Arc<parking_lot::Mutex<HashSet<http::Uri>>>;
+
 /// Checks every node until `stop` turns true.
 pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
+    let reading = Reading::default();
     for round in 0u64.. {
         let table = proxy.table();
         let h = &table.config.health;
         let mut checks = JoinSet::new();
         for server in servers(&table) {
-            let (proxy, h) = (proxy.clone(), h.clone());
+            let (proxy, h, reading) = (proxy.clone(), h.clone(), reading.clone());
             checks.spawn(async move {
                 // The first node asks; its answer is every node's behind the URL.
                 let first = &server[0].0;
@@ -55,14 +62,21 @@ pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
                 // The load its engine reports, for the nodes of the config (an agent
                 // relays a heartbeating node's): none while it fails its checks.
                 if server.iter().any(|(n, _)| n.source() == NodeSource::Static) {
-                    let text = match (passed, h.metrics_path.as_deref()) {
-                        (true, Some(path)) => proxy.read_metrics(first, path, h.timeout).await,
-                        _ => None,
-                    };
-                    show_engine_load(
-                        &server,
-                        text.as_deref().map(String::from_utf8_lossy).as_deref(),
-                    );
+                    match (passed, h.metrics_path.clone()) {
+                        (true, Some(path)) => {
+                            if reading.lock().insert(first.url().clone()) {
+                                let (server, proxy) = (server.clone(), proxy.clone());
+                                tokio::spawn(async move {
+                                    let first = &server[0].0;
+                                    let text = proxy.read_metrics(first, &path, h.timeout).await;
+                                    let text = text.as_deref().map(String::from_utf8_lossy);
+                                    show_engine_load(&server, text.as_deref());
+                                    reading.lock().remove(first.url());
+                                });
+                            }
+                        }
+                        _ => show_engine_load(&server, None),
+                    }
                 }
                 // The model list: at once, then every few rounds.
                 let unknown = server.iter().any(|(n, _)| n.state().served().is_none());

@@ -92,6 +92,9 @@ pub enum FaultMode {
     /// Answer a stream with a 400 inside it: an SSE error event with code 400 after the
     /// role chunk (how SGLang reports some bad requests).
     ClientError,
+    /// Serve normally, but answer `/metrics` only after `ttft_ms` (a stats page slow
+    /// to build).
+    SlowMetrics,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize, serde::Serialize, Default)]
@@ -254,7 +257,13 @@ impl MockEngine {
                     _ => text(StatusCode::OK, ""),
                 }
             }
-            (&Method::GET, "/metrics") => text(StatusCode::OK, &self.metrics()),
+            (&Method::GET, "/metrics") => {
+                let fault = *self.fault.lock();
+                if fault.mode == FaultMode::SlowMetrics {
+                    tokio::time::sleep(Duration::from_millis(fault.ttft_ms)).await;
+                }
+                text(StatusCode::OK, &self.metrics())
+            }
             (&Method::GET, "/v1/models") => json_response(StatusCode::OK, &self.models()),
             (&Method::POST, "/mock/fault") => self.set_fault(req).await,
             (&Method::POST, "/v1/chat/completions") => self.clone().generate(req, Kind::Chat).await,
