@@ -53,6 +53,7 @@ p.cpuparams.n_threads = 1
 p.cpuparams_batch.n_threads = 1
 p.cache_prompt = True
 p.warmup = False
+p.endpoint_metrics = True  # /metrics: the load the balancer shows for each node
 server = x.Server(p)
 print("listening", server.listening_address, flush=True)
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
