@@ -38,6 +38,29 @@ pub fn by_rank(text: &str, ranks: u32) -> Vec<Option<EngineLoad>> {
         .collect()
 }
 
+/// What to tell the operator when an engine's metrics name another number of
+/// data-parallel ranks than it is given here (`ranks`: its `data_parallel_size`, 1 for
+/// none): a server of N ranks routed as one node scatters each conversation over its
+/// ranks' caches, and one given more ranks than it has is sent ranks it refuses.
+/// Distinct ranks are counted, not the highest: a rank served alone (vLLM's external
+/// load balancing, `--data-parallel-rank 3`) names one. `None` when they agree or the
+/// metrics name no rank.
+pub fn rank_advice(text: &str, ranks: u32) -> Option<String> {
+    let mut named: Vec<u32> = samples(text).filter_map(|s| s.rank).collect();
+    named.sort_unstable();
+    named.dedup();
+    let named = named.len() as u32;
+    (named > 0 && named != ranks.max(1)).then(|| {
+        format!(
+            "its engine's metrics name {named} data-parallel rank(s) (series labelled \
+             `engine` or `dp_rank`) where it is given {}: set data_parallel_size = {named} \
+             on its node (prefixlb agent: --data-parallel-size {named}) so that each rank \
+             keeps its own conversations",
+            ranks.max(1)
+        )
+    })
+}
+
 /// Which of [`EngineLoad`]'s figures a series gives.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Figure {
@@ -197,6 +220,30 @@ mod tests {
         assert_eq!(label("a=\"1\",engine=\"2\"", "engine"), Some("2"));
         assert_eq!(label("a=\"x\\\"engine=\\\"3\"", "engine"), None);
         assert_eq!(label("broken", "engine"), None);
+    }
+
+    #[test]
+    fn a_server_given_another_number_of_ranks_than_its_metrics_name_is_told_of() {
+        let vllm = |engines: &[u32]| -> String {
+            engines
+                .iter()
+                .map(|e| {
+                    format!("vllm:num_requests_running{{model_name=\"m\",engine=\"{e}\"}} 0\n")
+                })
+                .collect()
+        };
+        let four = vllm(&[0, 1, 2, 3]);
+        let advice = rank_advice(&four, 1).unwrap();
+        assert!(advice.contains("data_parallel_size = 4"), "{advice}");
+        assert!(advice.contains("given 1"), "{advice}");
+        assert_eq!(rank_advice(&four, 4), None);
+        assert!(rank_advice(&four, 8).unwrap().contains("given 8"));
+        // A plain vLLM names its one engine `engine="0"`; a rank served alone names one.
+        assert_eq!(rank_advice(&vllm(&[0]), 1), None);
+        assert_eq!(rank_advice(&vllm(&[3]), 1), None);
+        assert!(rank_advice(&vllm(&[0]), 2).is_some());
+        // Metrics that name no rank say nothing.
+        assert_eq!(rank_advice("llamacpp:requests_processing 1\n", 4), None);
     }
 
     proptest::proptest! {

@@ -7,6 +7,8 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::*;
 use serde_json::{json, Value};
 
@@ -293,4 +295,41 @@ async fn one_health_check_answers_for_every_rank_of_a_server() {
 /// How many `GET /health` an engine has answered.
 async fn health_checks(engine: &Proc) -> f64 {
     metric(&engine.url("/metrics"), "mock_engine_health_checks_total").await
+}
+
+/// A server of four ranks given as one node (or as two) is named in a warning that
+/// says how to give it its ranks, once; given its four, nothing is logged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_given_the_wrong_number_of_ranks_is_named_in_a_warning() {
+    let ranks = RANKS.to_string();
+    let engine = engine("dp", &["--data-parallel-size", &ranks]);
+    let fast = "[health]\ninterval = \"100ms\"\n";
+    for (given, advice) in [
+        (1, Some("given 1: set data_parallel_size = 4")),
+        (2, Some("given 2: set data_parallel_size = 4")),
+        (RANKS, None),
+    ] {
+        let (lb, log) = balancer_logged(
+            &format!("{fast}{}", one_server(&engine, given)),
+            "warn",
+            &[],
+        );
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let text = std::fs::read_to_string(&log).unwrap();
+        let warnings: Vec<_> = text
+            .lines()
+            .filter(|l| l.contains("data-parallel rank"))
+            .collect();
+        match advice {
+            Some(advice) => {
+                assert_eq!(warnings.len(), 1, "logged once: {text}");
+                assert!(
+                    warnings[0].contains(advice) && warnings[0].contains("gpu"),
+                    "{text}"
+                );
+            }
+            None => assert!(warnings.is_empty(), "{text}"),
+        }
+        drop(lb);
+    }
 }

@@ -38,6 +38,17 @@ impl Daemon {
     fn wait_exit(&mut self, limit: Duration) -> Option<i32> {
         exit_within(&mut self.0, limit).and_then(|status| status.code())
     }
+
+    /// Stops it and returns what it wrote to its standard error.
+    fn stop_and_read_stderr(mut self) -> String {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+        let mut text = String::new();
+        if let Some(mut err) = self.0.stderr.take() {
+            std::io::Read::read_to_string(&mut err, &mut text).unwrap();
+        }
+        text
+    }
 }
 
 /// A `redis-server` on a free loopback port, no persistence.
@@ -448,6 +459,29 @@ async fn a_data_parallel_server_s_ranks_each_show_their_own_engine_load() {
         assert!(start.elapsed() < Duration::from_secs(3), "never idle again");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// An agent that announces a server of three ranks as one says, once, how to announce
+/// its ranks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_announcing_the_wrong_number_of_ranks_says_so_once() {
+    let Some(redis) = Redis::start(&[]) else {
+        return;
+    };
+    let e = engine("dp", &["--data-parallel-size", "3"]);
+    let wrong = agent(&redis.url(), &e, "d", &[]);
+    let right = agent(&redis.url(), &e, "r", &["--data-parallel-size", "3"]);
+    // Several heartbeats.
+    tokio::time::sleep(Duration::from_millis(5 * POLL_MS)).await;
+    let said = wrong.stop_and_read_stderr();
+    let advice: Vec<_> = said
+        .lines()
+        .filter(|l| l.contains("data-parallel rank"))
+        .collect();
+    assert_eq!(advice.len(), 1, "{said}");
+    assert!(advice[0].contains("--data-parallel-size 3"), "{said}");
+    let said = right.stop_and_read_stderr();
+    assert!(!said.contains("data-parallel rank"), "{said}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

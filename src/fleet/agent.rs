@@ -54,6 +54,7 @@ pub async fn run(
     let mut store: Option<Store> = None;
     let mut registered = false;
     let mut last_state: Option<String> = None;
+    let mut last_advice: Option<String> = None;
     let mut note = |state: String| {
         if last_state.as_ref() != Some(&state) {
             tracing::info!(node = %o.id, "{state}");
@@ -80,6 +81,16 @@ pub async fn run(
                     o.models.clone()
                 };
                 let metrics = get(&client, &o.backend, "/metrics", deadline).await;
+                // An engine of another number of ranks than announced: said once.
+                if let Some(text) = metrics.as_deref() {
+                    let advice = engine_load::rank_advice(text, o.data_parallel_size);
+                    if let Some(advice) =
+                        advice.as_ref().filter(|a| last_advice.as_ref() != Some(a))
+                    {
+                        tracing::warn!(node = %o.id, "{advice}");
+                    }
+                    last_advice = advice;
+                }
                 let load = metrics.as_deref().and_then(engine_load::whole);
                 let rank_loads = match (&metrics, o.data_parallel_size) {
                     (Some(text), ranks) if ranks > 1 => engine_load::by_rank(text, ranks),

@@ -30,10 +30,17 @@ use crate::routing::table::Table;
 /// the default `health.interval`), and on every round while it is not known.
 const MODELS_EVERY: u64 = 6;
 
-/// Engine URLs whose metrics are being read. A read is not waited for by its round
-/// (a slow metrics page must not slow every engine's checks); a URL is read again only
-/// once its last read has ended.
-type Reading = Arc<parking_lot::Mutex<HashSet<http::Uri>>>;
+/// The reads of the engines' metrics, across rounds. A read is not waited for by its
+/// round (a slow metrics page must not slow every engine's checks).
+#[derive(Default)]
+struct Reads {
+    /// Engine URLs being read: a URL is read again only once its last read has ended.
+    reading: HashSet<http::Uri>,
+    /// The rank advice last logged for each URL, so that it is logged once.
+    advised: HashMap<http::Uri, String>,
+}
+
+type Reading = Arc<parking_lot::Mutex<Reads>>;
 
 /// Checks every node until `stop` turns true.
 pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
@@ -64,14 +71,18 @@ pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
                 if server.iter().any(|(n, _)| n.source() == NodeSource::Static) {
                     match (passed, h.metrics_path.clone()) {
                         (true, Some(path)) => {
-                            if reading.lock().insert(first.url().clone()) {
+                            if reading.lock().reading.insert(first.url().clone()) {
                                 let (server, proxy) = (server.clone(), proxy.clone());
                                 tokio::spawn(async move {
                                     let first = &server[0].0;
                                     let text = proxy.read_metrics(first, &path, h.timeout).await;
                                     let text = text.as_deref().map(String::from_utf8_lossy);
                                     show_engine_load(&server, text.as_deref());
-                                    reading.lock().remove(first.url());
+                                    let mut reads = reading.lock();
+                                    reads.reading.remove(first.url());
+                                    if let Some(text) = text {
+                                        advise(&mut reads.advised, &server, &text);
+                                    }
                                 });
                             }
                         }
@@ -116,6 +127,43 @@ fn show_engine_load(server: &[(Node, Arc<BreakerSettings>)], metrics: Option<&st
             Some(rank) => by_rank.get(rank as usize).copied().flatten(),
         };
         node.state().set_engine_load(load);
+    }
+}
+
+/// Logs, once, an engine server whose metrics name another number of data-parallel
+/// ranks than its nodes of the config have ([`engine_load::rank_advice`]).
+fn advise(
+    advised: &mut HashMap<http::Uri, String>,
+    server: &[(Node, Arc<BreakerSettings>)],
+    metrics: &str,
+) {
+    let statics = || {
+        server
+            .iter()
+            .map(|(n, _)| n)
+            .filter(|n| n.source() == NodeSource::Static)
+    };
+    let Some(first) = statics().next() else {
+        return;
+    };
+    let ranks = statics()
+        .filter(|n| n.data_parallel_rank().is_some())
+        .count() as u32;
+    let url = first.url();
+    match engine_load::rank_advice(metrics, ranks) {
+        Some(advice) if advised.get(url) != Some(&advice) => {
+            // A rank's node id is its server's, `@`, its rank.
+            let id = match first.data_parallel_rank() {
+                Some(_) => first.id().rsplit_once('@').map_or(first.id(), |(id, _)| id),
+                None => first.id(),
+            };
+            tracing::warn!(node = %id, url = %url, "{advice}");
+            advised.insert(url.clone(), advice);
+        }
+        Some(_) => {}
+        None => {
+            advised.remove(url);
+        }
     }
 }
 
