@@ -11,9 +11,10 @@ use crate::routing::node::EngineLoad;
 /// exposition (vLLM's `vllm:num_requests_running`, `vllm:num_requests_waiting`,
 /// `vllm:kv_cache_usage_perc` or `vllm:gpu_cache_usage_perc`; SGLang's
 /// `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`;
-/// llama.cpp's `llamacpp:requests_processing`, `llamacpp:requests_deferred`, its server
-/// started with `--metrics`), summed over label sets (an engine may label by model, or
-/// by rank). `None` if none is found.
+/// llama.cpp's `llamacpp:requests_processing`, `llamacpp:requests_deferred` and, in
+/// older builds, `llamacpp:kv_cache_usage_ratio`, its server started with
+/// `--metrics`), summed over label sets (an engine may label by model, or by rank).
+/// `None` if none is found.
 pub fn whole(text: &str) -> Option<EngineLoad> {
     let mut load = EngineLoad::default();
     for s in samples(text) {
@@ -104,9 +105,10 @@ fn samples(text: &str) -> impl Iterator<Item = Sample> + '_ {
             "vllm:num_requests_waiting"
             | "sglang:num_queue_reqs"
             | "llamacpp:requests_deferred" => Figure::Waiting,
-            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" | "sglang:token_usage" => {
-                Figure::KvCacheUsage
-            }
+            "vllm:kv_cache_usage_perc"
+            | "vllm:gpu_cache_usage_perc"
+            | "sglang:token_usage"
+            | "llamacpp:kv_cache_usage_ratio" => Figure::KvCacheUsage,
             _ => return None,
         };
         let value = line
@@ -170,6 +172,9 @@ mod tests {
             (load.running, load.waiting, load.kv_cache_usage),
             (Some(5.0), Some(0.0), None)
         );
+        // Older llama.cpp servers gave the KV cache in use too.
+        let older = "llamacpp:requests_processing 2\nllamacpp:kv_cache_usage_ratio 0.5\n";
+        assert_eq!(whole(older).unwrap().kv_cache_usage, Some(0.5));
         // llama.cpp's server with `--metrics` (as xllamacpp 0.2 printed it).
         let llamacpp = "llamacpp:prompt_tokens_total 0\nllamacpp:requests_processing 1\nllamacpp:requests_deferred 2\nllamacpp:n_busy_slots_per_decode 0\n";
         let load = whole(llamacpp).unwrap();
