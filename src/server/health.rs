@@ -66,13 +66,21 @@ pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
                         now,
                     );
                 }
+                // The model list: at once, then every few rounds.
+                let unknown = server.iter().any(|(n, _)| n.state().served().is_none());
+                if passed && (round % MODELS_EVERY == 0 || unknown) {
+                    let served = proxy.read_models(first, h.timeout).await;
+                    for (node, _) in &server {
+                        node.state().set_served(served.clone());
+                    }
+                }
                 // The load its engine reports, for the nodes of the config (an agent
-                // relays a heartbeating node's): none while it fails its checks.
+                // relays a heartbeating node's): none while it fails its checks. Read
+                // last, on the connection the check and the model list used.
                 if server.iter().any(|(n, _)| n.source() == NodeSource::Static) {
                     match (passed, h.metrics_path.clone()) {
                         (true, Some(path)) => {
                             if reading.lock().reading.insert(first.url().clone()) {
-                                let (server, proxy) = (server.clone(), proxy.clone());
                                 tokio::spawn(async move {
                                     let first = &server[0].0;
                                     let text = proxy.read_metrics(first, &path, h.timeout).await;
@@ -87,14 +95,6 @@ pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
                             }
                         }
                         _ => show_engine_load(&server, None),
-                    }
-                }
-                // The model list: at once, then every few rounds.
-                let unknown = server.iter().any(|(n, _)| n.state().served().is_none());
-                if passed && (round % MODELS_EVERY == 0 || unknown) {
-                    let served = proxy.read_models(first, h.timeout).await;
-                    for (node, _) in &server {
-                        node.state().set_served(served.clone());
                     }
                 }
             });
