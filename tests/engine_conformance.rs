@@ -326,11 +326,13 @@ async fn every_case_of_the_corpus_reaches_the_client_whole_or_as_an_error() {
     let state = Arc::new(Mutex::new(Engine::default()));
     let engine = raw_engine(state.clone()).await;
     // One attempt (a failover would ask the engine again and hide the case), a breaker
-    // that does not open on the hostile cases, health checks out of the way, and one
-    // lane (each lane keeps its own engine connections: "reused" means on this lane's).
+    // that does not open on the hostile cases, health checks out of the way (and no
+    // metrics read: this engine would answer it with a case), and one lane (each lane
+    // keeps its own engine connections: "reused" means on this lane's).
     let lb = balancer(&config_at(
         &[engine],
-        "lanes = 1\n[routing]\nmax_attempts = 1\n[breaker]\nfailure_threshold = 1000\n[health]\ninterval = \"1h\"",
+        "lanes = 1\n[routing]\nmax_attempts = 1\n[breaker]\nfailure_threshold = 1000\n\
+         [health]\ninterval = \"1h\"\nmetrics_path = \"\"",
     ));
     let url = lb.url("/v1/chat/completions");
     let small = Bytes::from(serde_json::to_vec(&chat(&[("user", "x")], false, 2)).unwrap());
