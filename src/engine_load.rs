@@ -111,14 +111,17 @@ fn samples(text: &str) -> impl Iterator<Item = Sample> + '_ {
             | "llamacpp:kv_cache_usage_ratio" => Figure::KvCacheUsage,
             _ => return None,
         };
-        let value = line
-            .rsplit_once(char::is_whitespace)
-            .and_then(|(_, v)| v.parse::<f64>().ok())
+        // `name{labels} value [timestamp]`: the value is the first word after the
+        // labels (the last `}`: no value or timestamp holds one).
+        let (labels, rest) = match line[name_end..].strip_prefix('{') {
+            Some(braced) => braced.rsplit_once('}')?,
+            None => ("", &line[name_end..]),
+        };
+        let value = rest
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
             .filter(|v| v.is_finite())?;
-        let labels = line[name_end..]
-            .strip_prefix('{')
-            .and_then(|rest| rest.rsplit_once('}'))
-            .map_or("", |(labels, _)| labels);
         let rank = label(labels, "engine")
             .or_else(|| label(labels, "dp_rank"))
             .and_then(|v| v.parse().ok());
@@ -172,6 +175,9 @@ mod tests {
             (load.running, load.waiting, load.kv_cache_usage),
             (Some(5.0), Some(0.0), None)
         );
+        // A sample's timestamp is not its value.
+        let stamped = "vllm:num_requests_running{model_name=\"m\"} 3 1733550000000\n";
+        assert_eq!(whole(stamped).unwrap().running, Some(3.0));
         // Older llama.cpp servers gave the KV cache in use too.
         let older = "llamacpp:requests_processing 2\nllamacpp:kv_cache_usage_ratio 0.5\n";
         assert_eq!(whole(older).unwrap().kv_cache_usage, Some(0.5));
