@@ -146,9 +146,11 @@ fn advise(
     let Some(first) = statics().next() else {
         return;
     };
+    // Distinct ranks: a server in two pools is each rank's node twice.
     let ranks = statics()
-        .filter(|n| n.data_parallel_rank().is_some())
-        .count() as u32;
+        .filter_map(|n| n.data_parallel_rank())
+        .collect::<HashSet<_>>()
+        .len() as u32;
     let url = first.url();
     match engine_load::rank_advice(metrics, ranks) {
         Some(advice) if advised.get(url) != Some(&advice) => {
