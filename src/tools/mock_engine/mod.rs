@@ -812,8 +812,6 @@ impl MockEngine {
                 "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{model_name=\"{m}\"}} {v}\n"
             )
         };
-        // A server of several ranks gives its gauges by rank, as vLLM does (one
-        // series per engine, labelled `engine`).
         // Each rank's gauges, as vLLM gives them: one series per engine (rank),
         // labelled `engine`, when the server has several.
         let by_rank = |name: &str, help: &str, values: Vec<f64>| {
