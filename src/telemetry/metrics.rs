@@ -209,9 +209,9 @@ impl Metrics {
             queue_depth: reg!(IntGaugeVec::new(opts("queue_depth", "Requests waiting for a slot."), &["pool"])),
             queue_depth_by_priority: reg!(IntGaugeVec::new(opts("queue_depth_by_priority", "Requests waiting for a slot, by priority class."), &["pool", "priority"])),
             ring_nodes: reg!(IntGaugeVec::new(opts("ring_nodes", "Nodes on a pool's ring."), &["pool"])),
-            engine_running: reg!(GaugeVec::new(opts("engine_requests_running", "Sequences the engine reports running (vLLM/SGLang/llama.cpp metrics, via its agent)."), &["pool", "node"])),
-            engine_waiting: reg!(GaugeVec::new(opts("engine_requests_waiting", "Requests waiting in the engine's own queue, as it reports (via its agent)."), &["pool", "node"])),
-            engine_kv_cache_usage: reg!(GaugeVec::new(opts("engine_kv_cache_usage", "Share of the engine's KV cache in use, 0-1, as it reports (via its agent)."), &["pool", "node"])),
+            engine_running: reg!(GaugeVec::new(opts("engine_requests_running", "Sequences the engine reports running (vLLM/SGLang/llama.cpp metrics, read by the health checks or relayed by its agent; a rank of a data-parallel server: its rank's)."), &["pool", "node"])),
+            engine_waiting: reg!(GaugeVec::new(opts("engine_requests_waiting", "Requests waiting in the engine's own queue, as it reports."), &["pool", "node"])),
+            engine_kv_cache_usage: reg!(GaugeVec::new(opts("engine_kv_cache_usage", "Share of the engine's KV cache in use, 0-1, as it reports."), &["pool", "node"])),
             transitions_seen: Mutex::new(HashMap::new()),
         };
         let fleet = FleetMetrics {
