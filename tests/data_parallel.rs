@@ -320,6 +320,15 @@ async fn a_server_given_the_wrong_number_of_ranks_is_named_in_a_warning() {
             .lines()
             .filter(|l| l.contains("data-parallel rank"))
             .collect();
+        // `/admin/nodes` shows it on every node of the server.
+        let nodes = get_json(&lb.admin_url("/admin/nodes")).await;
+        let shown: Vec<Option<&str>> = nodes["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n["engine_advice"].as_str())
+            .collect();
+        assert_eq!(shown.len(), given);
         match advice {
             Some(advice) => {
                 assert_eq!(warnings.len(), 1, "logged once: {text}");
@@ -327,8 +336,15 @@ async fn a_server_given_the_wrong_number_of_ranks_is_named_in_a_warning() {
                     warnings[0].contains(advice) && warnings[0].contains("gpu"),
                     "{text}"
                 );
+                assert!(
+                    shown.iter().all(|a| a.is_some_and(|a| a.contains(advice))),
+                    "{shown:?}"
+                );
             }
-            None => assert!(warnings.is_empty(), "{text}"),
+            None => {
+                assert!(warnings.is_empty(), "{text}");
+                assert!(shown.iter().all(Option::is_none), "{shown:?}");
+            }
         }
         drop(lb);
     }

@@ -215,8 +215,12 @@ pub struct NodeState {
     waiting: AtomicU32,
     /// Wakes a request waiting for a slot here, one per freed slot.
     freed: Notify,
-    /// The engine's own load figures, from its agent's last heartbeat.
+    /// The engine's own load figures, from its agent's last heartbeat or the health
+    /// checks' last read of its metrics.
     engine_load: parking_lot::Mutex<Option<EngineLoad>>,
+    /// What the operator should change, when the engine's metrics name another number
+    /// of data-parallel ranks than this node's server has (a node of the config).
+    engine_advice: parking_lot::Mutex<Option<String>>,
     /// See [`NodeState::start_prefill`]: estimated prompt tokens sent here and not yet
     /// past their first token, and all ever sent here.
     prefill_backlog: AtomicU32,
@@ -247,6 +251,7 @@ impl NodeState {
             waiting: AtomicU32::new(0),
             freed: Notify::new(),
             engine_load: parking_lot::Mutex::new(None),
+            engine_advice: parking_lot::Mutex::new(None),
             prefill_backlog: AtomicU32::new(0),
             prefill_arrived: AtomicU64::new(0),
             others: AtomicU32::new(0),
@@ -323,6 +328,15 @@ impl NodeState {
 
     pub fn set_engine_load(&self, load: Option<EngineLoad>) {
         *self.engine_load.lock() = load;
+    }
+
+    /// See the field: shown in `/admin/nodes` and on the status page.
+    pub fn engine_advice(&self) -> Option<String> {
+        self.engine_advice.lock().clone()
+    }
+
+    pub fn set_engine_advice(&self, advice: Option<String>) {
+        *self.engine_advice.lock() = advice;
     }
 
     /// Estimated prompt tokens sent here and not yet past their first token.

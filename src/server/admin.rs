@@ -135,6 +135,9 @@ fn nodes(table: &Table) -> Value {
                     "degraded": state.breaker.is_degraded(),
                     "prefill_backlog_tokens": state.prefill_backlog(),
                     "engine_load": state.engine_load(),
+                    // Set when its engine's metrics name another number of
+                    // data-parallel ranks than its server has here.
+                    "engine_advice": state.engine_advice(),
                     "source": n.source().as_str(),
                     // The ids its engine's `/v1/models` last listed; null until read.
                     "models": state.served().map(|s| {

@@ -130,8 +130,9 @@ fn show_engine_load(server: &[(Node, Arc<BreakerSettings>)], metrics: Option<&st
     }
 }
 
-/// Logs, once, an engine server whose metrics name another number of data-parallel
-/// ranks than its nodes of the config have ([`engine_load::rank_advice`]).
+/// Shows on its nodes, and logs once, an engine server whose metrics name another
+/// number of data-parallel ranks than its nodes of the config have
+/// ([`engine_load::rank_advice`]).
 fn advise(
     advised: &mut HashMap<http::Uri, String>,
     server: &[(Node, Arc<BreakerSettings>)],
@@ -152,7 +153,11 @@ fn advise(
         .collect::<HashSet<_>>()
         .len() as u32;
     let url = first.url();
-    match engine_load::rank_advice(metrics, ranks) {
+    let advice = engine_load::rank_advice(metrics, ranks);
+    for node in statics() {
+        node.state().set_engine_advice(advice.clone());
+    }
+    match advice {
         Some(advice) if advised.get(url) != Some(&advice) => {
             // A rank's node id is its server's, `@`, its rank.
             let id = match first.data_parallel_rank() {
