@@ -393,22 +393,6 @@ async fn an_agent_s_data_parallel_server_joins_as_a_node_per_rank() {
     assert!(cached.as_u64().unwrap() > 0, "{cached}");
 }
 
-/// Each rank node's `engine_load`, as `/admin/nodes` shows it: (id, running).
-async fn engine_running(lb: &Proc) -> Vec<(String, Option<f64>)> {
-    let nodes = get_json(&lb.admin_url("/admin/nodes")).await;
-    let mut running: Vec<_> = nodes["nodes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|n| {
-            let id = n["id"].as_str().unwrap().to_string();
-            (id, n["engine_load"]["running"].as_f64())
-        })
-        .collect();
-    running.sort_by(|a, b| a.0.cmp(&b.0));
-    running
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_data_parallel_server_s_ranks_each_show_their_own_engine_load() {
     let Some(redis) = Redis::start(&[]) else {

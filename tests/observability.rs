@@ -394,22 +394,6 @@ async fn watch_config_applies_edits_by_itself() {
     );
 }
 
-/// Each node's `running` engine load, as `/admin/nodes` shows it, sorted by id.
-async fn engine_running(lb: &Proc) -> Vec<(String, Option<f64>)> {
-    let nodes = get_json(&lb.admin_url("/admin/nodes")).await;
-    let mut running: Vec<_> = nodes["nodes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|n| {
-            let id = n["id"].as_str().unwrap().to_string();
-            (id, n["engine_load"]["running"].as_f64())
-        })
-        .collect();
-    running.sort_by(|a, b| a.0.cmp(&b.0));
-    running
-}
-
 /// The nodes of the config show the load their engines report (read from the
 /// engine's `/metrics` after each passed health check): a server's own, or each
 /// rank's its rank's; with `health.metrics_path = ""` none.

@@ -291,6 +291,23 @@ pub async fn get_json(url: &str) -> Value {
     call("GET", url, &[], Bytes::new()).await.json()
 }
 
+/// Each node's `running` engine load (the load its engine reports), as `lb`'s
+/// `/admin/nodes` shows it: (id, running), sorted by id.
+pub async fn engine_running(lb: &Proc) -> Vec<(String, Option<f64>)> {
+    let nodes = get_json(&lb.admin_url("/admin/nodes")).await;
+    let mut running: Vec<_> = nodes["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| {
+            let id = n["id"].as_str().unwrap().to_string();
+            (id, n["engine_load"]["running"].as_f64())
+        })
+        .collect();
+    running.sort_by(|a, b| a.0.cmp(&b.0));
+    running
+}
+
 /// The value of a metric in a Prometheus text page (first series with that name).
 pub async fn metric(url: &str, name: &str) -> f64 {
     let page = call("GET", url, &[], Bytes::new()).await.text();
