@@ -7,59 +7,68 @@
 
 use crate::routing::node::EngineLoad;
 
-/// The whole server's figures: the known gauges read out of a Prometheus text
-/// exposition (vLLM's `vllm:num_requests_running`, `vllm:num_requests_waiting`,
+/// What an engine's metrics page says of its load, read in one pass ([`read`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Report {
+    /// The whole server's figures, summed over label sets (an engine may label by
+    /// model, or by rank); `None` if no known gauge is found.
+    pub whole: Option<EngineLoad>,
+    /// Each data-parallel rank's figures, for the ranks asked (`0..ranks`), from the
+    /// series that name their rank; `None` for a rank no series names.
+    pub by_rank: Vec<Option<EngineLoad>>,
+    /// How many distinct ranks the series name.
+    pub ranks_named: u32,
+}
+
+/// Reads the known gauges out of a Prometheus text exposition (vLLM's
+/// `vllm:num_requests_running`, `vllm:num_requests_waiting`,
 /// `vllm:kv_cache_usage_perc` or `vllm:gpu_cache_usage_perc`; SGLang's
 /// `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`;
 /// llama.cpp's `llamacpp:requests_processing`, `llamacpp:requests_deferred` and, in
 /// older builds, `llamacpp:kv_cache_usage_ratio`, its server started with
-/// `--metrics`), summed over label sets (an engine may label by model, or by rank).
-/// `None` if none is found.
-pub fn whole(text: &str) -> Option<EngineLoad> {
-    let mut load = EngineLoad::default();
+/// `--metrics`); a series' rank is its `engine` label (vLLM) or its `dp_rank` (SGLang).
+pub fn read(text: &str, ranks: u32) -> Report {
+    let mut whole = EngineLoad::default();
+    let mut by_rank = vec![EngineLoad::default(); ranks as usize];
+    let mut named = Vec::new();
     for s in samples(text) {
-        s.add_to(&mut load);
-    }
-    (load != EngineLoad::default()).then_some(load)
-}
-
-/// Each data-parallel rank's figures, for ranks `0..ranks`: from the series that name
-/// their rank (vLLM's `engine` label, SGLang's `dp_rank`); `None` for a rank no series
-/// names.
-pub fn by_rank(text: &str, ranks: u32) -> Vec<Option<EngineLoad>> {
-    let mut loads = vec![EngineLoad::default(); ranks as usize];
-    for s in samples(text) {
-        if let Some(load) = s.rank.and_then(|r| loads.get_mut(r as usize)) {
-            s.add_to(load);
+        s.add_to(&mut whole);
+        if let Some(rank) = s.rank {
+            named.push(rank);
+            if let Some(load) = by_rank.get_mut(rank as usize) {
+                s.add_to(load);
+            }
         }
     }
-    loads
-        .into_iter()
-        .map(|l| (l != EngineLoad::default()).then_some(l))
-        .collect()
-}
-
-/// What to tell the operator when an engine's metrics name another number of
-/// data-parallel ranks than it is given here (`ranks`: its `data_parallel_size`, 1 for
-/// none): a server of N ranks routed as one node scatters each conversation over its
-/// ranks' caches, and one given more ranks than it has is sent ranks it refuses.
-/// Distinct ranks are counted, not the highest: a rank served alone (vLLM's external
-/// load balancing, `--data-parallel-rank 3`) names one. `None` when they agree or the
-/// metrics name no rank.
-pub fn rank_advice(text: &str, ranks: u32) -> Option<String> {
-    let mut named: Vec<u32> = samples(text).filter_map(|s| s.rank).collect();
     named.sort_unstable();
     named.dedup();
-    let named = named.len() as u32;
-    (named > 0 && named != ranks.max(1)).then(|| {
-        format!(
-            "its engine's metrics name {named} data-parallel rank(s) (series labelled \
-             `engine` or `dp_rank`) where it is given {}: set data_parallel_size = {named} \
-             on its node (prefixlb agent: --data-parallel-size {named}) so that each rank \
-             keeps its own conversations",
-            ranks.max(1)
-        )
-    })
+    let some = |l: EngineLoad| (l != EngineLoad::default()).then_some(l);
+    Report {
+        whole: some(whole),
+        by_rank: by_rank.into_iter().map(some).collect(),
+        ranks_named: named.len() as u32,
+    }
+}
+
+impl Report {
+    /// What to tell the operator when the metrics name another number of data-parallel
+    /// ranks than the server is given here (`given`: its `data_parallel_size`, 1 for
+    /// none): a server of N ranks routed as one node scatters each conversation over its
+    /// ranks' caches, and one given more ranks than it has is sent ranks it refuses.
+    /// Distinct ranks are counted, not the highest: a rank served alone (vLLM's external
+    /// load balancing, `--data-parallel-rank 3`) names one. `None` when they agree or the
+    /// metrics name no rank.
+    pub fn rank_advice(&self, given: u32) -> Option<String> {
+        let (named, given) = (self.ranks_named, given.max(1));
+        (named > 0 && named != given).then(|| {
+            format!(
+                "its engine's metrics name {named} data-parallel rank(s) (series labelled \
+                 `engine` or `dp_rank`) where it is given {given}: set data_parallel_size = \
+                 {named} on its node (prefixlb agent: --data-parallel-size {named}) so that \
+                 each rank keeps its own conversations"
+            )
+        })
+    }
 }
 
 /// Which of [`EngineLoad`]'s figures a series gives.
@@ -161,7 +170,7 @@ mod tests {
     fn engine_load_is_read_from_vllm_and_sglang_metrics() {
         let vllm = "# HELP vllm:num_requests_running x\nvllm:num_requests_running{model_name=\"a\"} 3\nvllm:num_requests_running{model_name=\"b\"} 1\nvllm:num_requests_waiting{model_name=\"a\"} 2.0\nvllm:kv_cache_usage_perc{model_name=\"a\"} 0.25\nvllm:other 9\n";
         assert_eq!(
-            whole(vllm),
+            read(vllm, 0).whole,
             Some(EngineLoad {
                 running: Some(4.0),
                 waiting: Some(2.0),
@@ -170,26 +179,26 @@ mod tests {
         );
         let sglang =
             "sglang:num_running_reqs{tp_rank=\"0\"} 5\nsglang:num_queue_reqs{tp_rank=\"0\"} 0\n";
-        let load = whole(sglang).unwrap();
+        let load = read(sglang, 0).whole.unwrap();
         assert_eq!(
             (load.running, load.waiting, load.kv_cache_usage),
             (Some(5.0), Some(0.0), None)
         );
         // A sample's timestamp is not its value.
         let stamped = "vllm:num_requests_running{model_name=\"m\"} 3 1733550000000\n";
-        assert_eq!(whole(stamped).unwrap().running, Some(3.0));
+        assert_eq!(read(stamped, 0).whole.unwrap().running, Some(3.0));
         // Older llama.cpp servers gave the KV cache in use too.
         let older = "llamacpp:requests_processing 2\nllamacpp:kv_cache_usage_ratio 0.5\n";
-        assert_eq!(whole(older).unwrap().kv_cache_usage, Some(0.5));
+        assert_eq!(read(older, 0).whole.unwrap().kv_cache_usage, Some(0.5));
         // llama.cpp's server with `--metrics` (as xllamacpp 0.2 printed it).
         let llamacpp = "llamacpp:prompt_tokens_total 0\nllamacpp:requests_processing 1\nllamacpp:requests_deferred 2\nllamacpp:n_busy_slots_per_decode 0\n";
-        let load = whole(llamacpp).unwrap();
+        let load = read(llamacpp, 0).whole.unwrap();
         assert_eq!(
             (load.running, load.waiting, load.kv_cache_usage),
             (Some(1.0), Some(2.0), None)
         );
-        assert_eq!(whole("tgi_queue_size 1\n"), None);
-        assert_eq!(whole("vllm:num_requests_running NaN\n"), None);
+        assert_eq!(read("tgi_queue_size 1\n", 0).whole, None);
+        assert_eq!(read("vllm:num_requests_running NaN\n", 0).whole, None);
     }
 
     #[test]
@@ -200,7 +209,7 @@ mod tests {
                     vllm:num_requests_waiting{model_name=\"m\",engine=\"1\"} 2\n\
                     vllm:kv_cache_usage_perc{model_name=\"m\",engine=\"1\"} 0.5\n\
                     vllm:num_requests_running{model_name=\"m\",engine=\"7\"} 9\n";
-        let ranks = by_rank(vllm, 3);
+        let ranks = read(vllm, 3).by_rank;
         assert_eq!(
             ranks,
             [
@@ -216,16 +225,16 @@ mod tests {
                 None,
             ]
         );
-        assert_eq!(whole(vllm).unwrap().running, Some(13.0));
+        assert_eq!(read(vllm, 0).whole.unwrap().running, Some(13.0));
         // SGLang's `dp_rank`.
         let sglang = "sglang:num_running_reqs{dp_rank=\"1\",tp_rank=\"0\"} 5\n\
                       sglang:num_queue_reqs{tp_rank=\"0\",dp_rank=\"0\"} 4\n";
-        let ranks = by_rank(sglang, 2);
+        let ranks = read(sglang, 2).by_rank;
         assert_eq!(ranks[0].unwrap().waiting, Some(4.0));
         assert_eq!(ranks[1].unwrap().running, Some(5.0));
         // Series that name no rank give no rank's figures.
         assert_eq!(
-            by_rank("vllm:num_requests_running{model_name=\"m\"} 3\n", 2),
+            read("vllm:num_requests_running{model_name=\"m\"} 3\n", 2).by_rank,
             [None, None]
         );
         assert_eq!(label("a=\"1\",engine=\"2\"", "engine"), Some("2"));
@@ -244,17 +253,20 @@ mod tests {
                 .collect()
         };
         let four = vllm(&[0, 1, 2, 3]);
-        let advice = rank_advice(&four, 1).unwrap();
+        let advice = read(&four, 0).rank_advice(1).unwrap();
         assert!(advice.contains("data_parallel_size = 4"), "{advice}");
         assert!(advice.contains("given 1"), "{advice}");
-        assert_eq!(rank_advice(&four, 4), None);
-        assert!(rank_advice(&four, 8).unwrap().contains("given 8"));
+        assert_eq!(read(&four, 0).rank_advice(4), None);
+        assert!(read(&four, 0).rank_advice(8).unwrap().contains("given 8"));
         // A plain vLLM names its one engine `engine="0"`; a rank served alone names one.
-        assert_eq!(rank_advice(&vllm(&[0]), 1), None);
-        assert_eq!(rank_advice(&vllm(&[3]), 1), None);
-        assert!(rank_advice(&vllm(&[0]), 2).is_some());
+        assert_eq!(read(&vllm(&[0]), 0).rank_advice(1), None);
+        assert_eq!(read(&vllm(&[3]), 0).rank_advice(1), None);
+        assert!(read(&vllm(&[0]), 0).rank_advice(2).is_some());
         // Metrics that name no rank say nothing.
-        assert_eq!(rank_advice("llamacpp:requests_processing 1\n", 4), None);
+        assert_eq!(
+            read("llamacpp:requests_processing 1\n", 0).rank_advice(4),
+            None
+        );
     }
 
     proptest::proptest! {
@@ -269,8 +281,7 @@ mod tests {
             ranks in 0u32..4,
         ) {
             let page = lines.join("\n");
-            let _ = whole(&page);
-            proptest::prop_assert_eq!(by_rank(&page, ranks).len(), ranks as usize);
+            proptest::prop_assert_eq!(read(&page, ranks).by_rank.len(), ranks as usize);
         }
     }
 }

@@ -80,10 +80,12 @@ pub async fn run(
                 } else {
                     o.models.clone()
                 };
-                let metrics = get(&client, &o.backend, "/metrics", deadline).await;
+                let report = get(&client, &o.backend, "/metrics", deadline)
+                    .await
+                    .map(|text| engine_load::read(&text, o.data_parallel_size));
                 // An engine of another number of ranks than announced: said once.
-                if let Some(text) = metrics.as_deref() {
-                    let advice = engine_load::rank_advice(text, o.data_parallel_size);
+                if let Some(report) = &report {
+                    let advice = report.rank_advice(o.data_parallel_size);
                     if let Some(advice) =
                         advice.as_ref().filter(|a| last_advice.as_ref() != Some(a))
                     {
@@ -91,9 +93,9 @@ pub async fn run(
                     }
                     last_advice = advice;
                 }
-                let load = metrics.as_deref().and_then(engine_load::whole);
-                let rank_loads = match (&metrics, o.data_parallel_size) {
-                    (Some(text), ranks) if ranks > 1 => engine_load::by_rank(text, ranks),
+                let load = report.as_ref().and_then(|r| r.whole);
+                let rank_loads = match report {
+                    Some(r) if o.data_parallel_size > 1 => r.by_rank,
                     _ => Vec::new(),
                 };
                 let record = NodeRecord {

@@ -84,12 +84,15 @@ pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
                                 tokio::spawn(async move {
                                     let first = &server[0].0;
                                     let text = proxy.read_metrics(first, &path, h.timeout).await;
-                                    let text = text.as_deref().map(String::from_utf8_lossy);
-                                    show_engine_load(&server, text.as_deref());
+                                    let report = text.map(|t| {
+                                        let ranks = highest_rank(&server).map_or(0, |r| r + 1);
+                                        engine_load::read(&String::from_utf8_lossy(&t), ranks)
+                                    });
+                                    show_engine_load(&server, report.as_ref());
                                     let mut reads = reading.lock();
                                     reads.reading.remove(first.url());
-                                    if let Some(text) = text {
-                                        advise(&mut reads.advised, &server, &text);
+                                    if let Some(report) = &report {
+                                        advise(&mut reads.advised, &server, report);
                                     }
                                 });
                             }
@@ -108,35 +111,36 @@ pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
     }
 }
 
-/// Sets the engine load of the nodes of the config behind one URL from its engine's
-/// metrics (`None`: not read): the server's own, or each rank's its rank's.
-fn show_engine_load(server: &[(Node, Arc<BreakerSettings>)], metrics: Option<&str>) {
-    let ranks = server
+/// The highest rank among the nodes behind one URL (none: not a data-parallel server).
+fn highest_rank(server: &[(Node, Arc<BreakerSettings>)]) -> Option<u32> {
+    server
         .iter()
         .filter_map(|(n, _)| n.data_parallel_rank())
         .max()
-        .map_or(0, |r| r + 1);
-    let by_rank = metrics.map_or_else(Vec::new, |t| engine_load::by_rank(t, ranks));
-    let whole = metrics.and_then(engine_load::whole);
+}
+
+/// Sets the engine load of the nodes of the config behind one URL from what its
+/// engine's metrics said (`None`: not read): the server's own, or each rank's its rank's.
+fn show_engine_load(server: &[(Node, Arc<BreakerSettings>)], report: Option<&engine_load::Report>) {
     for (node, _) in server
         .iter()
         .filter(|(n, _)| n.source() == NodeSource::Static)
     {
-        let load = match node.data_parallel_rank() {
-            None => whole,
-            Some(rank) => by_rank.get(rank as usize).copied().flatten(),
-        };
+        let load = report.and_then(|r| match node.data_parallel_rank() {
+            None => r.whole,
+            Some(rank) => r.by_rank.get(rank as usize).copied().flatten(),
+        });
         node.state().set_engine_load(load);
     }
 }
 
 /// Shows on its nodes, and logs once, an engine server whose metrics name another
 /// number of data-parallel ranks than its nodes of the config have
-/// ([`engine_load::rank_advice`]).
+/// ([`engine_load::Report::rank_advice`]).
 fn advise(
     advised: &mut HashMap<http::Uri, String>,
     server: &[(Node, Arc<BreakerSettings>)],
-    metrics: &str,
+    report: &engine_load::Report,
 ) {
     let statics = || {
         server
@@ -153,7 +157,7 @@ fn advise(
         .collect::<HashSet<_>>()
         .len() as u32;
     let url = first.url();
-    let advice = engine_load::rank_advice(metrics, ranks);
+    let advice = report.rank_advice(ranks);
     for node in statics() {
         node.state().set_engine_advice(advice.clone());
     }
