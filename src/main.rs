@@ -404,6 +404,17 @@ fn check_report(path: &Path, config: Config) -> String {
                 share * 100.0
             );
         }
+        for e in &c.named {
+            let _ = writeln!(
+                out,
+                "  dns  {:<16} {:<32} weight {:<3} a node per address of {}, looked up every {:?}",
+                e.id,
+                e.url.to_string(),
+                e.weight,
+                e.name(),
+                table.config.discovery.interval
+            );
+        }
     }
     out
 }

@@ -34,6 +34,10 @@ pub struct FileConfig {
     pub tracing: Option<TracingSection>,
     /// Dynamic membership from Redis heartbeats. Default: none (static nodes only).
     pub redis: Option<RedisSection>,
+    /// How the names of `discover = "dns"` nodes are looked up. Default: every `"5s"`,
+    /// with the system's resolver settings.
+    #[serde(default)]
+    pub discovery: DiscoverySection,
     /// Required: at least one pool.
     #[serde(default)]
     pub pools: Vec<PoolSection>,
@@ -577,6 +581,32 @@ pub struct NodeSection {
     /// Default 1 (the server is one node).
     #[serde(default = "one")]
     pub data_parallel_size: Spanned<u32>,
+    /// `"dns"`: the URL's host is a DNS name standing for several engines (a
+    /// Kubernetes headless Service, a Compose service's replicas): each address it
+    /// resolves to is a node, `{id}-{address}`, with this entry's port, path, weight
+    /// and ranks, looked up again every `discovery.interval`. Default: none (one node,
+    /// its name resolved when each connection is made).
+    pub discover: Option<Spanned<String>>,
+}
+
+/// `[discovery]`
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DiscoverySection {
+    /// How often the names of `discover = "dns"` nodes are looked up. Default `"5s"`.
+    pub interval: Dur,
+    /// DNS servers to ask, `"ip:port"` (port 53 if left out). Default: none, the
+    /// system's (/etc/resolv.conf, with its search domains; /etc/hosts).
+    pub nameservers: Vec<Spanned<String>>,
+}
+
+impl Default for DiscoverySection {
+    fn default() -> Self {
+        DiscoverySection {
+            interval: Dur::secs(5),
+            nameservers: Vec::new(),
+        }
+    }
 }
 
 fn default_first_token_timeout() -> Dur {

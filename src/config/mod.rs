@@ -78,6 +78,8 @@ pub struct Config {
     pub tenancy: Tenancy,
     /// Membership from Redis heartbeats, if configured.
     pub redis: Option<RedisConfig>,
+    /// How the names of `discover = "dns"` nodes are looked up.
+    pub discovery: DiscoveryConfig,
     pub pools: Vec<PoolConfig>,
 }
 
@@ -127,6 +129,14 @@ impl AuthConfig {
         }
         found
     }
+}
+
+/// `[discovery]`: how the names of `discover = "dns"` nodes are looked up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiscoveryConfig {
+    pub interval: Duration,
+    /// DNS servers to ask; none: the system's resolver settings.
+    pub nameservers: Vec<SocketAddr>,
 }
 
 #[derive(Debug, Clone)]
@@ -201,6 +211,51 @@ pub struct PoolConfig {
     pub supports_thinking: bool,
     pub default: bool,
     pub nodes: Vec<NodeConfig>,
+    /// Entries whose URL's host is a DNS name standing for several engines
+    /// (`discover = "dns"`): their nodes are made from the addresses it resolves to.
+    pub named: Vec<NamedNodes>,
+}
+
+/// A `[[pools.nodes]]` entry with `discover = "dns"`: one engine server per address
+/// its URL's host name resolves to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NamedNodes {
+    /// The entry's id; each address's node is `{id}-{address}`.
+    pub id: String,
+    /// The URL as written, its host the name looked up.
+    pub url: http::Uri,
+    pub weight: u32,
+    pub data_parallel_size: u32,
+}
+
+impl NamedNodes {
+    /// The DNS name looked up.
+    pub fn name(&self) -> &str {
+        self.url.host().unwrap_or_default()
+    }
+
+    /// The nodes of the engine server at `address`: its id is `{id}-{address}` and
+    /// its URL this entry's with the address for the name.
+    pub fn at(&self, address: std::net::IpAddr) -> Vec<NodeConfig> {
+        let host = match address {
+            std::net::IpAddr::V4(a) => a.to_string(),
+            std::net::IpAddr::V6(a) => format!("[{a}]"),
+        };
+        let authority = match self.url.port_u16() {
+            Some(port) => format!("{host}:{port}"),
+            None => host,
+        };
+        let mut parts = self.url.clone().into_parts();
+        // An address and the port of a valid URL always make an authority.
+        parts.authority = authority.parse().ok();
+        let url = http::Uri::from_parts(parts).unwrap_or_else(|_| self.url.clone());
+        NodeConfig::ranks(
+            format!("{}-{address}", self.id),
+            url,
+            self.weight,
+            self.data_parallel_size,
+        )
+    }
 }
 
 impl PoolConfig {

@@ -73,6 +73,33 @@ fn shipped_example_is_valid() {
     assert_eq!(c.routing.vnodes, 160);
 }
 
+/// `[discovery]`: a server without a port is asked on 53; a `discover = "dns"`
+/// entry makes no node of its own, and its id is taken like a node's.
+#[test]
+fn discovery_settings_and_named_entries() {
+    let c = Config::parse(
+        "[discovery]\ninterval = \"1s\"\nnameservers = [\"10.96.0.10\", \"[fd00::a]:5353\"]\n\
+         [[pools]]\nname = \"p\"\nnodes = [{ id = \"v\", url = \"http://vllm:8000\", discover = \"dns\", weight = 3 }]\n",
+        "t.toml",
+    )
+    .unwrap();
+    assert_eq!(c.discovery.interval, std::time::Duration::from_secs(1));
+    let servers: Vec<String> = c
+        .discovery
+        .nameservers
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+    assert_eq!(servers, ["10.96.0.10:53", "[fd00::a]:5353"]);
+    assert!(c.pools[0].nodes.is_empty());
+    assert_eq!(c.pools[0].named[0].name(), "vllm");
+    assert_eq!(c.pools[0].named[0].weight, 3);
+    let dup = err("[[pools]]\nname=\"p\"\nnodes=[{id=\"a\",url=\"http://h:1\"},{id=\"a\",url=\"http://g:2\",discover=\"dns\"}]\n");
+    assert!(dup.message.contains("duplicate node id"), "{dup}");
+    let fast = err("[discovery]\ninterval = \"10ms\"\n[[pools]]\nname=\"p\"\nnodes=[{id=\"a\",url=\"http://h:1\"}]\n");
+    assert!(fast.message.contains("at least 100ms"), "{fast}");
+}
+
 #[test]
 fn unknown_key_is_located() {
     let e = err("[routing]\nvnodes = 10\nmax_inflight = 3\n[[pools]]\nname=\"p\"\nnodes=[{id=\"a\",url=\"http://h:1\"}]\n");

@@ -10,12 +10,13 @@ use std::path::Path;
 use toml::Spanned;
 
 use super::file::{
-    AuthSection, BreakerSection, FileConfig, HealthSection, LaneCount, NodeSection, PoolSection,
-    RedisSection, RoutingSection, ServerSection, ShuntStepSection,
+    AuthSection, BreakerSection, DiscoverySection, FileConfig, HealthSection, LaneCount,
+    NodeSection, PoolSection, RedisSection, RoutingSection, ServerSection, ShuntStepSection,
 };
 use super::{
-    AuthConfig, BreakerSettings, Config, HealthConfig, NodeConfig, PoolConfig, RedisConfig,
-    RoutingConfig, Secret, ServerConfig, ShuntStep, MAX_DATA_PARALLEL_SIZE,
+    AuthConfig, BreakerSettings, Config, DiscoveryConfig, HealthConfig, NamedNodes, NodeConfig,
+    PoolConfig, RedisConfig, RoutingConfig, Secret, ServerConfig, ShuntStep,
+    MAX_DATA_PARALLEL_SIZE,
 };
 
 /// What is wrong, and where (no span: the file as a whole).
@@ -88,6 +89,7 @@ pub(super) fn config(raw: FileConfig, dir: &Path) -> Result<Config, Invalid> {
     let tls = super::tls::validate(raw.tls, dir)?;
     let tracing = raw.tracing.map(validate_tracing).transpose()?;
     let redis = raw.redis.map(validate_redis).transpose()?;
+    let discovery = validate_discovery(raw.discovery)?;
     if raw.pools.is_empty() {
         return invalid(
             0..0,
@@ -114,7 +116,32 @@ pub(super) fn config(raw: FileConfig, dir: &Path) -> Result<Config, Invalid> {
         tracing,
         tenancy,
         redis,
+        discovery,
         pools,
+    })
+}
+
+fn validate_discovery(d: DiscoverySection) -> Result<DiscoveryConfig, Invalid> {
+    if d.interval.0 < std::time::Duration::from_millis(100) {
+        return invalid(0..0, "discovery.interval must be at least 100ms");
+    }
+    let mut nameservers = Vec::new();
+    for n in &d.nameservers {
+        let text = n.get_ref().trim();
+        let address = text
+            .parse::<SocketAddr>()
+            .or_else(|_| text.parse::<std::net::IpAddr>().map(|ip| (ip, 53).into()))
+            .or_else(|_| {
+                invalid(
+                    n.span(),
+                    format!("discovery.nameservers: {text:?} is not an address (\"10.96.0.10\" or \"10.96.0.10:53\")"),
+                )
+            })?;
+        nameservers.push(address);
+    }
+    Ok(DiscoveryConfig {
+        interval: d.interval.0,
+        nameservers,
     })
 }
 
@@ -287,8 +314,18 @@ fn validate_pool(p: PoolSection, seen: &mut Seen) -> Result<PoolConfig, Invalid>
         );
     }
     let mut nodes = Vec::with_capacity(p.nodes.len());
+    let mut named = Vec::new();
     for n in p.nodes {
-        nodes.extend(validate_node(n, &mut seen.node_ids)?);
+        match n.discover.as_ref().map(|d| (d.span(), d.get_ref().as_str())) {
+            None => nodes.extend(validate_node(n, &mut seen.node_ids)?),
+            Some((_, "dns")) => named.push(validate_named(n, &mut seen.node_ids)?),
+            Some((span, other)) => {
+                return invalid(
+                    span,
+                    format!("discover = {other:?}: the one way nodes are discovered is \"dns\" (or leave it out)"),
+                )
+            }
+        }
     }
     Ok(PoolConfig {
         name,
@@ -300,6 +337,55 @@ fn validate_pool(p: PoolSection, seen: &mut Seen) -> Result<PoolConfig, Invalid>
         supports_thinking: p.supports_thinking,
         default: *p.default.get_ref(),
         nodes,
+        named,
+    })
+}
+
+/// A `discover = "dns"` entry: its URL's host must be a name, and its nodes' ids
+/// (`{id}-{address}`) are made as the name resolves.
+fn validate_named(n: NodeSection, ids: &mut HashSet<String>) -> Result<NamedNodes, Invalid> {
+    let id = n.id.get_ref().trim().to_string();
+    if id.is_empty() {
+        return invalid(n.id.span(), "node id is empty");
+    }
+    let url = parse_node_url(n.url.get_ref()).or_else(|m| invalid(n.url.span(), m))?;
+    let host = url.host().unwrap_or_default();
+    if host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .parse::<std::net::IpAddr>()
+        .is_ok()
+    {
+        return invalid(
+            n.url.span(),
+            format!("node {id:?} has discover = \"dns\" but its url's host {host:?} is an address: give the DNS name that stands for the engines"),
+        );
+    }
+    if url.scheme_str() == Some("https") {
+        // Each node is reached at its address, so its certificate would be checked
+        // against the address, not the name.
+        return invalid(
+            n.url.span(),
+            format!("node {id:?}: discover = \"dns\" is for http:// engines (each is reached at its address, which its certificate would have to name)"),
+        );
+    }
+    let weight = within(&n.weight, 1..=1000, "weight")?;
+    let data_parallel_size = within(
+        &n.data_parallel_size,
+        1..=MAX_DATA_PARALLEL_SIZE,
+        "data_parallel_size",
+    )?;
+    if !ids.insert(id.clone()) {
+        return invalid(
+            n.id.span(),
+            format!("duplicate node id {id:?} (ids are unique across pools)"),
+        );
+    }
+    Ok(NamedNodes {
+        id,
+        url,
+        weight,
+        data_parallel_size,
     })
 }
 

@@ -1,4 +1,5 @@
-//! Dynamic fleets: membership from heartbeats in Redis, and only heartbeats.
+//! Dynamic fleets: membership from heartbeats in Redis, and only heartbeats, or from
+//! the addresses of DNS names ([`dns`]).
 //! Engines heartbeat through `prefixlb agent` ([`agent`]); each `serve` replica reads
 //! membership and heartbeats itself ([`watcher`]), in a task of its own: no routing
 //! decision ever waits on Redis or reads routing state from it, and a Redis outage
@@ -8,6 +9,7 @@
 //! depends on the data plane or on how the balancer is served.
 
 pub mod agent;
+pub mod dns;
 pub mod record;
 pub mod store;
 pub mod watcher;

@@ -26,6 +26,8 @@ pub enum NodeSource {
     Static,
     /// A heartbeat in Redis (`prefixlb agent`).
     Redis,
+    /// An address of a `discover = "dns"` entry's name.
+    Dns,
 }
 
 impl NodeSource {
@@ -33,7 +35,14 @@ impl NodeSource {
         match self {
             NodeSource::Static => "static",
             NodeSource::Redis => "redis",
+            NodeSource::Dns => "dns",
         }
+    }
+
+    /// Whether the balancer reads this node's engine load itself (an agent relays a
+    /// heartbeating node's).
+    pub fn reads_engine_load(self) -> bool {
+        self != NodeSource::Redis
     }
 }
 

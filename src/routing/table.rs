@@ -4,7 +4,7 @@
 //! it survives every rebuild. A request is placed on it by
 //! [`Table::place`](super::decision) (its own module).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -135,12 +135,16 @@ pub enum PlaceError {
 impl Table {
     /// Builds a snapshot; state for ids already known to `registry` is reused.
     pub fn build(config: Config, registry: &Registry) -> Table {
-        Table::build_with(config, registry, &HashSet::new())
+        Table::build_with(config, registry, &HashMap::new())
     }
 
-    /// [`Table::build`] for a config whose nodes named in `from_redis` came from
-    /// heartbeats.
-    pub fn build_with(config: Config, registry: &Registry, from_redis: &HashSet<String>) -> Table {
+    /// [`Table::build`] for a config whose nodes named in `sources` came from
+    /// elsewhere than the file (heartbeats, DNS); the rest are the file's.
+    pub fn build_with(
+        config: Config,
+        registry: &Registry,
+        sources: &HashMap<String, NodeSource>,
+    ) -> Table {
         let mut by_model = NameMap::default();
         let breaker = Arc::new(config.breaker.clone());
         let mut default_pool = None;
@@ -161,11 +165,7 @@ impl Table {
                     .iter()
                     .map(|n| {
                         let cap = config.routing.max_in_flight.saturating_mul(n.weight);
-                        let source = if from_redis.contains(&n.id) {
-                            NodeSource::Redis
-                        } else {
-                            NodeSource::Static
-                        };
+                        let source = sources.get(&n.id).copied().unwrap_or(NodeSource::Static);
                         Node::new(n.clone(), source, cap, registry.node(&n.id))
                     })
                     .collect();

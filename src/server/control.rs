@@ -1,19 +1,23 @@
 //! The control plane's state: the config as loaded, the engines heartbeating in Redis,
-//! and the registry of node and pool runtime state. Whenever either source changes
-//! (a reload, a membership change) it builds a new routing snapshot, carrying state
-//! over by id, and hands it to the data plane whole. The admin API, the reload
-//! triggers, the health checks and the membership watcher all act through it.
+//! the addresses of the config's DNS names, and the registry of node and pool runtime
+//! state. Whenever a source changes (a reload, a membership change, a DNS answer) it
+//! builds a new routing snapshot, carrying state over by id, and hands it to the data
+//! plane whole. The admin API, the reload triggers, the health checks, the membership
+//! watcher and the DNS lookups all act through it.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::config::{Config, ConfigError, NodeConfig, RedisConfig};
+use crate::config::{Config, ConfigError, DiscoveryConfig, NodeConfig, RedisConfig};
+use crate::fleet::dns::{self, Addresses, Discovered};
 use crate::fleet::record::{self, Membership, NodeRecord};
 use crate::fleet::watcher::Members;
 use crate::proxy::Proxy;
+use crate::routing::node::NodeSource;
 use crate::routing::table::{Registry, Table};
 use crate::telemetry::metrics::Metrics;
 
@@ -22,6 +26,8 @@ struct Sources {
     config: Config,
     /// Heartbeating engines (their identity: load figures and start times zeroed).
     members: Vec<NodeRecord>,
+    /// The addresses of the `discover = "dns"` entries' names.
+    addresses: Addresses,
 }
 
 /// The balancer's control plane, around its data plane.
@@ -65,6 +71,7 @@ impl Control {
             sources: Mutex::new(Sources {
                 config,
                 members: Vec::new(),
+                addresses: Addresses::new(),
             }),
         })
     }
@@ -160,12 +167,39 @@ impl Control {
     }
 
     fn rebuild(&self, sources: &Sources) {
-        let (config, from_redis, skipped) = record::merge(&sources.config, &sources.members);
+        let (config, from_dns, skipped) = dns::expand(&sources.config, &sources.addresses);
         for s in skipped {
             tracing::warn!("{s}");
         }
+        let (config, from_redis, skipped) = record::merge(&config, &sources.members);
+        for s in skipped {
+            tracing::warn!("{s}");
+        }
+        let mut made: HashMap<String, NodeSource> = HashMap::new();
+        made.extend(from_dns.into_iter().map(|id| (id, NodeSource::Dns)));
+        made.extend(from_redis.into_iter().map(|id| (id, NodeSource::Redis)));
         self.proxy
-            .install(Table::build_with(config, &self.registry, &from_redis));
+            .install(Table::build_with(config, &self.registry, &made));
+    }
+}
+
+impl Discovered for Control {
+    fn discovery(&self) -> (DiscoveryConfig, Vec<String>) {
+        let sources = self.sources.lock();
+        (
+            sources.config.discovery.clone(),
+            dns::names(&sources.config),
+        )
+    }
+
+    /// Applies what the DNS lookups found: a new snapshot when any name's addresses
+    /// changed.
+    fn apply_addresses(&self, addresses: &Addresses) {
+        let mut sources = self.sources.lock();
+        if sources.addresses != *addresses {
+            sources.addresses = addresses.clone();
+            self.rebuild(&sources);
+        }
     }
 }
 

@@ -7,7 +7,7 @@
 //! whose `open_for` is over to half_open, so recovery starts even with no traffic.
 //! A node that passes has its engine's `/v1/models` read too (the LoRA adapters it
 //! serves), at once and then every [`MODELS_EVERY`] rounds, and, for the nodes of the
-//! config, its `health.metrics_path` on every round, for the load the engine reports
+//! config and of DNS, its `health.metrics_path` on every round, for the load the engine reports
 //! ([`engine_load`]; an agent relays a heartbeating node's). Checks go over the data
 //! plane's engine-side HTTP/1.1 code (TLS included) on connections of their own, and
 //! why the last one failed is kept for `/admin/nodes`. Each round ends by sweeping
@@ -23,7 +23,7 @@ use tokio::task::JoinSet;
 use crate::engine_load;
 use crate::proxy::Proxy;
 use crate::routing::breaker::BreakerSettings;
-use crate::routing::node::{Node, NodeSource};
+use crate::routing::node::Node;
 use crate::routing::table::Table;
 
 /// A passing node's `/v1/models` is read again every this many rounds (every 30 s at
@@ -74,10 +74,10 @@ pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
                         node.state().set_served(served.clone());
                     }
                 }
-                // The load its engine reports, for the nodes of the config (an agent
+                // The load its engine reports, for the nodes of the config and of DNS (an agent
                 // relays a heartbeating node's): none while it fails its checks. Read
                 // last, on the connection the check and the model list used.
-                if server.iter().any(|(n, _)| n.source() == NodeSource::Static) {
+                if server.iter().any(|(n, _)| n.source().reads_engine_load()) {
                     match (passed, h.metrics_path.clone()) {
                         (true, Some(path)) => {
                             if reading.lock().reading.insert(first.url().clone()) {
@@ -119,12 +119,12 @@ fn highest_rank(server: &[(Node, Arc<BreakerSettings>)]) -> Option<u32> {
         .max()
 }
 
-/// Sets the engine load of the nodes of the config behind one URL from what its
+/// Sets the engine load of the nodes of the config or of DNS behind one URL from what its
 /// engine's metrics said (`None`: not read): the server's own, or each rank's its rank's.
 fn show_engine_load(server: &[(Node, Arc<BreakerSettings>)], report: Option<&engine_load::Report>) {
     for (node, _) in server
         .iter()
-        .filter(|(n, _)| n.source() == NodeSource::Static)
+        .filter(|(n, _)| n.source().reads_engine_load())
     {
         let load = report.and_then(|r| match node.data_parallel_rank() {
             None => r.whole,
@@ -135,30 +135,30 @@ fn show_engine_load(server: &[(Node, Arc<BreakerSettings>)], report: Option<&eng
 }
 
 /// Shows on its nodes, and logs once, an engine server whose metrics name another
-/// number of data-parallel ranks than its nodes of the config have
+/// number of data-parallel ranks than its nodes of the config (or of DNS) have
 /// ([`engine_load::Report::rank_advice`]).
 fn advise(
     advised: &mut HashMap<http::Uri, String>,
     server: &[(Node, Arc<BreakerSettings>)],
     report: &engine_load::Report,
 ) {
-    let statics = || {
+    let own = || {
         server
             .iter()
             .map(|(n, _)| n)
-            .filter(|n| n.source() == NodeSource::Static)
+            .filter(|n| n.source().reads_engine_load())
     };
-    let Some(first) = statics().next() else {
+    let Some(first) = own().next() else {
         return;
     };
     // Distinct ranks: a server in two pools is each rank's node twice.
-    let ranks = statics()
+    let ranks = own()
         .filter_map(|n| n.data_parallel_rank())
         .collect::<HashSet<_>>()
         .len() as u32;
     let url = first.url();
     let advice = report.rank_advice(ranks);
-    for node in statics() {
+    for node in own() {
         node.state().set_engine_advice(advice.clone());
     }
     match advice {

@@ -13,6 +13,9 @@ use super::control::Control;
 use super::{admin, health, listener, reload};
 use crate::config::Config;
 
+/// The longest the balancer waits for its DNS names' first lookups before it serves.
+const FIRST_LOOKUP_WAIT: std::time::Duration = std::time::Duration::from_secs(6);
+
 /// Binds both listeners, announces them on stdout, and serves until `shutdown`.
 pub async fn run(
     config: Config,
@@ -33,6 +36,7 @@ pub async fn run(
         %admin_addr,
         pools = config.pools.len(),
         nodes = config.pools.iter().map(|p| p.nodes.len()).sum::<usize>(),
+        dns_names = crate::fleet::dns::names(&config).len(),
         lanes = config.server.lanes,
         "prefixlb serving"
     );
@@ -73,6 +77,18 @@ pub async fn run_on(
         control.metrics().fleet.clone(),
         admin_stop.clone(),
     ));
+    let (looked_up, first_lookup) = tokio::sync::oneshot::channel();
+    let dns_task = tokio::spawn(crate::fleet::dns::run(
+        control.clone(),
+        control.metrics().fleet.clone(),
+        admin_stop.clone(),
+        looked_up,
+    ));
+    // Nodes named in DNS are routable from the first request: the first lookups are
+    // waited for (briefly; a name that does not answer is looked up again later).
+    if !crate::fleet::dns::names(&control.table().config).is_empty() {
+        let _ = tokio::time::timeout(FIRST_LOOKUP_WAIT, first_lookup).await;
+    }
     let admin_task = {
         let control = control.clone();
         tokio::spawn(listener::serve(
@@ -131,6 +147,7 @@ pub async fn run_on(
     let _ = health_task.await;
     let _ = reload_task.await;
     let _ = fleet_task.await;
+    let _ = dns_task.await;
     tracing::info!("stopped");
 }
 

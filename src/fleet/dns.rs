@@ -1,0 +1,301 @@
+//! Nodes found in DNS: a `[[pools.nodes]]` entry with `discover = "dns"` names a host
+//! that stands for several engines (a Kubernetes headless Service lists each ready
+//! pod's address, a Compose service each replica's), and every address it resolves
+//! to is an engine server of its own, `{id}-{address}`, with the entry's port, path,
+//! weight and ranks. The names are looked up every `discovery.interval` in a task of
+//! its own (never on a request's path); the control plane rebuilds its table when an
+//! answer differs ([`Discovered`]).
+//!
+//! Fail static, as with Redis: a lookup that fails or finds no address keeps the
+//! name's last addresses (`prefixlb_dns_up{name}` turns 0, one line is logged per
+//! change of state), and the health checks take out an engine that is gone. How the
+//! addresses become nodes is pure ([`expand`]).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use hickory_resolver::config::{NameServerConfig, ResolverConfig};
+use hickory_resolver::net::runtime::TokioRuntimeProvider;
+use hickory_resolver::TokioResolver;
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinSet;
+
+use crate::config::{Config, DiscoveryConfig};
+use crate::telemetry::metrics::FleetMetrics;
+
+/// The addresses each name resolved to when last it answered, sorted.
+pub type Addresses = BTreeMap<String, Vec<IpAddr>>;
+
+/// A lookup never waits longer than this, whatever the interval.
+const LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What the discovery task reads its settings from and feeds: the control plane.
+pub trait Discovered: Send + Sync {
+    /// The `[discovery]` settings and the names to look up now.
+    fn discovery(&self) -> (DiscoveryConfig, Vec<String>);
+    /// Applies the addresses every name has now.
+    fn apply_addresses(&self, addresses: &Addresses);
+}
+
+/// The config with each `discover = "dns"` entry's engine servers made from its
+/// name's addresses, the ids of the nodes made, and why any was left out (an id the
+/// config's own nodes already have).
+pub fn expand(config: &Config, addresses: &Addresses) -> (Config, HashSet<String>, Vec<String>) {
+    let mut config = config.clone();
+    let mut ids: HashSet<String> = config
+        .pools
+        .iter()
+        .flat_map(|p| p.nodes.iter().map(|n| n.id.clone()))
+        .collect();
+    let mut made = HashSet::new();
+    let mut skipped = Vec::new();
+    for pool in &mut config.pools {
+        for entry in &pool.named {
+            let Some(found) = addresses.get(entry.name()) else {
+                continue;
+            };
+            for &address in found {
+                let nodes = entry.at(address);
+                if let Some(clash) = nodes.iter().find(|n| ids.contains(&n.id)) {
+                    skipped.push(format!(
+                        "{}'s address {address} is left out: node id {:?} is taken",
+                        entry.name(),
+                        clash.id
+                    ));
+                    continue;
+                }
+                for node in nodes {
+                    ids.insert(node.id.clone());
+                    made.insert(node.id.clone());
+                    pool.nodes.push(node);
+                }
+            }
+        }
+    }
+    (config, made, skipped)
+}
+
+/// The names of every `discover = "dns"` entry, each once.
+pub fn names(config: &Config) -> Vec<String> {
+    let mut names: Vec<String> = config
+        .pools
+        .iter()
+        .flat_map(|p| p.named.iter().map(|e| e.name().to_string()))
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// A resolver asking `nameservers`, or the system's when none are given.
+fn resolver(nameservers: &[SocketAddr]) -> Result<TokioResolver, String> {
+    let provider = TokioRuntimeProvider::default();
+    let builder = if nameservers.is_empty() {
+        TokioResolver::builder(provider).map_err(|e| e.to_string())?
+    } else {
+        let servers = nameservers
+            .iter()
+            .map(|addr| {
+                let mut server = NameServerConfig::udp_and_tcp(addr.ip());
+                for c in &mut server.connections {
+                    c.port = addr.port();
+                }
+                server
+            })
+            .collect();
+        TokioResolver::builder_with_config(ResolverConfig::from_name_servers(servers), provider)
+    };
+    builder.build().map_err(|e| e.to_string())
+}
+
+/// Every address `name` resolves to (IPv4 and IPv6), sorted, or why none.
+async fn lookup(resolver: &TokioResolver, name: &str) -> Result<Vec<IpAddr>, String> {
+    let answer = tokio::time::timeout(LOOKUP_TIMEOUT, resolver.lookup_ip(name))
+        .await
+        .map_err(|_| format!("no answer in {LOOKUP_TIMEOUT:?}"))?
+        .map_err(|e| e.to_string())?;
+    let mut found: Vec<IpAddr> = answer.iter().collect();
+    found.sort();
+    found.dedup();
+    if found.is_empty() {
+        return Err("no address".into());
+    }
+    Ok(found)
+}
+
+/// Looks the names up until `stop` turns true. `first` is sent once the first round
+/// has been applied (the balancer waits for it, briefly, before it serves).
+pub async fn run(
+    control: Arc<dyn Discovered>,
+    metrics: Arc<FleetMetrics>,
+    mut stop: watch::Receiver<bool>,
+    first: oneshot::Sender<()>,
+) {
+    let mut first = Some(first);
+    let mut built: Option<(Vec<SocketAddr>, TokioResolver)> = None;
+    let mut addresses = Addresses::new();
+    // Whether each name's last lookup answered, for one line per change of state.
+    let mut up: HashMap<String, bool> = HashMap::new();
+    loop {
+        let (settings, names) = control.discovery();
+        let mut now = addresses.clone();
+        now.retain(|name, _| names.contains(name));
+        up.retain(|name, _| names.contains(name));
+        if !names.is_empty() {
+            if built.as_ref().map(|(n, _)| n) != Some(&settings.nameservers) {
+                match resolver(&settings.nameservers) {
+                    Ok(r) => built = Some((settings.nameservers.clone(), r)),
+                    Err(e) => {
+                        tracing::error!(error = %e, "no DNS resolver: the nodes of discover = \"dns\" entries stay as they are");
+                        built = None;
+                    }
+                }
+            }
+            if let Some((_, resolver)) = &built {
+                let mut lookups = JoinSet::new();
+                for name in names {
+                    let resolver = resolver.clone();
+                    lookups.spawn(async move {
+                        let found = lookup(&resolver, &name).await;
+                        (name, found)
+                    });
+                }
+                while let Some(Ok((name, found))) = lookups.join_next().await {
+                    let answered = found.is_ok();
+                    metrics
+                        .dns_up
+                        .with_label_values(&[&name])
+                        .set(answered.into());
+                    match found {
+                        Ok(found) => {
+                            if up.get(&name) == Some(&false) {
+                                tracing::info!(name = %name, addresses = found.len(), "DNS answers again");
+                            }
+                            now.insert(name.clone(), found);
+                        }
+                        Err(e) if up.get(&name) != Some(&false) => {
+                            let kept = now.get(&name).map_or(0, Vec::len);
+                            tracing::warn!(name = %name, error = %e, kept, "DNS lookup failed; the name's last addresses stay");
+                        }
+                        Err(_) => {}
+                    }
+                    up.insert(name, answered);
+                }
+            }
+        }
+        if now != addresses {
+            for (name, found) in &now {
+                if addresses.get(name) != Some(found) {
+                    tracing::info!(name = %name, addresses = ?found, "DNS addresses changed");
+                }
+            }
+            addresses = now;
+            control.apply_addresses(&addresses);
+        }
+        if let Some(first) = first.take() {
+            let _ = first.send(());
+        }
+        let pause = settings.interval;
+        if *stop.borrow() {
+            return;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(text: &str) -> Config {
+        Config::parse(text, "t.toml").unwrap()
+    }
+
+    const TWO_POOLS: &str = "[[pools]]\nname = \"a\"\nnodes = [{ id = \"fixed\", url = \"http://10.0.0.9:8000\" }, { id = \"vllm\", url = \"http://vllm.llm.svc:8000/base\", discover = \"dns\", weight = 2 }]\n\
+        [[pools]]\nname = \"b\"\nnodes = [{ id = \"dp\", url = \"http://sglang:30000\", discover = \"dns\", data_parallel_size = 2 }]\n";
+
+    fn ips(list: &[&str]) -> Vec<IpAddr> {
+        list.iter().map(|a| a.parse().unwrap()).collect()
+    }
+
+    /// Each address of a name is an engine server with the entry's port, path, weight
+    /// and ranks; a name not yet answered has none; the config's own nodes stay.
+    #[test]
+    fn each_address_of_a_name_is_an_engine_server_of_its_own() {
+        let config = config(TWO_POOLS);
+        assert_eq!(names(&config), ["sglang", "vllm.llm.svc"]);
+        let mut addresses = Addresses::new();
+        addresses.insert("vllm.llm.svc".into(), ips(&["10.1.0.4", "fd00::7"]));
+        let (built, made, skipped) = expand(&config, &addresses);
+        assert!(skipped.is_empty(), "{skipped:?}");
+        let a: Vec<(String, String, u32)> = built.pools[0]
+            .nodes
+            .iter()
+            .map(|n| (n.id.clone(), n.url.to_string(), n.weight))
+            .collect();
+        assert_eq!(
+            a,
+            [
+                ("fixed".into(), "http://10.0.0.9:8000/".into(), 1),
+                (
+                    "vllm-10.1.0.4".into(),
+                    "http://10.1.0.4:8000/base".into(),
+                    2
+                ),
+                (
+                    "vllm-fd00::7".into(),
+                    "http://[fd00::7]:8000/base".into(),
+                    2
+                ),
+            ]
+        );
+        assert!(built.pools[1].nodes.is_empty());
+        assert_eq!(made.len(), 2);
+        assert!(!made.contains("fixed"));
+
+        addresses.insert("sglang".into(), ips(&["10.2.0.1"]));
+        let (built, made, _) = expand(&config, &addresses);
+        let b: Vec<(String, Option<u32>, String)> = built.pools[1]
+            .nodes
+            .iter()
+            .map(|n| (n.id.clone(), n.data_parallel_rank, n.url.to_string()))
+            .collect();
+        assert_eq!(
+            b,
+            [
+                (
+                    "dp-10.2.0.1@0".into(),
+                    Some(0),
+                    "http://10.2.0.1:30000/".into()
+                ),
+                (
+                    "dp-10.2.0.1@1".into(),
+                    Some(1),
+                    "http://10.2.0.1:30000/".into()
+                ),
+            ]
+        );
+        assert_eq!(made.len(), 4);
+    }
+
+    /// An address whose node id the config's own nodes already have is left out, and
+    /// said so; the others of its name are kept.
+    #[test]
+    fn an_address_whose_id_is_taken_is_left_out() {
+        let text = "[[pools]]\nname = \"a\"\nnodes = [{ id = \"e-10.0.0.1\", url = \"http://10.0.0.1:8000\" }, { id = \"e\", url = \"http://engines:8000\", discover = \"dns\" }]\n";
+        let config = config(text);
+        let mut addresses = Addresses::new();
+        addresses.insert("engines".into(), ips(&["10.0.0.1", "10.0.0.2"]));
+        let (built, made, skipped) = expand(&config, &addresses);
+        let ids: Vec<&str> = built.pools[0].nodes.iter().map(|n| n.id.as_str()).collect();
+        assert_eq!(ids, ["e-10.0.0.1", "e-10.0.0.2"]);
+        assert_eq!(made, HashSet::from(["e-10.0.0.2".to_string()]));
+        assert_eq!(skipped.len(), 1, "{skipped:?}");
+        assert!(skipped[0].contains("10.0.0.1"), "{skipped:?}");
+    }
+}
