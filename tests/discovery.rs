@@ -1,0 +1,291 @@
+//! Nodes found in DNS (`discover = "dns"`) against a real DNS server: `dnsmasq`
+//! answering a name from a hosts file the test rewrites (and reloads with SIGHUP), as
+//! a Kubernetes headless Service's records change when pods come and go, with
+//! `mock-engine`s on loopback addresses of their own (127.0.0.2, 127.0.0.3, …) behind
+//! it. Without `dnsmasq` on the PATH each test prints a skip line, except under
+//! `CI=true`, where that fails (CI installs Debian's `dnsmasq-base`).
+
+mod common;
+
+use std::net::{SocketAddr, TcpListener, UdpSocket};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const NAME: &str = "engines.prefixlb.test";
+
+/// A `dnsmasq` answering `NAME` from a hosts file, on a free loopback port.
+struct Dns {
+    port: u16,
+    hosts: PathBuf,
+    child: Option<Child>,
+}
+
+impl Drop for Dns {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl Dns {
+    /// `None` (after a skip line) when `dnsmasq` is not installed, outside CI.
+    fn start(addresses: &[&str]) -> Option<Dns> {
+        if Command::new("dnsmasq")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .status()
+            .is_err()
+        {
+            assert!(
+                std::env::var("CI").as_deref() != Ok("true"),
+                "dnsmasq is not installed (CI installs it: apt-get install -y dnsmasq-base)"
+            );
+            eprintln!("SKIP: dnsmasq not found on PATH; install it (apt-get install dnsmasq-base) to run the DNS discovery tests");
+            return None;
+        }
+        let port = UdpSocket::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let hosts = write_config("").with_extension("hosts");
+        let mut dns = Dns {
+            port,
+            hosts,
+            child: None,
+        };
+        dns.answer(addresses);
+        let child = Command::new("dnsmasq")
+            .args([
+                "--keep-in-foreground",
+                "--conf-file=/dev/null",
+                "--no-resolv",
+            ])
+            .args(["--no-hosts", "--local-ttl=0", "--pid-file="])
+            .arg(format!("--addn-hosts={}", dns.hosts.display()))
+            .args(["--listen-address=127.0.0.1", "--bind-interfaces"])
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        dns.child = Some(child);
+        // Up once its port is taken.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while UdpSocket::bind(("127.0.0.1", port)).is_ok() {
+            assert!(Instant::now() < deadline, "dnsmasq did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Some(dns)
+    }
+
+    /// From now on `NAME` resolves to `addresses` (none: no record).
+    fn answer(&mut self, addresses: &[&str]) {
+        let lines: String = addresses.iter().map(|a| format!("{a} {NAME}\n")).collect();
+        std::fs::write(&self.hosts, lines).unwrap();
+        if let Some(child) = &self.child {
+            let ok = Command::new("kill")
+                .args(["-HUP", &child.id().to_string()])
+                .status()
+                .unwrap()
+                .success();
+            assert!(ok, "kill -HUP dnsmasq");
+        }
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    fn server(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+}
+
+/// A port free on each of `ips` (loopback addresses), for engines that share one.
+fn common_port(ips: &[&str]) -> u16 {
+    loop {
+        let port = TcpListener::bind("127.0.0.2:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if ips.iter().all(|ip| TcpListener::bind((*ip, port)).is_ok()) {
+            return port;
+        }
+    }
+}
+
+/// A `mock-engine` at `ip:port`.
+fn engine_on(ip: &str, port: u16) -> Proc {
+    let addr: SocketAddr = format!("{ip}:{port}").parse().unwrap();
+    engine_at(&format!("e{ip}"), addr, &[])
+}
+
+fn dns_config(dns: &Dns, port: u16) -> String {
+    format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+         [health]\ninterval = \"100ms\"\n\
+         [discovery]\ninterval = \"200ms\"\nnameservers = [\"{}\"]\n\
+         [[pools]]\nname = \"mock\"\nmodels = [\"mock\"]\n\
+         nodes = [{{ id = \"gpu\", url = \"http://{NAME}:{port}\", discover = \"dns\" }}]\n",
+        dns.server()
+    )
+}
+
+/// The nodes `lb` has, as (id, source, healthy), sorted by id.
+async fn nodes(lb: &Proc) -> Vec<(String, String, bool)> {
+    let nodes = get_json(&lb.admin_url("/admin/nodes")).await;
+    let mut list: Vec<_> = nodes["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| {
+            (
+                n["id"].as_str().unwrap().to_string(),
+                n["source"].as_str().unwrap().to_string(),
+                n["healthy"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    list.sort();
+    list
+}
+
+async fn node_ids(lb: &Proc) -> Vec<String> {
+    nodes(lb).await.into_iter().map(|(id, _, _)| id).collect()
+}
+
+/// The node each of `n` new conversations was served by, counted by node.
+async fn served_by(lb: &Proc, n: usize, tag: &str) -> std::collections::BTreeMap<String, usize> {
+    let mut by = std::collections::BTreeMap::new();
+    for i in 0..n {
+        let body = chat(&[("user", &format!("{tag} conversation {i}"))], false, 4);
+        let reply = post_json(&lb.url("/v1/chat/completions"), &body, &[]).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        *by.entry(reply.header("x-prefixlb-node").to_string())
+            .or_insert(0) += 1;
+    }
+    by
+}
+
+/// Every address of the name is a node that serves; an address added to the name
+/// joins, one removed leaves; when the DNS server stops answering, the nodes stay
+/// and keep serving, and `prefixlb_dns_up` says so.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_nodes_follow_what_the_name_resolves_to() {
+    let ips = ["127.0.0.2", "127.0.0.3", "127.0.0.4"];
+    let Some(mut dns) = Dns::start(&ips[..2]) else {
+        return;
+    };
+    let port = common_port(&ips);
+    let _engines: Vec<Proc> = ips.iter().map(|ip| engine_on(ip, port)).collect();
+    let lb = balancer(&dns_config(&dns, port));
+    // The first lookup is waited for: the nodes are there from the first request.
+    assert_eq!(node_ids(&lb).await, ["gpu-127.0.0.2", "gpu-127.0.0.3"]);
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            nodes(&lb).await
+                == [
+                    ("gpu-127.0.0.2".into(), "dns".into(), true),
+                    ("gpu-127.0.0.3".into(), "dns".into(), true),
+                ]
+        })
+        .await,
+        "{:?}",
+        nodes(&lb).await
+    );
+    // Their engines' load is read as for the nodes of the config.
+    let loads = eventually(Duration::from_secs(5), || async {
+        engine_running(&lb).await.iter().all(|(_, r)| r.is_some())
+    })
+    .await;
+    assert!(loads, "{:?}", engine_running(&lb).await);
+    let by = served_by(&lb, 24, "first").await;
+    assert_eq!(
+        by.keys().collect::<Vec<_>>(),
+        ["gpu-127.0.0.2", "gpu-127.0.0.3"],
+        "{by:?}"
+    );
+
+    // A pod comes: its address joins.
+    dns.answer(&ips);
+    let joined = eventually(Duration::from_secs(5), || async {
+        node_ids(&lb).await.len() == 3
+    })
+    .await;
+    assert!(joined, "{:?}", nodes(&lb).await);
+    let by = served_by(&lb, 36, "second").await;
+    assert!(by.get("gpu-127.0.0.4").is_some_and(|&n| n > 0), "{by:?}");
+
+    // A pod goes: its address leaves.
+    dns.answer(&ips[1..]);
+    let left = eventually(Duration::from_secs(5), || async {
+        node_ids(&lb).await == ["gpu-127.0.0.3", "gpu-127.0.0.4"]
+    })
+    .await;
+    assert!(left, "{:?}", nodes(&lb).await);
+    let by = served_by(&lb, 12, "third").await;
+    assert!(!by.contains_key("gpu-127.0.0.2"), "{by:?}");
+    assert_eq!(
+        metric(&lb.admin_url("/metrics"), "prefixlb_dns_up").await,
+        1.0
+    );
+
+    // The DNS server goes: the last addresses stay, and serve.
+    dns.stop();
+    let down = eventually(Duration::from_secs(15), || async {
+        metric(&lb.admin_url("/metrics"), "prefixlb_dns_up").await == 0.0
+    })
+    .await;
+    assert!(down, "prefixlb_dns_up stayed 1 with the DNS server stopped");
+    assert_eq!(node_ids(&lb).await, ["gpu-127.0.0.3", "gpu-127.0.0.4"]);
+    let by = served_by(&lb, 12, "fourth").await;
+    assert_eq!(by.values().sum::<usize>(), 12, "{by:?}");
+}
+
+/// A name that resolves to nothing yet: the balancer starts, its pool has no node
+/// (503, said so), and the nodes come when the name has addresses.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_name_with_no_address_yet_gets_nodes_when_it_has_some() {
+    let Some(mut dns) = Dns::start(&[]) else {
+        return;
+    };
+    let port = common_port(&["127.0.0.5"]);
+    let _engine = engine_on("127.0.0.5", port);
+    let lb = balancer(&dns_config(&dns, port));
+    assert!(node_ids(&lb).await.is_empty());
+    let body = chat(&[("user", "anyone there?")], false, 4);
+    let reply = post_json(&lb.url("/v1/chat/completions"), &body, &[]).await;
+    assert_eq!(reply.status, 503, "{}", reply.text());
+    dns.answer(&["127.0.0.5"]);
+    let served = eventually(Duration::from_secs(5), || async {
+        let reply = post_json(&lb.url("/v1/chat/completions"), &body, &[]).await;
+        reply.status == 200
+    })
+    .await;
+    assert!(served, "{:?}", nodes(&lb).await);
+    assert_eq!(node_ids(&lb).await, ["gpu-127.0.0.5"]);
+}
+
+/// What `discover` cannot be given with, refused with where and why.
+#[test]
+fn discover_is_refused_where_it_cannot_work() {
+    let entry = |url: &str, discover: &str| {
+        format!("[[pools]]\nname = \"p\"\nnodes = [{{ id = \"e\", url = \"{url}\", discover = \"{discover}\" }}]\n")
+    };
+    let said = check_refuses(&entry("http://10.0.0.1:8000", "dns"));
+    assert!(said.contains("is an address"), "{said}");
+    let said = check_refuses(&entry("https://engines:8443", "dns"));
+    assert!(said.contains("for http:// engines"), "{said}");
+    let said = check_refuses(&entry("http://engines:8000", "srv"));
+    assert!(said.contains("\"dns\""), "{said}");
+    let said = check_refuses(
+        "[discovery]\nnameservers = [\"resolver.local\"]\n[[pools]]\nname = \"p\"\nnodes = [{ id = \"e\", url = \"http://10.0.0.1:8000\" }]\n",
+    );
+    assert!(said.contains("is not an address"), "{said}");
+}
