@@ -91,6 +91,26 @@ fn kubernetes_manifests_parse_and_wire_serve_agent_and_redis() {
         "the agent joins the configured pool"
     );
 
+    // The headless Service for DNS discovery names the same pods, and the config its
+    // comment gives makes a node of each of its addresses.
+    let headless = manifests("deploy/k8s/vllm-headless-service.yaml");
+    let service = &headless["Service/vllm-llama"]["spec"];
+    assert_eq!(service["clusterIP"].as_str(), Some("None"));
+    assert_eq!(
+        service["selector"]["app"].as_str(),
+        engines["Deployment/vllm-llama"]["spec"]["selector"]["matchLabels"]["app"].as_str()
+    );
+    let commented: String = read("deploy/k8s/vllm-headless-service.yaml")
+        .lines()
+        .filter_map(|l| l.strip_prefix("#   "))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let config = Config::parse(&commented, "deploy/k8s/vllm-headless-service.yaml").unwrap();
+    assert_eq!(
+        config.pools[0].named[0].name(),
+        "vllm-llama.default.svc.cluster.local"
+    );
+
     let redis = manifests("deploy/k8s/redis.yaml");
     assert!(redis.contains_key("Deployment/prefixlb-redis"));
     assert!(redis.contains_key("Service/prefixlb-redis"));
