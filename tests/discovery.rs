@@ -222,13 +222,38 @@ async fn the_nodes_follow_what_the_name_resolves_to() {
     let by = served_by(&lb, 36, "second").await;
     assert!(by.get("gpu-127.0.0.4").is_some_and(|&n| n > 0), "{by:?}");
 
-    // A pod goes: its address leaves.
+    // A pod goes: its address leaves, and a stream it was serving finishes.
+    let mut session = String::new();
+    for k in 0..200 {
+        session = format!("s{k}");
+        if walk_of(&lb, &session).await[0] == "gpu-127.0.0.2" {
+            break;
+        }
+    }
+    let (url, s) = (lb.url("/v1/chat/completions"), session.clone());
+    let stream = tokio::spawn(async move {
+        let body = chat(&[("user", "hello")], true, 400);
+        post_json(&url, &body, &[("x-session-id", &s)]).await
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
     dns.answer(&ips[1..]);
     let left = eventually(Duration::from_secs(5), || async {
         node_ids(&lb).await == ["gpu-127.0.0.3", "gpu-127.0.0.4"]
     })
     .await;
     assert!(left, "{:?}", nodes(&lb).await);
+    assert!(
+        !stream.is_finished(),
+        "the stream (4 s) ended before its node left"
+    );
+    let reply = stream.await.unwrap();
+    assert_eq!(reply.header("x-prefixlb-node"), "gpu-127.0.0.2");
+    assert!(
+        reply.text().ends_with("data: [DONE]\n\n"),
+        "{}",
+        reply.text()
+    );
+    assert_eq!(reply.text().matches("\"content\":").count(), 401);
     let by = served_by(&lb, 12, "third").await;
     assert!(!by.contains_key("gpu-127.0.0.2"), "{by:?}");
     assert_eq!(
