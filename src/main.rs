@@ -268,8 +268,37 @@ fn check(a: ConfigArg) -> anyhow::Result<ExitCode> {
     let Some(config) = load(&a.config) else {
         return Ok(ExitCode::from(2));
     };
+    let names = prefixlb::fleet::dns::names(&config);
+    let nameservers = config.discovery.nameservers.clone();
     emit(check_report(&a.config, config))?;
+    if !names.is_empty() {
+        emit(check_names(&nameservers, names)?)?;
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+/// What the `discover = "dns"` names resolve to from here, now: shown, never an
+/// error (the balancer may run where another DNS answers).
+fn check_names(nameservers: &[std::net::SocketAddr], names: Vec<String>) -> anyhow::Result<String> {
+    use std::fmt::Write;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let found = runtime.block_on(prefixlb::fleet::dns::look_up_once(nameservers, names));
+    let mut out = String::new();
+    for (name, answer) in found {
+        let _ = match answer {
+            Ok(addresses) => {
+                let list: Vec<String> = addresses.iter().map(|a| a.to_string()).collect();
+                writeln!(out, "dns {name}: {} now ({})", list.len(), list.join(", "))
+            }
+            Err(e) => writeln!(
+                out,
+                "dns {name}: no address from here ({e}); the balancer keeps looking it up"
+            ),
+        };
+    }
+    Ok(out)
 }
 
 fn route(a: RouteArgs) -> anyhow::Result<ExitCode> {

@@ -184,7 +184,15 @@ async fn the_nodes_follow_what_the_name_resolves_to() {
     };
     let port = common_port(&ips);
     let _engines: Vec<Proc> = ips.iter().map(|ip| engine_on(ip, port)).collect();
-    let lb = balancer(&dns_config(&dns, port));
+    let config = write_config(&dns_config(&dns, port));
+    // `check` says what the name resolves to from here.
+    let said =
+        String::from_utf8(run_cli(&["check", "--config", config.to_str().unwrap()])).unwrap();
+    assert!(
+        said.contains(&format!("dns {NAME}: 2 now (127.0.0.2, 127.0.0.3)")),
+        "{said}"
+    );
+    let lb = balancer_from_file(&config);
     // The first lookup is waited for: the nodes are there from the first request.
     assert_eq!(node_ids(&lb).await, ["gpu-127.0.0.2", "gpu-127.0.0.3"]);
     assert!(

@@ -125,6 +125,23 @@ async fn lookup(resolver: &TokioResolver, name: &str) -> Result<Vec<IpAddr>, Str
     Ok(found)
 }
 
+/// Each name looked up once, with its addresses or why none (for `prefixlb check`).
+pub async fn look_up_once(
+    nameservers: &[SocketAddr],
+    names: Vec<String>,
+) -> Vec<(String, Result<Vec<IpAddr>, String>)> {
+    let resolver = match resolver(nameservers) {
+        Ok(r) => r,
+        Err(e) => return names.into_iter().map(|n| (n, Err(e.clone()))).collect(),
+    };
+    let mut found = Vec::new();
+    for name in names {
+        let answer = lookup(&resolver, &name).await;
+        found.push((name, answer));
+    }
+    found
+}
+
 /// Looks the names up until `stop` turns true. `first` is sent once the first round
 /// has been applied (the balancer waits for it, briefly, before it serves).
 pub async fn run(
