@@ -13,7 +13,10 @@ holds), and an engine that fails for a few seconds (failovers, interrupted strea
 breaker and health changes). Then asks Prometheus for every target of every panel, with
 `$__rate_interval` as Grafana would set it for a 1 s scrape (20s here), and requires
 each target to return series and each panel at least one finite value. Prints one line
-per target; exits 1 if any panel shows nothing. Needs only the standard library.
+per target; exits 1 if any panel shows nothing. The same Prometheus loads the alerting
+rules (deploy/prometheus/alerts.yaml): every rule must evaluate without error on the
+balancer's real series, and the failing engine's breaker must put
+PrefixlbBreakerNotClosed in `pending` for its node. Needs only the standard library.
 """
 
 import itertools
@@ -35,6 +38,7 @@ import urllib.request
 BIN = sys.argv[1] if len(sys.argv) > 1 else "target/debug/prefixlb"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DASHBOARD = os.path.join(ROOT, "grafana", "prefixlb.json")
+ALERTS = os.path.join(ROOT, "deploy", "prometheus", "alerts.yaml")
 RATE_INTERVAL = "20s"
 TRAFFIC_SECS = 30
 procs = []
@@ -112,6 +116,7 @@ def main():
     with open(prom_config, "w") as f:
         f.write(
             "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+            f"rule_files: ['{ALERTS}']\n"
             "scrape_configs:\n  - job_name: prefixlb\n    static_configs:\n"
             f"      - targets: ['{admin}']\n"
         )
@@ -180,7 +185,12 @@ def main():
     http("POST", fault, {"mode": "reset", "ttft_ms": 0})
     time.sleep(3)
     http("POST", fault, {"mode": "error", "ttft_ms": 0})
-    time.sleep(4)
+    # Its breaker opens: the alert on it goes pending (it fires after its `for`).
+    pending = set()
+    for _ in range(20):
+        alerts = json.loads(http("GET", f"{prom}/api/v1/alerts")[1])["data"]["alerts"]
+        pending |= {(a["labels"]["alertname"], a["labels"].get("node"), a["state"]) for a in alerts}
+        time.sleep(0.2)
     http("POST", fault, {"mode": "ok", "ttft_ms": 0})
     time.sleep(TRAFFIC_SECS - 13)
 
@@ -204,6 +214,17 @@ def main():
         if finite_in_panel == 0:
             failed.append(f"panel {pid} {title}: no finite value in any target")
     stop.set()
+    print(f"\n{'alerting rule':<44} {'health':>6}  state")
+    groups = json.loads(http("GET", f"{prom}/api/v1/rules")[1])["data"]["groups"]
+    rules = [r for g in groups for r in g["rules"]]
+    if len(rules) < 10:
+        failed.append(f"only {len(rules)} alerting rules loaded from {ALERTS}")
+    for r in rules:
+        print(f"{r['name']:<44} {r['health']:>6}  {r.get('state', '')}")
+        if r["health"] != "ok":
+            failed.append(f"alerting rule {r['name']}: {r['health']} {r.get('lastError', '')}")
+    if ("PrefixlbBreakerNotClosed", "n3", "pending") not in pending:
+        failed.append(f"PrefixlbBreakerNotClosed was not pending for n3 while its engine failed: {sorted(pending)}")
     if failed:
         print("\nFAILED:\n  " + "\n  ".join(failed))
         return 1

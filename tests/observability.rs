@@ -163,19 +163,7 @@ async fn a_scripted_run_shows_in_the_metrics_and_the_dashboard_queries_exist() {
     let mut queried = HashSet::new();
     for panel in dashboard["panels"].as_array().unwrap() {
         for target in panel["targets"].as_array().unwrap() {
-            let expr = target["expr"].as_str().unwrap();
-            for (i, _) in expr.match_indices("prefixlb_") {
-                let name: String = expr[i..]
-                    .chars()
-                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                    .collect();
-                let base = ["_bucket", "_sum", "_count"]
-                    .iter()
-                    .fold(name.clone(), |n, sfx| {
-                        n.strip_suffix(sfx).map(str::to_string).unwrap_or(n)
-                    });
-                queried.insert(base);
-            }
+            queried.extend(metrics_read_by(target["expr"].as_str().unwrap()));
         }
     }
     assert!(queried.len() >= 15, "{queried:?}");
@@ -185,6 +173,40 @@ async fn a_scripted_run_shows_in_the_metrics_and_the_dashboard_queries_exist() {
             "the dashboard queries {name}, which is not exported"
         );
     }
+
+    // And every metric the alerting rules read (`prefixlb_dns_up` only comes with a
+    // DNS name: tests/discovery.rs reads it).
+    let rules =
+        yaml_rust2::YamlLoader::load_from_str(include_str!("../deploy/prometheus/alerts.yaml"))
+            .unwrap();
+    let mut read = HashSet::new();
+    for group in rules[0]["groups"].as_vec().unwrap() {
+        for rule in group["rules"].as_vec().unwrap() {
+            read.extend(metrics_read_by(rule["expr"].as_str().unwrap()));
+        }
+    }
+    assert!(read.len() >= 10, "{read:?}");
+    for name in read.iter().filter(|n| *n != "prefixlb_dns_up") {
+        assert!(
+            page.contains(&format!("# TYPE {name} ")),
+            "an alerting rule reads {name}, which is not exported"
+        );
+    }
+}
+
+/// The metric families a PromQL expression reads (a histogram's by its base name).
+fn metrics_read_by(expr: &str) -> Vec<String> {
+    expr.match_indices("prefixlb_")
+        .map(|(i, _)| {
+            let name: String = expr[i..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            ["_bucket", "_sum", "_count"].iter().fold(name, |n, sfx| {
+                n.strip_suffix(sfx).map(str::to_string).unwrap_or(n)
+            })
+        })
+        .collect()
 }
 
 /// A client who leaves before the answer's head (waiting in the queue, waiting on an
