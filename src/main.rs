@@ -268,23 +268,30 @@ fn check(a: ConfigArg) -> anyhow::Result<ExitCode> {
     let Some(config) = load(&a.config) else {
         return Ok(ExitCode::from(2));
     };
-    let names = prefixlb::fleet::dns::names(&config);
-    let nameservers = config.discovery.nameservers.clone();
+    let found = look_up_names(&config)?;
     emit(check_report(&a.config, config))?;
-    if !names.is_empty() {
-        emit(check_names(&nameservers, names)?)?;
-    }
+    emit(names_report(found))?;
     Ok(ExitCode::SUCCESS)
 }
 
-/// What the `discover = "dns"` names resolve to from here, now: shown, never an
-/// error (the balancer may run where another DNS answers).
-fn check_names(nameservers: &[std::net::SocketAddr], names: Vec<String>) -> anyhow::Result<String> {
-    use std::fmt::Write;
+type Lookups = Vec<(String, Result<Vec<std::net::IpAddr>, String>)>;
+
+/// What each `discover = "dns"` name of `config` resolves to from here, now.
+fn look_up_names(config: &Config) -> anyhow::Result<Lookups> {
+    let names = prefixlb::fleet::dns::names(config);
+    if names.is_empty() {
+        return Ok(Vec::new());
+    }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let found = runtime.block_on(prefixlb::fleet::dns::look_up_once(nameservers, names));
+    let nameservers = &config.discovery.nameservers;
+    Ok(runtime.block_on(prefixlb::fleet::dns::look_up_once(nameservers, names)))
+}
+
+/// The lookups, shown: never an error (the balancer may run where another DNS answers).
+fn names_report(found: Lookups) -> String {
+    use std::fmt::Write;
     let mut out = String::new();
     for (name, answer) in found {
         let _ = match answer {
@@ -298,13 +305,27 @@ fn check_names(nameservers: &[std::net::SocketAddr], names: Vec<String>) -> anyh
             ),
         };
     }
-    Ok(out)
+    out
 }
 
 fn route(a: RouteArgs) -> anyhow::Result<ExitCode> {
     let Some(config) = load(&a.config) else {
         return Ok(ExitCode::from(2));
     };
+    // The nodes of `discover = "dns"` names are those the names have now.
+    let mut addresses = prefixlb::fleet::dns::Addresses::new();
+    for (name, answer) in look_up_names(&config)? {
+        match answer {
+            Ok(list) => {
+                addresses.insert(name, list);
+            }
+            Err(e) => eprintln!("dns {name}: no address from here ({e})"),
+        }
+    }
+    let (config, _, skipped) = prefixlb::fleet::dns::expand(&config, &addresses);
+    for s in skipped {
+        eprintln!("{s}");
+    }
     let key_header = config.routing.key_header.clone();
     let body = read_body(&a.body)?;
     let mut header_key = None;

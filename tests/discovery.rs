@@ -192,6 +192,24 @@ async fn the_nodes_follow_what_the_name_resolves_to() {
         said.contains(&format!("dns {NAME}: 2 now (127.0.0.2, 127.0.0.3)")),
         "{said}"
     );
+    // `route` explains with the nodes the name has now.
+    let body = config.with_extension("json");
+    std::fs::write(&body, chat(&[("user", "hi")], false, 4).to_string()).unwrap();
+    let routed = run_cli(&[
+        "route",
+        "--config",
+        config.to_str().unwrap(),
+        body.to_str().unwrap(),
+    ]);
+    let routed: serde_json::Value = serde_json::from_slice(&routed).unwrap();
+    let mut walk: Vec<&str> = routed["successors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["node"].as_str().unwrap())
+        .collect();
+    walk.sort();
+    assert_eq!(walk, ["gpu-127.0.0.2", "gpu-127.0.0.3"], "{routed}");
     let lb = balancer_from_file(&config);
     // The first lookup is waited for: the nodes are there from the first request.
     assert_eq!(node_ids(&lb).await, ["gpu-127.0.0.2", "gpu-127.0.0.3"]);
