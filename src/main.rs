@@ -274,9 +274,12 @@ fn check(a: ConfigArg) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-type Lookups = Vec<(String, Result<Vec<std::net::IpAddr>, String>)>;
+type Lookups = Vec<(
+    prefixlb::fleet::dns::Name,
+    Result<Vec<prefixlb::config::Endpoint>, String>,
+)>;
 
-/// What each `discover = "dns"` name of `config` resolves to from here, now.
+/// What each `discover` name of `config` resolves to from here, now.
 fn look_up_names(config: &Config) -> anyhow::Result<Lookups> {
     let names = prefixlb::fleet::dns::names(config);
     if names.is_empty() {
@@ -293,10 +296,13 @@ fn look_up_names(config: &Config) -> anyhow::Result<Lookups> {
 fn names_report(found: Lookups) -> String {
     use std::fmt::Write;
     let mut out = String::new();
-    for (name, answer) in found {
+    for ((_, name), answer) in found {
         let _ = match answer {
             Ok(addresses) => {
-                let list: Vec<String> = addresses.iter().map(|a| a.to_string()).collect();
+                let list: Vec<String> = addresses
+                    .iter()
+                    .map(prefixlb::fleet::dns::endpoint_text)
+                    .collect();
                 writeln!(out, "dns {name}: {} now ({})", list.len(), list.join(", "))
             }
             Err(e) => writeln!(
@@ -312,14 +318,14 @@ fn route(a: RouteArgs) -> anyhow::Result<ExitCode> {
     let Some(config) = load(&a.config) else {
         return Ok(ExitCode::from(2));
     };
-    // The nodes of `discover = "dns"` names are those the names have now.
+    // The nodes of `discover` names are those the names have now.
     let mut addresses = prefixlb::fleet::dns::Addresses::new();
     for (name, answer) in look_up_names(&config)? {
         match answer {
             Ok(list) => {
                 addresses.insert(name, list);
             }
-            Err(e) => eprintln!("dns {name}: no address from here ({e})"),
+            Err(e) => eprintln!("dns {}: no address from here ({e})", name.1),
         }
     }
     let (config, _, skipped) = prefixlb::fleet::dns::expand(&config, &addresses);

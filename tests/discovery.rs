@@ -16,10 +16,13 @@ use common::*;
 
 const NAME: &str = "engines.prefixlb.test";
 
-/// A `dnsmasq` answering `NAME` from a hosts file, on a free loopback port.
+/// A `dnsmasq` answering `NAME` from a hosts file, on a free loopback port, and
+/// SRV records given when it starts.
 struct Dns {
     port: u16,
     hosts: PathBuf,
+    /// `--srv-host` values: `_service._proto.name,target,port`.
+    srv: Vec<String>,
     child: Option<Child>,
 }
 
@@ -54,9 +57,15 @@ impl Dns {
         let mut dns = Dns {
             port,
             hosts,
+            srv: Vec::new(),
             child: None,
         };
         dns.answer(addresses);
+        dns.up();
+        Some(dns)
+    }
+
+    fn up(&mut self) {
         let child = Command::new("dnsmasq")
             .args([
                 "--keep-in-foreground",
@@ -64,25 +73,41 @@ impl Dns {
                 "--no-resolv",
             ])
             .args(["--no-hosts", "--local-ttl=0", "--pid-file="])
-            .arg(format!("--addn-hosts={}", dns.hosts.display()))
+            .arg(format!("--addn-hosts={}", self.hosts.display()))
+            .args(self.srv.iter().map(|r| format!("--srv-host={r}")))
             .args(["--listen-address=127.0.0.1", "--bind-interfaces"])
-            .arg(format!("--port={port}"))
+            .arg(format!("--port={}", self.port))
             .stdout(Stdio::null())
             .spawn()
             .unwrap();
-        dns.child = Some(child);
+        self.child = Some(child);
         // Up once its port is taken.
         let deadline = Instant::now() + Duration::from_secs(5);
-        while UdpSocket::bind(("127.0.0.1", port)).is_ok() {
+        while UdpSocket::bind(("127.0.0.1", self.port)).is_ok() {
             assert!(Instant::now() < deadline, "dnsmasq did not start");
             std::thread::sleep(Duration::from_millis(20));
         }
-        Some(dns)
+    }
+
+    /// From now on the SRV records are `records` (dnsmasq reads them when it starts:
+    /// it is started again, on its port).
+    fn answer_srv(&mut self, records: &[String]) {
+        self.stop();
+        self.srv = records.to_vec();
+        self.up();
     }
 
     /// From now on `NAME` resolves to `addresses` (none: no record).
     fn answer(&mut self, addresses: &[&str]) {
-        let lines: String = addresses.iter().map(|a| format!("{a} {NAME}\n")).collect();
+        self.answer_hosts(&addresses.iter().map(|a| (*a, NAME)).collect::<Vec<_>>());
+    }
+
+    /// From now on each name resolves to its addresses.
+    fn answer_hosts(&mut self, hosts: &[(&str, &str)]) {
+        let lines: String = hosts
+            .iter()
+            .map(|(a, name)| format!("{a} {name}\n"))
+            .collect();
         std::fs::write(&self.hosts, lines).unwrap();
         if let Some(child) = &self.child {
             let ok = Command::new("kill")
@@ -323,6 +348,73 @@ async fn a_name_with_no_address_yet_gets_nodes_when_it_has_some() {
     assert_eq!(node_ids(&lb).await, ["gpu-127.0.0.5"]);
 }
 
+/// `discover = "srv"`: each SRV record's target is a node on the record's port (two
+/// engines on one host are two nodes), and a record that goes takes its node with it.
+#[tokio::test(flavor = "multi_thread")]
+async fn srv_records_give_each_engine_its_own_port() {
+    let Some(mut dns) = Dns::start(&[]) else {
+        return;
+    };
+    let mut ports: Vec<u16> = Vec::new();
+    while ports.len() < 3 {
+        let port = common_port(&["127.0.0.6", "127.0.0.7"]);
+        if !ports.contains(&port) {
+            ports.push(port);
+        }
+    }
+    let _engines = [
+        engine_on("127.0.0.6", ports[0]),
+        engine_on("127.0.0.6", ports[1]),
+        engine_on("127.0.0.7", ports[2]),
+    ];
+    dns.answer_hosts(&[
+        ("127.0.0.6", "a.prefixlb.test"),
+        ("127.0.0.7", "b.prefixlb.test"),
+    ]);
+    let service = "_vllm._tcp.prefixlb.test";
+    let records: Vec<String> = [("a", ports[0]), ("a", ports[1]), ("b", ports[2])]
+        .iter()
+        .map(|(host, port)| format!("{service},{host}.prefixlb.test,{port}"))
+        .collect();
+    dns.answer_srv(&records);
+    let config = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+         [health]\ninterval = \"100ms\"\n\
+         [discovery]\ninterval = \"200ms\"\nnameservers = [\"{}\"]\n\
+         [[pools]]\nname = \"mock\"\nmodels = [\"mock\"]\n\
+         nodes = [{{ id = \"gpu\", url = \"http://{service}\", discover = \"srv\" }}]\n",
+        dns.server()
+    );
+    let lb = balancer(&config);
+    let mut want: Vec<String> = vec![
+        format!("gpu-127.0.0.6:{}", ports[0]),
+        format!("gpu-127.0.0.6:{}", ports[1]),
+        format!("gpu-127.0.0.7:{}", ports[2]),
+    ];
+    want.sort();
+    assert_eq!(node_ids(&lb).await, want);
+    let healthy = eventually(Duration::from_secs(5), || async {
+        nodes(&lb)
+            .await
+            .iter()
+            .all(|(_, source, up)| source == "dns" && *up)
+    })
+    .await;
+    assert!(healthy, "{:?}", nodes(&lb).await);
+    let by = served_by(&lb, 36, "srv").await;
+    assert_eq!(by.keys().cloned().collect::<Vec<_>>(), want, "{by:?}");
+
+    // The record of the second engine on 127.0.0.6 goes.
+    dns.answer_srv(&[records[0].clone(), records[2].clone()]);
+    let gone = format!("gpu-127.0.0.6:{}", ports[1]);
+    let left = eventually(Duration::from_secs(5), || async {
+        let ids = node_ids(&lb).await;
+        ids.len() == 2 && !ids.contains(&gone)
+    })
+    .await;
+    assert!(left, "{:?}", nodes(&lb).await);
+}
+
 /// What `discover` cannot be given with, refused with where and why.
 #[test]
 fn discover_is_refused_where_it_cannot_work() {
@@ -333,8 +425,10 @@ fn discover_is_refused_where_it_cannot_work() {
     assert!(said.contains("is an address"), "{said}");
     let said = check_refuses(&entry("https://engines:8443", "dns"));
     assert!(said.contains("for http:// engines"), "{said}");
-    let said = check_refuses(&entry("http://engines:8000", "srv"));
+    let said = check_refuses(&entry("http://engines:8000", "a"));
     assert!(said.contains("\"dns\""), "{said}");
+    let said = check_refuses(&entry("http://_vllm._tcp.engines:8000", "srv"));
+    assert!(said.contains("leave the port out"), "{said}");
     let said = check_refuses(
         "[discovery]\nnameservers = [\"resolver.local\"]\n[[pools]]\nname = \"p\"\nnodes = [{ id = \"e\", url = \"http://10.0.0.1:8000\" }]\n",
     );

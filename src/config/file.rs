@@ -34,7 +34,7 @@ pub struct FileConfig {
     pub tracing: Option<TracingSection>,
     /// Dynamic membership from Redis heartbeats. Default: none (static nodes only).
     pub redis: Option<RedisSection>,
-    /// How the names of `discover = "dns"` nodes are looked up. Default: every `"5s"`,
+    /// How the names of `discover` nodes are looked up. Default: every `"5s"`,
     /// with the system's resolver settings.
     #[serde(default)]
     pub discovery: DiscoverySection,
@@ -584,8 +584,10 @@ pub struct NodeSection {
     /// `"dns"`: the URL's host is a DNS name standing for several engines (a
     /// Kubernetes headless Service, a Compose service's replicas): each address it
     /// resolves to is a node, `{id}-{address}`, with this entry's port, path, weight
-    /// and ranks, looked up again every `discovery.interval`. Default: none (one node,
-    /// its name resolved when each connection is made).
+    /// and ranks, looked up again every `discovery.interval`. `"srv"`: the host's SRV
+    /// records give the engines and their ports (Consul, a Kubernetes named port), a
+    /// node per target address and port, `{id}-{address}:{port}`; the URL has no port.
+    /// Default: none (one node, its name resolved when each connection is made).
     pub discover: Option<Spanned<String>>,
 }
 
@@ -593,7 +595,7 @@ pub struct NodeSection {
 #[derive(Debug, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DiscoverySection {
-    /// How often the names of `discover = "dns"` nodes are looked up. Default `"5s"`.
+    /// How often the names of `discover` nodes are looked up. Default `"5s"`.
     pub interval: Dur,
     /// DNS servers to ask, `"ip:port"` (port 53 if left out). Default: none, the
     /// system's (/etc/resolv.conf, with its search domains; /etc/hosts).

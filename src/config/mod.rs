@@ -78,7 +78,7 @@ pub struct Config {
     pub tenancy: Tenancy,
     /// Membership from Redis heartbeats, if configured.
     pub redis: Option<RedisConfig>,
-    /// How the names of `discover = "dns"` nodes are looked up.
+    /// How the names of `discover` nodes are looked up.
     pub discovery: DiscoveryConfig,
     pub pools: Vec<PoolConfig>,
 }
@@ -131,7 +131,7 @@ impl AuthConfig {
     }
 }
 
-/// `[discovery]`: how the names of `discover = "dns"` nodes are looked up.
+/// `[discovery]`: how the names of `discover` nodes are looked up.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DiscoveryConfig {
     pub interval: Duration,
@@ -212,18 +212,38 @@ pub struct PoolConfig {
     pub default: bool,
     pub nodes: Vec<NodeConfig>,
     /// Entries whose URL's host is a DNS name standing for several engines
-    /// (`discover = "dns"`): their nodes are made from the addresses it resolves to.
+    /// (`discover`): their nodes are made from the addresses it resolves to.
     pub named: Vec<NamedNodes>,
 }
 
-/// A `[[pools.nodes]]` entry with `discover = "dns"`: one engine server per address
-/// its URL's host name resolves to.
+/// How a named entry's engines are found in DNS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Discover {
+    /// `"dns"`: every address (A and AAAA records) of the URL's host, on the URL's port.
+    Dns,
+    /// `"srv"`: every target of the URL's host's SRV records, on its own port (Consul,
+    /// a Kubernetes Service's named port).
+    Srv,
+}
+
+/// An engine server a DNS name gave: its address, and its own port when the records
+/// give one (SRV).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Endpoint {
+    pub ip: std::net::IpAddr,
+    pub port: Option<u16>,
+}
+
+/// A `[[pools.nodes]]` entry with `discover`: one engine server per endpoint its URL's
+/// host name gives.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NamedNodes {
-    /// The entry's id; each address's node is `{id}-{address}`.
+    /// The entry's id; each endpoint's node is `{id}-{address}` (with SRV,
+    /// `{id}-{address}:{port}`).
     pub id: String,
     /// The URL as written, its host the name looked up.
     pub url: http::Uri,
+    pub discover: Discover,
     pub weight: u32,
     pub data_parallel_size: u32,
 }
@@ -234,27 +254,30 @@ impl NamedNodes {
         self.url.host().unwrap_or_default()
     }
 
-    /// The nodes of the engine server at `address`: its id is `{id}-{address}` and
-    /// its URL this entry's with the address for the name.
-    pub fn at(&self, address: std::net::IpAddr) -> Vec<NodeConfig> {
-        let host = match address {
+    /// The nodes of the engine server at `endpoint`: its id is `{id}-{address}` (and
+    /// `:{port}` for a port of its own) and its URL this entry's with the address for
+    /// the name (and its own port).
+    pub fn at(&self, endpoint: Endpoint) -> Vec<NodeConfig> {
+        let address = match endpoint.ip {
             std::net::IpAddr::V4(a) => a.to_string(),
             std::net::IpAddr::V6(a) => format!("[{a}]"),
         };
-        let authority = match self.url.port_u16() {
-            Some(port) => format!("{host}:{port}"),
-            None => host,
+        let (id, authority) = match (endpoint.port, self.url.port_u16()) {
+            (Some(port), _) => (
+                format!("{}-{address}:{port}", self.id),
+                format!("{address}:{port}"),
+            ),
+            (None, Some(port)) => (
+                format!("{}-{}", self.id, endpoint.ip),
+                format!("{address}:{port}"),
+            ),
+            (None, None) => (format!("{}-{}", self.id, endpoint.ip), address),
         };
         let mut parts = self.url.clone().into_parts();
-        // An address and the port of a valid URL always make an authority.
+        // An address and a port always make an authority.
         parts.authority = authority.parse().ok();
         let url = http::Uri::from_parts(parts).unwrap_or_else(|_| self.url.clone());
-        NodeConfig::ranks(
-            format!("{}-{address}", self.id),
-            url,
-            self.weight,
-            self.data_parallel_size,
-        )
+        NodeConfig::ranks(id, url, self.weight, self.data_parallel_size)
     }
 }
 

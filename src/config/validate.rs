@@ -14,8 +14,8 @@ use super::file::{
     NodeSection, PoolSection, RedisSection, RoutingSection, ServerSection, ShuntStepSection,
 };
 use super::{
-    AuthConfig, BreakerSettings, Config, DiscoveryConfig, HealthConfig, NamedNodes, NodeConfig,
-    PoolConfig, RedisConfig, RoutingConfig, Secret, ServerConfig, ShuntStep,
+    AuthConfig, BreakerSettings, Config, Discover, DiscoveryConfig, HealthConfig, NamedNodes,
+    NodeConfig, PoolConfig, RedisConfig, RoutingConfig, Secret, ServerConfig, ShuntStep,
     MAX_DATA_PARALLEL_SIZE,
 };
 
@@ -318,11 +318,12 @@ fn validate_pool(p: PoolSection, seen: &mut Seen) -> Result<PoolConfig, Invalid>
     for n in p.nodes {
         match n.discover.as_ref().map(|d| (d.span(), d.get_ref().as_str())) {
             None => nodes.extend(validate_node(n, &mut seen.node_ids)?),
-            Some((_, "dns")) => named.push(validate_named(n, &mut seen.node_ids)?),
+            Some((_, "dns")) => named.push(validate_named(n, Discover::Dns, &mut seen.node_ids)?),
+            Some((_, "srv")) => named.push(validate_named(n, Discover::Srv, &mut seen.node_ids)?),
             Some((span, other)) => {
                 return invalid(
                     span,
-                    format!("discover = {other:?}: the one way nodes are discovered is \"dns\" (or leave it out)"),
+                    format!("discover = {other:?}: nodes are discovered by \"dns\" (each address of the url's host) or \"srv\" (each target and port of its SRV records), or leave it out"),
                 )
             }
         }
@@ -341,9 +342,17 @@ fn validate_pool(p: PoolSection, seen: &mut Seen) -> Result<PoolConfig, Invalid>
     })
 }
 
-/// A `discover = "dns"` entry: its URL's host must be a name, and its nodes' ids
-/// (`{id}-{address}`) are made as the name resolves.
-fn validate_named(n: NodeSection, ids: &mut HashSet<String>) -> Result<NamedNodes, Invalid> {
+/// A `discover` entry: its URL's host must be a name (with SRV, one with no port:
+/// the records give each engine's), and its nodes' ids are made as the name resolves.
+fn validate_named(
+    n: NodeSection,
+    discover: Discover,
+    ids: &mut HashSet<String>,
+) -> Result<NamedNodes, Invalid> {
+    let how = match discover {
+        Discover::Dns => "dns",
+        Discover::Srv => "srv",
+    };
     let id = n.id.get_ref().trim().to_string();
     if id.is_empty() {
         return invalid(n.id.span(), "node id is empty");
@@ -358,7 +367,7 @@ fn validate_named(n: NodeSection, ids: &mut HashSet<String>) -> Result<NamedNode
     {
         return invalid(
             n.url.span(),
-            format!("node {id:?} has discover = \"dns\" but its url's host {host:?} is an address: give the DNS name that stands for the engines"),
+            format!("node {id:?} has discover = \"{how}\" but its url's host {host:?} is an address: give the DNS name that stands for the engines"),
         );
     }
     if url.scheme_str() == Some("https") {
@@ -366,7 +375,13 @@ fn validate_named(n: NodeSection, ids: &mut HashSet<String>) -> Result<NamedNode
         // against the address, not the name.
         return invalid(
             n.url.span(),
-            format!("node {id:?}: discover = \"dns\" is for http:// engines (each is reached at its address, which its certificate would have to name)"),
+            format!("node {id:?}: discover = \"{how}\" is for http:// engines (each is reached at its address, which its certificate would have to name)"),
+        );
+    }
+    if discover == Discover::Srv && url.port_u16().is_some() {
+        return invalid(
+            n.url.span(),
+            format!("node {id:?}: with discover = \"srv\" each engine's port comes from its SRV record; leave the port out of the url"),
         );
     }
     let weight = within(&n.weight, 1..=1000, "weight")?;
@@ -384,6 +399,7 @@ fn validate_named(n: NodeSection, ids: &mut HashSet<String>) -> Result<NamedNode
     Ok(NamedNodes {
         id,
         url,
+        discover,
         weight,
         data_parallel_size,
     })

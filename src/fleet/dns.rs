@@ -2,9 +2,11 @@
 //! that stands for several engines (a Kubernetes headless Service lists each ready
 //! pod's address, a Compose service each replica's), and every address it resolves
 //! to is an engine server of its own, `{id}-{address}`, with the entry's port, path,
-//! weight and ranks. The names are looked up every `discovery.interval` in a task of
-//! its own (never on a request's path); the control plane rebuilds its table when an
-//! answer differs ([`Discovered`]).
+//! weight and ranks. With `discover = "srv"` the host's SRV records name the engines
+//! and their ports (Consul, a Kubernetes Service's named port): each target's
+//! addresses, `{id}-{address}:{port}`. The names are looked up every
+//! `discovery.interval` in a task of its own (never on a request's path); the control
+//! plane rebuilds its table when an answer differs ([`Discovered`]).
 //!
 //! Fail static, as with Redis: a lookup that fails or finds no address keeps the
 //! name's last addresses (`prefixlb_dns_up{name}` turns 0, one line is logged per
@@ -18,15 +20,19 @@ use std::time::Duration;
 
 use hickory_resolver::config::{NameServerConfig, ResolverConfig};
 use hickory_resolver::net::runtime::TokioRuntimeProvider;
+use hickory_resolver::proto::rr::RData;
 use hickory_resolver::TokioResolver;
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinSet;
 
-use crate::config::{Config, DiscoveryConfig};
+use crate::config::{Config, Discover, DiscoveryConfig, Endpoint};
 use crate::telemetry::metrics::FleetMetrics;
 
-/// The addresses each name resolved to when last it answered, sorted.
-pub type Addresses = BTreeMap<String, Vec<IpAddr>>;
+/// A name to look up, and how.
+pub type Name = (Discover, String);
+
+/// The endpoints each name gave when last it answered, sorted.
+pub type Addresses = BTreeMap<Name, Vec<Endpoint>>;
 
 /// A lookup never waits longer than this, whatever the interval.
 const LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
@@ -34,12 +40,12 @@ const LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
 /// What the discovery task reads its settings from and feeds: the control plane.
 pub trait Discovered: Send + Sync {
     /// The `[discovery]` settings and the names to look up now.
-    fn discovery(&self) -> (DiscoveryConfig, Vec<String>);
+    fn discovery(&self) -> (DiscoveryConfig, Vec<Name>);
     /// Applies the addresses every name has now.
     fn apply_addresses(&self, addresses: &Addresses);
 }
 
-/// The config with each `discover = "dns"` entry's engine servers made from its
+/// The config with each `discover` entry's engine servers made from its
 /// name's addresses, the ids of the nodes made, and why any was left out (an id the
 /// config's own nodes already have).
 pub fn expand(config: &Config, addresses: &Addresses) -> (Config, HashSet<String>, Vec<String>) {
@@ -53,15 +59,17 @@ pub fn expand(config: &Config, addresses: &Addresses) -> (Config, HashSet<String
     let mut skipped = Vec::new();
     for pool in &mut config.pools {
         for entry in &pool.named {
-            let Some(found) = addresses.get(entry.name()) else {
+            let name = (entry.discover, entry.name().to_string());
+            let Some(found) = addresses.get(&name) else {
                 continue;
             };
-            for &address in found {
-                let nodes = entry.at(address);
+            for &endpoint in found {
+                let nodes = entry.at(endpoint);
                 if let Some(clash) = nodes.iter().find(|n| ids.contains(&n.id)) {
                     skipped.push(format!(
-                        "{}'s address {address} is left out: node id {:?} is taken",
+                        "{}'s address {} is left out: node id {:?} is taken",
                         entry.name(),
+                        endpoint.ip,
                         clash.id
                     ));
                     continue;
@@ -77,12 +85,12 @@ pub fn expand(config: &Config, addresses: &Addresses) -> (Config, HashSet<String
     (config, made, skipped)
 }
 
-/// The names of every `discover = "dns"` entry, each once.
-pub fn names(config: &Config) -> Vec<String> {
-    let mut names: Vec<String> = config
+/// The names of every `discover` entry, each once with each way it is looked up.
+pub fn names(config: &Config) -> Vec<Name> {
+    let mut names: Vec<Name> = config
         .pools
         .iter()
-        .flat_map(|p| p.named.iter().map(|e| e.name().to_string()))
+        .flat_map(|p| p.named.iter().map(|e| (e.discover, e.name().to_string())))
         .collect();
     names.sort();
     names.dedup();
@@ -111,7 +119,7 @@ fn resolver(nameservers: &[SocketAddr]) -> Result<TokioResolver, String> {
 }
 
 /// Every address `name` resolves to (IPv4 and IPv6), sorted, or why none.
-async fn lookup(resolver: &TokioResolver, name: &str) -> Result<Vec<IpAddr>, String> {
+async fn addresses_of(resolver: &TokioResolver, name: &str) -> Result<Vec<IpAddr>, String> {
     let answer = tokio::time::timeout(LOOKUP_TIMEOUT, resolver.lookup_ip(name))
         .await
         .map_err(|_| format!("no answer in {LOOKUP_TIMEOUT:?}"))?
@@ -125,11 +133,56 @@ async fn lookup(resolver: &TokioResolver, name: &str) -> Result<Vec<IpAddr>, Str
     Ok(found)
 }
 
+/// Every target address and port of `name`'s SRV records (a target whose name does
+/// not resolve is left out), or why none.
+async fn targets_of(resolver: &TokioResolver, name: &str) -> Result<Vec<Endpoint>, String> {
+    let answer = tokio::time::timeout(LOOKUP_TIMEOUT, resolver.srv_lookup(name))
+        .await
+        .map_err(|_| format!("no answer in {LOOKUP_TIMEOUT:?}"))?
+        .map_err(|e| e.to_string())?;
+    let mut found = Vec::new();
+    let mut unresolved = Vec::new();
+    for record in answer.answers() {
+        let RData::SRV(srv) = &record.data else {
+            continue;
+        };
+        let target = srv.target.to_string();
+        match addresses_of(resolver, &target).await {
+            Ok(ips) => found.extend(ips.into_iter().map(|ip| Endpoint {
+                ip,
+                port: Some(srv.port),
+            })),
+            Err(e) => unresolved.push(format!("{target}: {e}")),
+        }
+    }
+    found.sort();
+    found.dedup();
+    if found.is_empty() {
+        return Err(match unresolved.is_empty() {
+            true => "no SRV record".into(),
+            false => format!("no target resolves ({})", unresolved.join("; ")),
+        });
+    }
+    Ok(found)
+}
+
+/// The endpoints `name` gives, looked up as it says.
+async fn lookup(resolver: &TokioResolver, name: &Name) -> Result<Vec<Endpoint>, String> {
+    match name.0 {
+        Discover::Dns => Ok(addresses_of(resolver, &name.1)
+            .await?
+            .into_iter()
+            .map(|ip| Endpoint { ip, port: None })
+            .collect()),
+        Discover::Srv => targets_of(resolver, &name.1).await,
+    }
+}
+
 /// Each name looked up once, with its addresses or why none (for `prefixlb check`).
 pub async fn look_up_once(
     nameservers: &[SocketAddr],
-    names: Vec<String>,
-) -> Vec<(String, Result<Vec<IpAddr>, String>)> {
+    names: Vec<Name>,
+) -> Vec<(Name, Result<Vec<Endpoint>, String>)> {
     let resolver = match resolver(nameservers) {
         Ok(r) => r,
         Err(e) => return names.into_iter().map(|n| (n, Err(e.clone()))).collect(),
@@ -140,6 +193,14 @@ pub async fn look_up_once(
         found.push((name, answer));
     }
     found
+}
+
+/// An endpoint as written: its address, and `:port` for a port of its own.
+pub fn endpoint_text(e: &Endpoint) -> String {
+    match e.port {
+        Some(port) => std::net::SocketAddr::new(e.ip, port).to_string(),
+        None => e.ip.to_string(),
+    }
 }
 
 /// Looks the names up until `stop` turns true. `first` is sent once the first round
@@ -154,7 +215,7 @@ pub async fn run(
     let mut built: Option<(Vec<SocketAddr>, TokioResolver)> = None;
     let mut addresses = Addresses::new();
     // Whether each name's last lookup answered, for one line per change of state.
-    let mut up: HashMap<String, bool> = HashMap::new();
+    let mut up: HashMap<Name, bool> = HashMap::new();
     loop {
         let (settings, names) = control.discovery();
         let mut now = addresses.clone();
@@ -183,18 +244,18 @@ pub async fn run(
                     let answered = found.is_ok();
                     metrics
                         .dns_up
-                        .with_label_values(&[&name])
+                        .with_label_values(&[&name.1])
                         .set(answered.into());
                     match found {
                         Ok(found) => {
                             if up.get(&name) == Some(&false) {
-                                tracing::info!(name = %name, addresses = found.len(), "DNS answers again");
+                                tracing::info!(name = %name.1, addresses = found.len(), "DNS answers again");
                             }
                             now.insert(name.clone(), found);
                         }
                         Err(e) if up.get(&name) != Some(&false) => {
                             let kept = now.get(&name).map_or(0, Vec::len);
-                            tracing::warn!(name = %name, error = %e, kept, "DNS lookup failed; the name's last addresses stay");
+                            tracing::warn!(name = %name.1, error = %e, kept, "DNS lookup failed; the name's last addresses stay");
                         }
                         Err(_) => {}
                     }
@@ -205,7 +266,8 @@ pub async fn run(
         if now != addresses {
             for (name, found) in &now {
                 if addresses.get(name) != Some(found) {
-                    tracing::info!(name = %name, addresses = ?found, "DNS addresses changed");
+                    let found: Vec<String> = found.iter().map(endpoint_text).collect();
+                    tracing::info!(name = %name.1, addresses = ?found, "DNS addresses changed");
                 }
             }
             addresses = now;
@@ -234,10 +296,35 @@ mod tests {
     }
 
     const TWO_POOLS: &str = "[[pools]]\nname = \"a\"\nnodes = [{ id = \"fixed\", url = \"http://10.0.0.9:8000\" }, { id = \"vllm\", url = \"http://vllm.llm.svc:8000/base\", discover = \"dns\", weight = 2 }]\n\
-        [[pools]]\nname = \"b\"\nnodes = [{ id = \"dp\", url = \"http://sglang:30000\", discover = \"dns\", data_parallel_size = 2 }]\n";
+        [[pools]]\nname = \"b\"\nnodes = [{ id = \"dp\", url = \"http://sglang:30000\", discover = \"dns\", data_parallel_size = 2 }, { id = \"c\", url = \"http://_vllm._tcp.service.consul\", discover = \"srv\" }]\n";
 
-    fn ips(list: &[&str]) -> Vec<IpAddr> {
-        list.iter().map(|a| a.parse().unwrap()).collect()
+    /// Endpoints at `list` ("ip" or "ip:port").
+    fn endpoints(list: &[&str]) -> Vec<Endpoint> {
+        list.iter()
+            .map(|a| match a.parse::<std::net::SocketAddr>() {
+                Ok(s) => Endpoint {
+                    ip: s.ip(),
+                    port: Some(s.port()),
+                },
+                Err(_) => Endpoint {
+                    ip: a.parse().unwrap(),
+                    port: None,
+                },
+            })
+            .collect()
+    }
+
+    fn dns(name: &str) -> Name {
+        (Discover::Dns, name.to_string())
+    }
+
+    /// (id, url, weight) of a pool's nodes.
+    fn nodes(c: &Config, pool: usize) -> Vec<(String, String, u32)> {
+        c.pools[pool]
+            .nodes
+            .iter()
+            .map(|n| (n.id.clone(), n.url.to_string(), n.weight))
+            .collect()
     }
 
     /// Each address of a name is an engine server with the entry's port, path, weight
@@ -245,18 +332,20 @@ mod tests {
     #[test]
     fn each_address_of_a_name_is_an_engine_server_of_its_own() {
         let config = config(TWO_POOLS);
-        assert_eq!(names(&config), ["sglang", "vllm.llm.svc"]);
+        assert_eq!(
+            names(&config),
+            [
+                dns("sglang"),
+                dns("vllm.llm.svc"),
+                (Discover::Srv, "_vllm._tcp.service.consul".into())
+            ]
+        );
         let mut addresses = Addresses::new();
-        addresses.insert("vllm.llm.svc".into(), ips(&["10.1.0.4", "fd00::7"]));
+        addresses.insert(dns("vllm.llm.svc"), endpoints(&["10.1.0.4", "fd00::7"]));
         let (built, made, skipped) = expand(&config, &addresses);
         assert!(skipped.is_empty(), "{skipped:?}");
-        let a: Vec<(String, String, u32)> = built.pools[0]
-            .nodes
-            .iter()
-            .map(|n| (n.id.clone(), n.url.to_string(), n.weight))
-            .collect();
         assert_eq!(
-            a,
+            nodes(&built, 0),
             [
                 ("fixed".into(), "http://10.0.0.9:8000/".into(), 1),
                 (
@@ -275,7 +364,7 @@ mod tests {
         assert_eq!(made.len(), 2);
         assert!(!made.contains("fixed"));
 
-        addresses.insert("sglang".into(), ips(&["10.2.0.1"]));
+        addresses.insert(dns("sglang"), endpoints(&["10.2.0.1"]));
         let (built, made, _) = expand(&config, &addresses);
         let b: Vec<(String, Option<u32>, String)> = built.pools[1]
             .nodes
@@ -300,6 +389,42 @@ mod tests {
         assert_eq!(made.len(), 4);
     }
 
+    /// An SRV record's target is reached on the record's own port, and its id names
+    /// the port: two engines on one host are two nodes.
+    #[test]
+    fn an_srv_target_is_reached_on_its_own_port() {
+        let config = config(TWO_POOLS);
+        let mut addresses = Addresses::new();
+        addresses.insert(
+            (Discover::Srv, "_vllm._tcp.service.consul".into()),
+            endpoints(&["10.3.0.1:21000", "10.3.0.1:21001", "[fd00::9]:8000"]),
+        );
+        let (built, _, _) = expand(&config, &addresses);
+        assert_eq!(
+            nodes(&built, 1),
+            [
+                (
+                    "c-10.3.0.1:21000".into(),
+                    "http://10.3.0.1:21000/".into(),
+                    1
+                ),
+                (
+                    "c-10.3.0.1:21001".into(),
+                    "http://10.3.0.1:21001/".into(),
+                    1
+                ),
+                (
+                    "c-[fd00::9]:8000".into(),
+                    "http://[fd00::9]:8000/".into(),
+                    1
+                ),
+            ]
+        );
+        // The same name looked up by address only is another name.
+        addresses.insert(dns("_vllm._tcp.service.consul"), endpoints(&["10.9.9.9"]));
+        assert_eq!(expand(&config, &addresses).0.pools[1].nodes.len(), 3);
+    }
+
     /// An address whose node id the config's own nodes already have is left out, and
     /// said so; the others of its name are kept.
     #[test]
@@ -307,7 +432,7 @@ mod tests {
         let text = "[[pools]]\nname = \"a\"\nnodes = [{ id = \"e-10.0.0.1\", url = \"http://10.0.0.1:8000\" }, { id = \"e\", url = \"http://engines:8000\", discover = \"dns\" }]\n";
         let config = config(text);
         let mut addresses = Addresses::new();
-        addresses.insert("engines".into(), ips(&["10.0.0.1", "10.0.0.2"]));
+        addresses.insert(dns("engines"), endpoints(&["10.0.0.1", "10.0.0.2"]));
         let (built, made, skipped) = expand(&config, &addresses);
         let ids: Vec<&str> = built.pools[0].nodes.iter().map(|n| n.id.as_str()).collect();
         assert_eq!(ids, ["e-10.0.0.1", "e-10.0.0.2"]);

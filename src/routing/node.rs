@@ -26,7 +26,7 @@ pub enum NodeSource {
     Static,
     /// A heartbeat in Redis (`prefixlb agent`).
     Redis,
-    /// An address of a `discover = "dns"` entry's name.
+    /// An address of a `discover` entry's name.
     Dns,
 }
 

@@ -26,7 +26,7 @@ struct Sources {
     config: Config,
     /// Heartbeating engines (their identity: load figures and start times zeroed).
     members: Vec<NodeRecord>,
-    /// The addresses of the `discover = "dns"` entries' names.
+    /// The addresses of the `discover` entries' names.
     addresses: Addresses,
 }
 
@@ -184,7 +184,7 @@ impl Control {
 }
 
 impl Discovered for Control {
-    fn discovery(&self) -> (DiscoveryConfig, Vec<String>) {
+    fn discovery(&self) -> (DiscoveryConfig, Vec<dns::Name>) {
         let sources = self.sources.lock();
         (
             sources.config.discovery.clone(),

@@ -77,7 +77,7 @@ pub struct FleetMetrics {
     pub redis_up: IntGauge,
     /// `serve` replicas heartbeating in Redis, this one included.
     pub balancer_replicas: IntGauge,
-    /// Per `discover = "dns"` name: 1 while its last lookup answered, 0 while it
+    /// Per `discover` name: 1 while its last lookup answered, 0 while it
     /// fails (its nodes frozen as last known).
     pub dns_up: IntGaugeVec,
 }
@@ -220,7 +220,7 @@ impl Metrics {
         let fleet = FleetMetrics {
             redis_up: reg!(IntGauge::with_opts(opts("redis_up", "1 while membership is read from Redis; 0 while Redis is unreachable (membership frozen as last known)."))),
             balancer_replicas: reg!(IntGauge::with_opts(opts("balancer_replicas", "prefixlb serve replicas heartbeating in Redis, this one included (1 without Redis)."))),
-            dns_up: reg!(IntGaugeVec::new(opts("dns_up", "1 while the last lookup of a discover = \"dns\" name found addresses; 0 while it fails or finds none (its nodes frozen as last known)."), &["name"])),
+            dns_up: reg!(IntGaugeVec::new(opts("dns_up", "1 while the last lookup of a discover = \"dns\" or \"srv\" name found addresses; 0 while it fails or finds none (its nodes frozen as last known)."), &["name"])),
         };
         fleet.balancer_replicas.set(1);
         let config_reloads = reg!(IntCounterVec::new(
