@@ -48,25 +48,28 @@ impl Dns {
             eprintln!("SKIP: dnsmasq not found on PATH; install it (apt-get install dnsmasq-base) to run the DNS discovery tests");
             return None;
         }
-        let port = UdpSocket::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
         let hosts = write_config("").with_extension("hosts");
         let mut dns = Dns {
-            port,
+            port: 0,
             hosts,
             srv: Vec::new(),
             child: None,
         };
         dns.answer(addresses);
-        dns.up();
-        Some(dns)
+        // A port another test's server takes between our look and dnsmasq's bind
+        // (dnsmasq listens on TCP as well as UDP) makes it exit: another port, then.
+        for _ in 0..10 {
+            dns.port = free_udp_and_tcp_port();
+            if dns.up() {
+                return Some(dns);
+            }
+        }
+        panic!("dnsmasq did not start on any of 10 ports");
     }
 
-    fn up(&mut self) {
-        let child = Command::new("dnsmasq")
+    /// Starts dnsmasq on its port; false if it exited instead (the port was taken).
+    fn up(&mut self) -> bool {
+        let mut child = Command::new("dnsmasq")
             .args([
                 "--keep-in-foreground",
                 "--conf-file=/dev/null",
@@ -80,13 +83,17 @@ impl Dns {
             .stdout(Stdio::null())
             .spawn()
             .unwrap();
-        self.child = Some(child);
         // Up once its port is taken.
         let deadline = Instant::now() + Duration::from_secs(5);
         while UdpSocket::bind(("127.0.0.1", self.port)).is_ok() {
+            if child.try_wait().unwrap().is_some() {
+                return false;
+            }
             assert!(Instant::now() < deadline, "dnsmasq did not start");
             std::thread::sleep(Duration::from_millis(20));
         }
+        self.child = Some(child);
+        true
     }
 
     /// From now on the SRV records are `records` (dnsmasq reads them when it starts:
@@ -94,7 +101,11 @@ impl Dns {
     fn answer_srv(&mut self, records: &[String]) {
         self.stop();
         self.srv = records.to_vec();
-        self.up();
+        assert!(
+            self.up(),
+            "dnsmasq did not start again on port {}",
+            self.port
+        );
     }
 
     /// From now on `NAME` resolves to `addresses` (none: no record).
@@ -128,6 +139,17 @@ impl Dns {
 
     fn server(&self) -> String {
         format!("127.0.0.1:{}", self.port)
+    }
+}
+
+/// A loopback port free for UDP and for TCP.
+fn free_udp_and_tcp_port() -> u16 {
+    loop {
+        let udp = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let port = udp.local_addr().unwrap().port();
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
     }
 }
 
@@ -346,6 +368,47 @@ async fn a_name_with_no_address_yet_gets_nodes_when_it_has_some() {
     .await;
     assert!(served, "{:?}", nodes(&lb).await);
     assert_eq!(node_ids(&lb).await, ["gpu-127.0.0.5"]);
+}
+
+/// A reload that gives the name up drops its nodes and its `prefixlb_dns_up` series;
+/// one that gives it again brings them back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_gives_a_name_up_and_back() {
+    let Some(dns) = Dns::start(&["127.0.0.8"]) else {
+        return;
+    };
+    let port = common_port(&["127.0.0.8", "127.0.0.9"]);
+    let _engines = [engine_on("127.0.0.8", port), engine_on("127.0.0.9", port)];
+    let with_name = dns_config(&dns, port);
+    let path = write_config(&with_name);
+    let lb = balancer_from_file(&path);
+    assert_eq!(node_ids(&lb).await, ["gpu-127.0.0.8"]);
+    let series = || async {
+        call("GET", &lb.admin_url("/metrics"), &[], "")
+            .await
+            .text()
+            .contains(&format!("prefixlb_dns_up{{name=\"{NAME}\"}} 1"))
+    };
+    assert!(series().await);
+    let fixed = with_name.replace(
+        &format!("{{ id = \"gpu\", url = \"http://{NAME}:{port}\", discover = \"dns\" }}"),
+        &format!("{{ id = \"fixed\", url = \"http://127.0.0.9:{port}\" }}"),
+    );
+    assert_ne!(fixed, with_name);
+    std::fs::write(&path, &fixed).unwrap();
+    let reload = call("POST", &lb.admin_url("/admin/reload"), &[], "").await;
+    assert_eq!(reload.status, 200, "{}", reload.text());
+    assert_eq!(node_ids(&lb).await, ["fixed"]);
+    let dropped = eventually(Duration::from_secs(3), || async { !series().await }).await;
+    assert!(dropped, "prefixlb_dns_up{{name={NAME:?}}} stayed");
+    std::fs::write(&path, &with_name).unwrap();
+    let reload = call("POST", &lb.admin_url("/admin/reload"), &[], "").await;
+    assert_eq!(reload.status, 200, "{}", reload.text());
+    let back = eventually(Duration::from_secs(3), || async {
+        node_ids(&lb).await == ["gpu-127.0.0.8"] && series().await
+    })
+    .await;
+    assert!(back, "{:?}", nodes(&lb).await);
 }
 
 /// `discover = "srv"`: each SRV record's target is a node on the record's port (two

@@ -220,7 +220,14 @@ pub async fn run(
         let (settings, names) = control.discovery();
         let mut now = addresses.clone();
         now.retain(|name, _| names.contains(name));
-        up.retain(|name, _| names.contains(name));
+        // A name no entry has any more (a reload) takes its series with it.
+        up.retain(|name, _| {
+            let kept = names.contains(name);
+            if !kept && !names.iter().any(|n| n.1 == name.1) {
+                let _ = metrics.dns_up.remove_label_values(&[&name.1]);
+            }
+            kept
+        });
         if !names.is_empty() {
             if built.as_ref().map(|(n, _)| n) != Some(&settings.nameservers) {
                 match resolver(&settings.nameservers) {
