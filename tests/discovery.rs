@@ -379,10 +379,20 @@ async fn a_reload_gives_a_name_up_and_back() {
     };
     let port = common_port(&["127.0.0.8", "127.0.0.9"]);
     let _engines = [engine_on("127.0.0.8", port), engine_on("127.0.0.9", port)];
-    let with_name = dns_config(&dns, port);
+    // Health checks every 30 s: the first round, at start, finds the name's nodes.
+    let with_name = dns_config(&dns, port).replace(
+        "[health]\ninterval = \"100ms\"",
+        "[health]\ninterval = \"30s\"",
+    );
+    assert_ne!(with_name, dns_config(&dns, port));
     let path = write_config(&with_name);
     let lb = balancer_from_file(&path);
     assert_eq!(node_ids(&lb).await, ["gpu-127.0.0.8"]);
+    let checked = eventually(Duration::from_secs(3), || async {
+        engine_running(&lb).await == [("gpu-127.0.0.8".to_string(), Some(0.0))]
+    })
+    .await;
+    assert!(checked, "{:?}", engine_running(&lb).await);
     let series = || async {
         call("GET", &lb.admin_url("/metrics"), &[], "")
             .await

@@ -70,7 +70,6 @@ pub async fn run_on(
     // Admin and health checks outlive the client listener: /readyz says 503 while
     // in-flight requests drain.
     let (admin_stop_tx, mut admin_stop) = watch::channel(false);
-    let health_task = tokio::spawn(health::run(proxy.clone(), admin_stop.clone()));
     let reload_task = tokio::spawn(reload::run(control.clone(), admin_stop.clone()));
     let fleet_task = tokio::spawn(crate::fleet::watcher::run(
         control.clone(),
@@ -84,11 +83,13 @@ pub async fn run_on(
         admin_stop.clone(),
         looked_up,
     ));
-    // Nodes named in DNS are routable from the first request: the first lookups are
-    // waited for (briefly; a name that does not answer is looked up again later).
+    // Nodes named in DNS are routable, and checked, from the first request: the first
+    // lookups are waited for (briefly; a name that does not answer is looked up again
+    // later).
     if !crate::fleet::dns::names(&control.table().config).is_empty() {
         let _ = tokio::time::timeout(FIRST_LOOKUP_WAIT, first_lookup).await;
     }
+    let health_task = tokio::spawn(health::run(proxy.clone(), admin_stop.clone()));
     let admin_task = {
         let control = control.clone();
         tokio::spawn(listener::serve(
