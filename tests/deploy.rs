@@ -1,7 +1,8 @@
 //! The deployment files in `deploy/` parse and say what the README says they do: a
 //! multi-stage, non-root image; systemd units for `serve` and `agent`; Kubernetes
 //! manifests with two probed `serve` replicas, their config (valid), a vLLM pod with
-//! the agent as a sidecar, and Redis.
+//! the agent as a sidecar, Redis, and a headless Service for DNS discovery; a Compose
+//! file whose engines are found through Compose's DNS.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -114,6 +115,61 @@ fn kubernetes_manifests_parse_and_wire_serve_agent_and_redis() {
     let redis = manifests("deploy/k8s/redis.yaml");
     assert!(redis.contains_key("Deployment/prefixlb-redis"));
     assert!(redis.contains_key("Service/prefixlb-redis"));
+}
+
+/// The Compose file: every engine service answers to the alias its config's DNS entry
+/// names, on the port it gives, each with a GPU of its own, and the config is valid.
+#[test]
+fn the_compose_file_finds_its_engines_by_their_alias() {
+    let docs = YamlLoader::load_from_str(&read("deploy/compose.yaml")).unwrap();
+    let compose = &docs[0];
+    let toml = read("deploy/compose.prefixlb.toml");
+    let config = Config::parse(&toml, "deploy/compose.prefixlb.toml").unwrap();
+    let entry = &config.pools[0].named[0];
+    assert_eq!(entry.name(), "vllm");
+    let services = compose["services"].as_hash().unwrap();
+    let mut gpus = Vec::new();
+    for (name, service) in services {
+        let name = name.as_str().unwrap();
+        let service = &merged(service);
+        if name == "prefixlb" {
+            let mount = format!(
+                "./compose.prefixlb.toml:{}:ro",
+                strings(&service["command"]).last().unwrap()
+            );
+            assert_eq!(strings(&service["volumes"]), [mount]);
+            continue;
+        }
+        let aliases = strings(&service["networks"]["default"]["aliases"]);
+        assert_eq!(aliases, [entry.name()], "{name}");
+        let args = strings(&service["command"]);
+        let port = &args[args.iter().position(|a| a == "--port").unwrap() + 1];
+        assert_eq!(Some(port.parse().unwrap()), entry.url.port_u16(), "{name}");
+        let device = &service["deploy"]["resources"]["reservations"]["devices"][0];
+        gpus.extend(strings(&device["device_ids"]));
+    }
+    assert_eq!(gpus.len(), services.len() - 1, "a GPU per engine");
+    gpus.sort();
+    gpus.dedup();
+    assert_eq!(gpus.len(), services.len() - 1, "each engine its own GPU");
+}
+
+/// A mapping with its YAML merge key (`<<: *anchor`, which Compose reads and
+/// yaml-rust2 leaves as a key) merged in: its own keys win.
+fn merged(y: &Yaml) -> Yaml {
+    let Some(map) = y.as_hash() else {
+        return y.clone();
+    };
+    let mut out = match map.get(&Yaml::String("<<".into())) {
+        Some(Yaml::Hash(base)) => base.clone(),
+        _ => Default::default(),
+    };
+    for (k, v) in map {
+        if k.as_str() != Some("<<") {
+            out.insert(k.clone(), v.clone());
+        }
+    }
+    Yaml::Hash(out)
 }
 
 /// `[Section]` → key → values of a systemd unit file.
