@@ -203,6 +203,50 @@ pub fn endpoint_text(e: &Endpoint) -> String {
     }
 }
 
+/// Looks every name up at once. A name that answers has its endpoints put in `now`;
+/// one that fails keeps what `now` has for it (fail static). `up` says whether each
+/// name's last lookup answered (one log line per change of state).
+async fn look_up_all(
+    resolver: &TokioResolver,
+    names: Vec<Name>,
+    now: &mut Addresses,
+    up: &mut HashMap<Name, bool>,
+    metrics: &FleetMetrics,
+) {
+    let mut lookups = JoinSet::new();
+    for name in names {
+        let resolver = resolver.clone();
+        lookups.spawn(async move {
+            let found = lookup(&resolver, &name).await;
+            (name, found)
+        });
+    }
+    while let Some(joined) = lookups.join_next().await {
+        let Ok((name, found)) = joined else {
+            continue;
+        };
+        let answered = found.is_ok();
+        metrics
+            .dns_up
+            .with_label_values(&[&name.1])
+            .set(answered.into());
+        match found {
+            Ok(found) => {
+                if up.get(&name) == Some(&false) {
+                    tracing::info!(name = %name.1, addresses = found.len(), "DNS answers again");
+                }
+                now.insert(name.clone(), found);
+            }
+            Err(e) if up.get(&name) != Some(&false) => {
+                let kept = now.get(&name).map_or(0, Vec::len);
+                tracing::warn!(name = %name.1, error = %e, kept, "DNS lookup failed; the name's last addresses stay");
+            }
+            Err(_) => {}
+        }
+        up.insert(name, answered);
+    }
+}
+
 /// Looks the names up until `stop` turns true. `first` is sent once the first round
 /// has been applied (the balancer waits for it, briefly, before it serves).
 pub async fn run(
@@ -233,41 +277,13 @@ pub async fn run(
                 match resolver(&settings.nameservers) {
                     Ok(r) => built = Some((settings.nameservers.clone(), r)),
                     Err(e) => {
-                        tracing::error!(error = %e, "no DNS resolver: the nodes of discover = \"dns\" entries stay as they are");
+                        tracing::error!(error = %e, "no DNS resolver: the nodes of `discover` entries stay as they are");
                         built = None;
                     }
                 }
             }
             if let Some((_, resolver)) = &built {
-                let mut lookups = JoinSet::new();
-                for name in names {
-                    let resolver = resolver.clone();
-                    lookups.spawn(async move {
-                        let found = lookup(&resolver, &name).await;
-                        (name, found)
-                    });
-                }
-                while let Some(Ok((name, found))) = lookups.join_next().await {
-                    let answered = found.is_ok();
-                    metrics
-                        .dns_up
-                        .with_label_values(&[&name.1])
-                        .set(answered.into());
-                    match found {
-                        Ok(found) => {
-                            if up.get(&name) == Some(&false) {
-                                tracing::info!(name = %name.1, addresses = found.len(), "DNS answers again");
-                            }
-                            now.insert(name.clone(), found);
-                        }
-                        Err(e) if up.get(&name) != Some(&false) => {
-                            let kept = now.get(&name).map_or(0, Vec::len);
-                            tracing::warn!(name = %name.1, error = %e, kept, "DNS lookup failed; the name's last addresses stay");
-                        }
-                        Err(_) => {}
-                    }
-                    up.insert(name, answered);
-                }
+                look_up_all(resolver, names, &mut now, &mut up, &metrics).await;
             }
         }
         if now != addresses {
