@@ -463,10 +463,15 @@ fn check_report(path: &Path, config: Config) -> String {
         for e in &c.named {
             let _ = writeln!(
                 out,
-                "  dns  {:<16} {:<32} weight {:<3} a node per address of {}, looked up every {:?}",
+                "  {:<4} {:<16} {:<32} weight {:<3} a node per {} of {}, looked up every {:?}",
+                e.discover.as_str(),
                 e.id,
                 e.url.to_string(),
                 e.weight,
+                match e.discover {
+                    prefixlb::config::Discover::Dns => "address",
+                    prefixlb::config::Discover::Srv => "SRV target and port",
+                },
                 e.name(),
                 table.config.discovery.interval
             );

@@ -226,6 +226,16 @@ pub enum Discover {
     Srv,
 }
 
+impl Discover {
+    /// As written in the config.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Discover::Dns => "dns",
+            Discover::Srv => "srv",
+        }
+    }
+}
+
 /// An engine server a DNS name gave: its address, and its own port when the records
 /// give one (SRV).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]

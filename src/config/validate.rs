@@ -349,10 +349,7 @@ fn validate_named(
     discover: Discover,
     ids: &mut HashSet<String>,
 ) -> Result<NamedNodes, Invalid> {
-    let how = match discover {
-        Discover::Dns => "dns",
-        Discover::Srv => "srv",
-    };
+    let how = discover.as_str();
     let id = n.id.get_ref().trim().to_string();
     if id.is_empty() {
         return invalid(n.id.span(), "node id is empty");

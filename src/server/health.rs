@@ -7,8 +7,8 @@
 //! whose `open_for` is over to half_open, so recovery starts even with no traffic.
 //! A node that passes has its engine's `/v1/models` read too (the LoRA adapters it
 //! serves), at once and then every [`MODELS_EVERY`] rounds, and, for the nodes of the
-//! config and of DNS, its `health.metrics_path` on every round, for the load the engine reports
-//! ([`engine_load`]; an agent relays a heartbeating node's). Checks go over the data
+//! config and of DNS, its `health.metrics_path` on every round, for the load the
+//! engine reports ([`engine_load`]; an agent relays a heartbeating node's). Checks go over the data
 //! plane's engine-side HTTP/1.1 code (TLS included) on connections of their own, and
 //! why the last one failed is kept for `/admin/nodes`. Each round ends by sweeping
 //! expired idle connections out of the upstream pool.
@@ -74,9 +74,9 @@ pub async fn run(proxy: Arc<Proxy>, mut stop: watch::Receiver<bool>) {
                         node.state().set_served(served.clone());
                     }
                 }
-                // The load its engine reports, for the nodes of the config and of DNS (an agent
-                // relays a heartbeating node's): none while it fails its checks. Read
-                // last, on the connection the check and the model list used.
+                // The load its engine reports, for the nodes of the config and of DNS
+                // (an agent relays a heartbeating node's): none while it fails its
+                // checks. Read last, on the connection the check and the model list used.
                 if server.iter().any(|(n, _)| n.source().reads_engine_load()) {
                     match (passed, h.metrics_path.clone()) {
                         (true, Some(path)) => {
@@ -119,8 +119,9 @@ fn highest_rank(server: &[(Node, Arc<BreakerSettings>)]) -> Option<u32> {
         .max()
 }
 
-/// Sets the engine load of the nodes of the config or of DNS behind one URL from what its
-/// engine's metrics said (`None`: not read): the server's own, or each rank's its rank's.
+/// Sets the engine load of the nodes of the config or of DNS behind one URL from what
+/// its engine's metrics said (`None`: not read): the server's own, or each rank's its
+/// rank's.
 fn show_engine_load(server: &[(Node, Arc<BreakerSettings>)], report: Option<&engine_load::Report>) {
     for (node, _) in server
         .iter()
