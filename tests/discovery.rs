@@ -173,15 +173,21 @@ fn engine_on(ip: &str, port: u16) -> Proc {
     engine_at(&format!("e{ip}"), addr, &[])
 }
 
-fn dns_config(dns: &Dns, port: u16) -> String {
+/// A balancer whose one node entry, `gpu`, is `url` found by `discover`, asking `dns`.
+fn discovering(dns: &Dns, url: &str, discover: &str) -> String {
     format!(
         "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
          [health]\ninterval = \"100ms\"\n\
          [discovery]\ninterval = \"200ms\"\nnameservers = [\"{}\"]\n\
          [[pools]]\nname = \"mock\"\nmodels = [\"mock\"]\n\
-         nodes = [{{ id = \"gpu\", url = \"http://{NAME}:{port}\", discover = \"dns\" }}]\n",
+         nodes = [{{ id = \"gpu\", url = \"{url}\", discover = \"{discover}\" }}]\n",
         dns.server()
     )
+}
+
+/// [`discovering`] the engines at `NAME`'s addresses on `port`.
+fn dns_config(dns: &Dns, port: u16) -> String {
+    discovering(dns, &format!("http://{NAME}:{port}"), "dns")
 }
 
 /// The nodes `lb` has, as (id, source, healthy), sorted by id.
@@ -450,14 +456,7 @@ async fn srv_records_give_each_engine_its_own_port() {
         .map(|(host, port)| format!("{service},{host}.prefixlb.test,{port}"))
         .collect();
     dns.answer_srv(&records);
-    let config = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
-         [health]\ninterval = \"100ms\"\n\
-         [discovery]\ninterval = \"200ms\"\nnameservers = [\"{}\"]\n\
-         [[pools]]\nname = \"mock\"\nmodels = [\"mock\"]\n\
-         nodes = [{{ id = \"gpu\", url = \"http://{service}\", discover = \"srv\" }}]\n",
-        dns.server()
-    );
+    let config = discovering(&dns, &format!("http://{service}"), "srv");
     let lb = balancer(&config);
     let mut want: Vec<String> = vec![
         format!("gpu-127.0.0.6:{}", ports[0]),

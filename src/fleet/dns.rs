@@ -257,6 +257,8 @@ pub async fn run(
 ) {
     let mut first = Some(first);
     let mut built: Option<(Vec<SocketAddr>, TokioResolver)> = None;
+    // Why the resolver could not be made, when last it could not.
+    let mut no_resolver: Option<String> = None;
     let mut addresses = Addresses::new();
     // Whether each name's last lookup answered, for one line per change of state.
     let mut up: HashMap<Name, bool> = HashMap::new();
@@ -272,19 +274,27 @@ pub async fn run(
             }
             kept
         });
-        if !names.is_empty() {
-            if built.as_ref().map(|(n, _)| n) != Some(&settings.nameservers) {
-                match resolver(&settings.nameservers) {
-                    Ok(r) => built = Some((settings.nameservers.clone(), r)),
-                    Err(e) => {
+        if !names.is_empty() && built.as_ref().map(|(n, _)| n) != Some(&settings.nameservers) {
+            // A resolver that cannot be made (no readable /etc/resolv.conf) is tried
+            // again every round, said once, and every name counts as not answering.
+            match resolver(&settings.nameservers) {
+                Ok(r) => built = Some((settings.nameservers.clone(), r)),
+                Err(e) => {
+                    if no_resolver.as_ref() != Some(&e) {
                         tracing::error!(error = %e, "no DNS resolver: the nodes of `discover` entries stay as they are");
-                        built = None;
                     }
+                    for name in &names {
+                        metrics.dns_up.with_label_values(&[&name.1]).set(0);
+                        up.insert(name.clone(), false);
+                    }
+                    no_resolver = Some(e);
+                    built = None;
                 }
             }
-            if let Some((_, resolver)) = &built {
-                look_up_all(resolver, names, &mut now, &mut up, &metrics).await;
-            }
+        }
+        if let Some((_, resolver)) = built.as_ref().filter(|_| !names.is_empty()) {
+            no_resolver = None;
+            look_up_all(resolver, names, &mut now, &mut up, &metrics).await;
         }
         if now != addresses {
             for (name, found) in &now {
