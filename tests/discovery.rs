@@ -75,7 +75,7 @@ impl Dns {
                 "--conf-file=/dev/null",
                 "--no-resolv",
             ])
-            .args(["--no-hosts", "--local-ttl=0", "--pid-file="])
+            .args(["--no-hosts", "--local-ttl=300", "--pid-file="])
             .arg(format!("--addn-hosts={}", self.hosts.display()))
             .args(self.srv.iter().map(|r| format!("--srv-host={r}")))
             .args(["--listen-address=127.0.0.1", "--bind-interfaces"])

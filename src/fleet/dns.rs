@@ -97,10 +97,13 @@ pub fn names(config: &Config) -> Vec<Name> {
     names
 }
 
-/// A resolver asking `nameservers`, or the system's when none are given.
+/// A resolver asking `nameservers`, or the system's when none are given. It keeps no
+/// answer: each round asks the server afresh, whatever the records' TTL (as Envoy
+/// does unless told to respect it), so `discovery.interval` is how soon a change is
+/// seen.
 fn resolver(nameservers: &[SocketAddr]) -> Result<TokioResolver, String> {
     let provider = TokioRuntimeProvider::default();
-    let builder = if nameservers.is_empty() {
+    let mut builder = if nameservers.is_empty() {
         TokioResolver::builder(provider).map_err(|e| e.to_string())?
     } else {
         let servers = nameservers
@@ -115,6 +118,10 @@ fn resolver(nameservers: &[SocketAddr]) -> Result<TokioResolver, String> {
             .collect();
         TokioResolver::builder_with_config(ResolverConfig::from_name_servers(servers), provider)
     };
+    let options = builder.options_mut();
+    options.cache_size = 0;
+    options.positive_max_ttl = Some(Duration::ZERO);
+    options.negative_max_ttl = Some(Duration::ZERO);
     builder.build().map_err(|e| e.to_string())
 }
 
