@@ -353,7 +353,8 @@ async fn the_nodes_follow_what_the_name_resolves_to() {
 }
 
 /// A name that resolves to nothing yet: the balancer starts, its pool has no node
-/// (503, said so), and the nodes come when the name has addresses.
+/// (503, said so), and the nodes come when the name has addresses. A name with IPv4
+/// and IPv6 addresses (a dual-stack pod) is its IPv4 ones; one with IPv6 only, those.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_name_with_no_address_yet_gets_nodes_when_it_has_some() {
     let Some(mut dns) = Dns::start(&[]) else {
@@ -374,6 +375,22 @@ async fn a_name_with_no_address_yet_gets_nodes_when_it_has_some() {
     .await;
     assert!(served, "{:?}", nodes(&lb).await);
     assert_eq!(node_ids(&lb).await, ["gpu-127.0.0.5"]);
+
+    // The same engine's IPv6 address as well: still one node.
+    dns.answer(&["127.0.0.5", "::1"]);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(node_ids(&lb).await, ["gpu-127.0.0.5"]);
+    // IPv6 only.
+    let _v6 = engine_at("e6", format!("[::1]:{port}").parse().unwrap(), &[]);
+    dns.answer(&["::1"]);
+    let v6 = eventually(Duration::from_secs(5), || async {
+        node_ids(&lb).await == ["gpu-::1"]
+    })
+    .await;
+    assert!(v6, "{:?}", nodes(&lb).await);
+    let reply = post_json(&lb.url("/v1/chat/completions"), &body, &[]).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.header("x-prefixlb-node"), "gpu-::1");
 }
 
 /// A reload that gives the name up drops its nodes and its `prefixlb_dns_up` series;

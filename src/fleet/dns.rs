@@ -18,7 +18,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use hickory_resolver::config::{NameServerConfig, ResolverConfig};
+use hickory_resolver::config::{LookupIpStrategy, NameServerConfig, ResolverConfig};
 use hickory_resolver::net::runtime::TokioRuntimeProvider;
 use hickory_resolver::proto::rr::RData;
 use hickory_resolver::TokioResolver;
@@ -119,13 +119,17 @@ fn resolver(nameservers: &[SocketAddr]) -> Result<TokioResolver, String> {
         TokioResolver::builder_with_config(ResolverConfig::from_name_servers(servers), provider)
     };
     let options = builder.options_mut();
+    // IPv4 addresses, IPv6 only for a name with none: a dual-stack pod has one of each,
+    // and both as nodes would be one engine twice (Envoy's default, V4_PREFERRED).
+    options.ip_strategy = LookupIpStrategy::Ipv4thenIpv6;
     options.cache_size = 0;
     options.positive_max_ttl = Some(Duration::ZERO);
     options.negative_max_ttl = Some(Duration::ZERO);
     builder.build().map_err(|e| e.to_string())
 }
 
-/// Every address `name` resolves to (IPv4 and IPv6), sorted, or why none.
+/// Every address `name` resolves to (its IPv4 ones; IPv6 if it has none), sorted, or
+/// why none.
 async fn addresses_of(resolver: &TokioResolver, name: &str) -> Result<Vec<IpAddr>, String> {
     let answer = tokio::time::timeout(LOOKUP_TIMEOUT, resolver.lookup_ip(name))
         .await
