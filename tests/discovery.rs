@@ -445,7 +445,8 @@ async fn a_reload_gives_a_name_up_and_back() {
 }
 
 /// `discover = "srv"`: each SRV record's target is a node on the record's port (two
-/// engines on one host are two nodes), and a record that goes takes its node with it.
+/// engines on one host are two nodes; a target with no address is left out), and a
+/// record that goes takes its node with it.
 #[tokio::test(flavor = "multi_thread")]
 async fn srv_records_give_each_engine_its_own_port() {
     let Some(mut dns) = Dns::start(&[]) else {
@@ -472,7 +473,9 @@ async fn srv_records_give_each_engine_its_own_port() {
         .iter()
         .map(|(host, port)| format!("{service},{host}.prefixlb.test,{port}"))
         .collect();
-    dns.answer_srv(&records);
+    // And a record whose target has no address: left out, the others kept.
+    let unresolved = format!("{service},gone.prefixlb.test,{}", ports[0]);
+    dns.answer_srv(&[records.clone(), vec![unresolved]].concat());
     let config = discovering(&dns, &format!("http://{service}"), "srv");
     let lb = balancer(&config);
     let mut want: Vec<String> = vec![

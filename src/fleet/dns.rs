@@ -144,31 +144,40 @@ async fn addresses_of(resolver: &TokioResolver, name: &str) -> Result<Vec<IpAddr
     Ok(found)
 }
 
-/// Every target address and port of `name`'s SRV records (a target whose name does
-/// not resolve is left out), or why none.
+/// Every target address and port of `name`'s SRV records (the targets looked up at
+/// once; one whose name does not resolve is left out), or why none.
 async fn targets_of(resolver: &TokioResolver, name: &str) -> Result<Vec<Endpoint>, String> {
     let answer = tokio::time::timeout(LOOKUP_TIMEOUT, resolver.srv_lookup(name))
         .await
         .map_err(|_| format!("no answer in {LOOKUP_TIMEOUT:?}"))?
         .map_err(|e| e.to_string())?;
-    let mut found = Vec::new();
-    let mut unresolved = Vec::new();
+    let mut lookups = JoinSet::new();
     for record in answer.answers() {
         let RData::SRV(srv) = &record.data else {
             continue;
         };
-        let target = srv.target.to_string();
-        match addresses_of(resolver, &target).await {
-            Ok(ips) => found.extend(ips.into_iter().map(|ip| Endpoint {
+        let (resolver, target, port) = (resolver.clone(), srv.target.to_string(), srv.port);
+        lookups.spawn(async move {
+            let ips = addresses_of(&resolver, &target).await;
+            (target, port, ips)
+        });
+    }
+    let mut found = Vec::new();
+    let mut unresolved = Vec::new();
+    while let Some(joined) = lookups.join_next().await {
+        match joined {
+            Ok((_, port, Ok(ips))) => found.extend(ips.into_iter().map(|ip| Endpoint {
                 ip,
-                port: Some(srv.port),
+                port: Some(port),
             })),
-            Err(e) => unresolved.push(format!("{target}: {e}")),
+            Ok((target, _, Err(e))) => unresolved.push(format!("{target}: {e}")),
+            Err(e) => unresolved.push(e.to_string()),
         }
     }
     found.sort();
     found.dedup();
     if found.is_empty() {
+        unresolved.sort();
         return Err(match unresolved.is_empty() {
             true => "no SRV record".into(),
             false => format!("no target resolves ({})", unresolved.join("; ")),
