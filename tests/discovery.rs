@@ -284,6 +284,13 @@ async fn the_nodes_follow_what_the_name_resolves_to() {
     })
     .await;
     assert!(loads, "{:?}", engine_running(&lb).await);
+    // `/admin/summary` (the status page's header) shows the name answering, with its
+    // two engines.
+    let summary = get_json(&lb.admin_url("/admin/summary")).await;
+    assert_eq!(
+        summary["dns"],
+        serde_json::json!([{"entry": "gpu", "name": NAME, "discover": "dns", "up": true, "servers": 2}])
+    );
     let by = served_by(&lb, 24, "first").await;
     assert_eq!(
         by.keys().collect::<Vec<_>>(),
@@ -347,6 +354,9 @@ async fn the_nodes_follow_what_the_name_resolves_to() {
     })
     .await;
     assert!(down, "prefixlb_dns_up stayed 1 with the DNS server stopped");
+    let summary = get_json(&lb.admin_url("/admin/summary")).await;
+    assert_eq!(summary["dns"][0]["up"], false, "{summary}");
+    assert_eq!(summary["dns"][0]["servers"], 2, "{summary}");
     assert_eq!(node_ids(&lb).await, ["gpu-127.0.0.3", "gpu-127.0.0.4"]);
     let by = served_by(&lb, 12, "fourth").await;
     assert_eq!(by.values().sum::<usize>(), 12, "{by:?}");

@@ -6,11 +6,13 @@
 //!
 //! `/admin/summary` is what the page needs beyond the nodes: each pool's queue and
 //! load, the realized cache hit rate per node (the engines' own usage counts), the
-//! hottest learned prefix groups (hash tags and widths, never text), and Redis.
+//! hottest learned prefix groups (hash tags and widths, never text), Redis, and the
+//! DNS names of `discover` entries.
 
 use serde_json::{json, Value};
 
 use super::control::Control;
+use crate::routing::node::NodeSource;
 
 /// The page, compiled in.
 pub const PAGE: &str = include_str!("status.html");
@@ -71,7 +73,44 @@ pub fn summary(control: &Control) -> Value {
         })
         .collect();
     let fleet = &metrics.fleet;
+    // Whether each DNS name answered when last looked up (a name not looked up yet has
+    // no series).
+    let answered: std::collections::HashMap<String, bool> =
+        prometheus::core::Collector::collect(&fleet.dns_up)
+            .iter()
+            .flat_map(|family| family.get_metric())
+            .filter_map(|m| {
+                let name = m.get_label().iter().find(|l| l.name() == "name")?;
+                Some((name.value().to_string(), m.get_gauge().get_value() == 1.0))
+            })
+            .collect();
+    // Each `discover` entry: whether its name answered when last looked up (null: not
+    // yet) and how many engine servers it gives now.
+    let dns: Vec<Value> = table
+        .pools
+        .iter()
+        .flat_map(|pool| pool.config.named.iter().map(move |e| (pool, e)))
+        .map(|(pool, e)| {
+            let prefix = format!("{}-", e.id);
+            let servers: std::collections::HashSet<&str> = pool
+                .balancer
+                .nodes()
+                .iter()
+                .filter(|n| n.source() == NodeSource::Dns && n.id().starts_with(&prefix))
+                .map(|n| n.url().authority().map_or("", |a| a.as_str()))
+                .collect();
+            let up = answered.get(e.name()).copied();
+            json!({
+                "entry": e.id,
+                "name": e.name(),
+                "discover": e.discover.as_str(),
+                "up": up,
+                "servers": servers.len(),
+            })
+        })
+        .collect();
     json!({
+        "dns": dns,
         "version": env!("CARGO_PKG_VERSION"),
         "redis": {
             "configured": table.config.redis.is_some(),
