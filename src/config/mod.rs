@@ -219,7 +219,8 @@ pub struct PoolConfig {
 /// How a named entry's engines are found in DNS.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Discover {
-    /// `"dns"`: every address (A and AAAA records) of the URL's host, on the URL's port.
+    /// `"dns"`: every address of the URL's host (its IPv4 ones; IPv6 if it has none), on
+    /// the URL's port.
     Dns,
     /// `"srv"`: every target of the URL's host's SRV records, on its own port (Consul,
     /// a Kubernetes Service's named port).
