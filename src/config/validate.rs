@@ -342,6 +342,46 @@ fn validate_pool(p: PoolSection, seen: &mut Seen) -> Result<PoolConfig, Invalid>
     })
 }
 
+/// What every `[[pools.nodes]]` entry gives, checked: its id, URL, weight and
+/// data-parallel size.
+struct Entry {
+    id: String,
+    url: http::Uri,
+    weight: u32,
+    data_parallel_size: u32,
+}
+
+fn validate_entry(n: &NodeSection) -> Result<Entry, Invalid> {
+    let id = n.id.get_ref().trim().to_string();
+    if id.is_empty() {
+        return invalid(n.id.span(), "node id is empty");
+    }
+    let url = parse_node_url(n.url.get_ref()).or_else(|m| invalid(n.url.span(), m))?;
+    let weight = within(&n.weight, 1..=1000, "weight")?;
+    let data_parallel_size = within(
+        &n.data_parallel_size,
+        1..=MAX_DATA_PARALLEL_SIZE,
+        "data_parallel_size",
+    )?;
+    Ok(Entry {
+        id,
+        url,
+        weight,
+        data_parallel_size,
+    })
+}
+
+/// Takes node id `id` (ids are unique across pools).
+fn claim_id(ids: &mut HashSet<String>, id: &str, span: Range<usize>) -> Result<(), Invalid> {
+    if !ids.insert(id.to_string()) {
+        return invalid(
+            span,
+            format!("duplicate node id {id:?} (ids are unique across pools)"),
+        );
+    }
+    Ok(())
+}
+
 /// A `discover` entry: its URL's host must be a name (with SRV, one with no port:
 /// the records give each engine's), and its nodes' ids are made as the name resolves.
 fn validate_named(
@@ -350,11 +390,12 @@ fn validate_named(
     ids: &mut HashSet<String>,
 ) -> Result<NamedNodes, Invalid> {
     let how = discover.as_str();
-    let id = n.id.get_ref().trim().to_string();
-    if id.is_empty() {
-        return invalid(n.id.span(), "node id is empty");
-    }
-    let url = parse_node_url(n.url.get_ref()).or_else(|m| invalid(n.url.span(), m))?;
+    let Entry {
+        id,
+        url,
+        weight,
+        data_parallel_size,
+    } = validate_entry(&n)?;
     let host = url.host().unwrap_or_default();
     if host
         .trim_start_matches('[')
@@ -381,18 +422,7 @@ fn validate_named(
             format!("node {id:?}: with discover = \"srv\" each engine's port comes from its SRV record; leave the port out of the url"),
         );
     }
-    let weight = within(&n.weight, 1..=1000, "weight")?;
-    let data_parallel_size = within(
-        &n.data_parallel_size,
-        1..=MAX_DATA_PARALLEL_SIZE,
-        "data_parallel_size",
-    )?;
-    if !ids.insert(id.clone()) {
-        return invalid(
-            n.id.span(),
-            format!("duplicate node id {id:?} (ids are unique across pools)"),
-        );
-    }
+    claim_id(ids, &id, n.id.span())?;
     Ok(NamedNodes {
         id,
         url,
@@ -404,28 +434,10 @@ fn validate_named(
 
 /// One `[[pools.nodes]]` entry: a node, or one per data-parallel rank.
 fn validate_node(n: NodeSection, ids: &mut HashSet<String>) -> Result<Vec<NodeConfig>, Invalid> {
-    let id = n.id.get_ref().trim().to_string();
-    if id.is_empty() {
-        return invalid(n.id.span(), "node id is empty");
-    }
-    let url = parse_node_url(n.url.get_ref()).or_else(|m| invalid(n.url.span(), m))?;
-    let weight = within(&n.weight, 1..=1000, "weight")?;
-    let ranks = within(
-        &n.data_parallel_size,
-        1..=MAX_DATA_PARALLEL_SIZE,
-        "data_parallel_size",
-    )?;
-    let nodes = NodeConfig::ranks(id, url, weight, ranks);
+    let e = validate_entry(&n)?;
+    let nodes = NodeConfig::ranks(e.id, e.url, e.weight, e.data_parallel_size);
     for node in &nodes {
-        if !ids.insert(node.id.clone()) {
-            return invalid(
-                n.id.span(),
-                format!(
-                    "duplicate node id {:?} (ids are unique across pools)",
-                    node.id
-                ),
-            );
-        }
+        claim_id(ids, &node.id, n.id.span())?;
     }
     Ok(nodes)
 }
