@@ -35,17 +35,7 @@ impl Drop for Dns {
 impl Dns {
     /// `None` (after a skip line) when `dnsmasq` is not installed, outside CI.
     fn start(addresses: &[&str]) -> Option<Dns> {
-        if Command::new("dnsmasq")
-            .arg("--version")
-            .stdout(Stdio::null())
-            .status()
-            .is_err()
-        {
-            assert!(
-                std::env::var("CI").as_deref() != Ok("true"),
-                "dnsmasq is not installed (CI installs it: apt-get install -y dnsmasq-base)"
-            );
-            eprintln!("SKIP: dnsmasq not found on PATH; install it (apt-get install dnsmasq-base) to run the DNS discovery tests");
+        if !installed("dnsmasq", "dnsmasq-base", "the DNS discovery tests") {
             return None;
         }
         let hosts = write_config("").with_extension("hosts");
@@ -192,10 +182,8 @@ fn dns_config(dns: &Dns, port: u16) -> String {
 
 /// The nodes `lb` has, as (id, source, healthy), sorted by id.
 async fn nodes(lb: &Proc) -> Vec<(String, String, bool)> {
-    let nodes = get_json(&lb.admin_url("/admin/nodes")).await;
-    let mut list: Vec<_> = nodes["nodes"]
-        .as_array()
-        .unwrap()
+    admin_nodes(lb)
+        .await
         .iter()
         .map(|n| {
             (
@@ -204,9 +192,7 @@ async fn nodes(lb: &Proc) -> Vec<(String, String, bool)> {
                 n["healthy"].as_bool().unwrap(),
             )
         })
-        .collect();
-    list.sort();
-    list
+        .collect()
 }
 
 async fn node_ids(lb: &Proc) -> Vec<String> {

@@ -61,17 +61,7 @@ struct Redis {
 impl Redis {
     /// `None` (after a skip line) when `redis-server` is not installed, outside CI.
     fn start(extra: &[&str]) -> Option<Redis> {
-        if Command::new("redis-server")
-            .arg("--version")
-            .stdout(Stdio::null())
-            .status()
-            .is_err()
-        {
-            assert!(
-                std::env::var("CI").as_deref() != Ok("true"),
-                "redis-server is not installed (CI installs it: apt-get install -y redis-server)"
-            );
-            eprintln!("SKIP: redis-server not found on PATH; install it (apt-get install redis-server) to run the fleet tests");
+        if !installed("redis-server", "redis-server", "the fleet tests") {
             return None;
         }
         let port = TcpListener::bind("127.0.0.1:0")
@@ -420,15 +410,7 @@ async fn a_data_parallel_server_s_ranks_each_show_their_own_engine_load() {
         ("d@0".to_string(), Some(0.0)),
         ("d@1".to_string(), Some(2.0)),
     ];
-    let start = Instant::now();
-    while engine_running(&lb).await != want {
-        assert!(
-            start.elapsed() < Duration::from_secs(4),
-            "{:?}, wanted {want:?}",
-            engine_running(&lb).await
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    until_engine_running(&lb, &want, Duration::from_secs(4)).await;
     let series = "prefixlb_engine_requests_running{node=\"d@1\",pool=\"mock\"}";
     assert_eq!(gauge(&lb, series).await, 2.0);
     for h in held {

@@ -458,15 +458,7 @@ async fn nodes_of_the_config_show_the_load_their_engines_report() {
         .collect();
     let want = [("plain", 1.0), ("split@0", 0.0), ("split@1", 2.0)]
         .map(|(id, n)| (id.to_string(), Some(n)));
-    let start = std::time::Instant::now();
-    while engine_running(&lb).await != want {
-        assert!(
-            start.elapsed() < Duration::from_secs(4),
-            "{:?}, wanted {want:?}",
-            engine_running(&lb).await
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    until_engine_running(&lb, &want, Duration::from_secs(4)).await;
     let (_, page) = scrape(&lb).await;
     let series = |name: &str, node: &str| total(&page, name, &[("node", node)]);
     assert_eq!(series("prefixlb_engine_requests_running", "split@1"), 2.0);

@@ -291,21 +291,59 @@ pub async fn get_json(url: &str) -> Value {
     call("GET", url, &[], Bytes::new()).await.json()
 }
 
+/// `lb`'s nodes as `/admin/nodes` shows them, sorted by id.
+pub async fn admin_nodes(lb: &Proc) -> Vec<Value> {
+    let nodes = get_json(&lb.admin_url("/admin/nodes")).await;
+    let mut list = nodes["nodes"].as_array().unwrap().clone();
+    list.sort_by(|a, b| a["id"].as_str().cmp(&b["id"].as_str()));
+    list
+}
+
 /// Each node's `running` engine load (the load its engine reports), as `lb`'s
 /// `/admin/nodes` shows it: (id, running), sorted by id.
 pub async fn engine_running(lb: &Proc) -> Vec<(String, Option<f64>)> {
-    let nodes = get_json(&lb.admin_url("/admin/nodes")).await;
-    let mut running: Vec<_> = nodes["nodes"]
-        .as_array()
-        .unwrap()
+    admin_nodes(lb)
+        .await
         .iter()
         .map(|n| {
             let id = n["id"].as_str().unwrap().to_string();
             (id, n["engine_load"]["running"].as_f64())
         })
-        .collect();
-    running.sort_by(|a, b| a.0.cmp(&b.0));
-    running
+        .collect()
+}
+
+/// Waits up to `limit` for [`engine_running`] to read `want`; fails with what it read.
+pub async fn until_engine_running(lb: &Proc, want: &[(String, Option<f64>)], limit: Duration) {
+    let start = Instant::now();
+    while engine_running(lb).await != want {
+        assert!(
+            start.elapsed() < limit,
+            "{:?}, wanted {want:?}",
+            engine_running(lb).await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Whether `program` (a server a suite starts, from Debian's `package`) is installed.
+/// Outside CI a missing one prints a skip line for `suite`; under `CI=true` it fails.
+pub fn installed(program: &str, package: &str, suite: &str) -> bool {
+    if Command::new(program)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .status()
+        .is_ok()
+    {
+        return true;
+    }
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "{program} is not installed (CI installs it: apt-get install -y {package})"
+    );
+    eprintln!(
+        "SKIP: {program} not found on PATH; install it (apt-get install {package}) to run {suite}"
+    );
+    false
 }
 
 /// The value of a metric in a Prometheus text page (first series with that name).
