@@ -183,6 +183,13 @@ impl Control {
     }
 }
 
+impl Control {
+    /// What each DNS name of a `discover` entry gave when last it answered.
+    pub fn dns_addresses(&self) -> Addresses {
+        self.sources.lock().addresses.clone()
+    }
+}
+
 impl Discovered for Control {
     fn discovery(&self) -> (DiscoveryConfig, Vec<dns::Name>) {
         let sources = self.sources.lock();

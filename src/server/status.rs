@@ -12,7 +12,6 @@
 use serde_json::{json, Value};
 
 use super::control::Control;
-use crate::routing::node::NodeSource;
 
 /// The page, compiled in.
 pub const PAGE: &str = include_str!("status.html");
@@ -86,26 +85,19 @@ pub fn summary(control: &Control) -> Value {
             .collect();
     // Each `discover` entry: whether its name answered when last looked up (null: not
     // yet) and how many engine servers it gives now.
+    let addresses = control.dns_addresses();
     let dns: Vec<Value> = table
         .pools
         .iter()
-        .flat_map(|pool| pool.config.named.iter().map(move |e| (pool, e)))
-        .map(|(pool, e)| {
-            let prefix = format!("{}-", e.id);
-            let servers: std::collections::HashSet<&str> = pool
-                .balancer
-                .nodes()
-                .iter()
-                .filter(|n| n.source() == NodeSource::Dns && n.id().starts_with(&prefix))
-                .map(|n| n.url().authority().map_or("", |a| a.as_str()))
-                .collect();
-            let up = answered.get(e.name()).copied();
+        .flat_map(|pool| &pool.config.named)
+        .map(|e| {
+            let name = (e.discover, e.name().to_string());
             json!({
                 "entry": e.id,
                 "name": e.name(),
                 "discover": e.discover.as_str(),
-                "up": up,
-                "servers": servers.len(),
+                "up": answered.get(e.name()).copied(),
+                "servers": addresses.get(&name).map_or(0, Vec::len),
             })
         })
         .collect();
