@@ -120,7 +120,8 @@ fn resolver(nameservers: &[SocketAddr]) -> Result<TokioResolver, String> {
     };
     let options = builder.options_mut();
     // IPv4 addresses, IPv6 only for a name with none: a dual-stack pod has one of each,
-    // and both as nodes would be one engine twice (Envoy's default, V4_PREFERRED).
+    // and both as nodes would be one engine twice (Envoy too takes one family unless
+    // told `ALL`).
     options.ip_strategy = LookupIpStrategy::Ipv4thenIpv6;
     options.cache_size = 0;
     options.positive_max_ttl = Some(Duration::ZERO);
