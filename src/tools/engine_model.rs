@@ -213,6 +213,19 @@ impl EngineModel {
     /// Admits a prompt at `now` (any clock, as long as it is the same one every call):
     /// how much is cached, how long it waits for the prefill lane and how long its own
     /// prefill takes. The prompt's blocks are cached from now on.
+    /// A prompt whose KV cache another engine computed and this one received (a
+    /// disaggregated decode): held from now on, every token counted as cached, no
+    /// prefill.
+    pub fn receive(&mut self, prompt: &Prompt) -> PrefillPlan {
+        self.cache.serve(&prompt.blocks);
+        PrefillPlan {
+            prompt_tokens: prompt.tokens,
+            cached_tokens: prompt.tokens,
+            queued: Duration::ZERO,
+            prefill: Duration::ZERO,
+        }
+    }
+
     pub fn prefill(&mut self, prompt: &Prompt, now: Duration) -> PrefillPlan {
         let hit_blocks = self.cache.serve(&prompt.blocks);
         let cached_tokens = (hit_blocks * prompt.block_tokens).min(prompt.tokens);

@@ -27,6 +27,7 @@ use wire::{
 };
 
 mod anthropic;
+mod kv_transfer;
 mod responses;
 mod sglang;
 mod wire;
@@ -143,6 +144,8 @@ pub struct MockEngine {
     cached_tokens: AtomicU64,
     /// The Responses API's stored responses.
     store: responses::Store,
+    /// Disaggregated prefills kept for decode engines, and pulls from prefill engines.
+    transfers: kv_transfer::Ledger,
 }
 
 /// Counts a running sequence, and the KV cache it holds, on its rank, for as long as
@@ -209,6 +212,7 @@ impl MockEngine {
             prompt_tokens: AtomicU64::new(0),
             cached_tokens: AtomicU64::new(0),
             store: responses::Store::default(),
+            transfers: kv_transfer::Ledger::default(),
         })
     }
 
@@ -245,7 +249,7 @@ impl MockEngine {
         let traceparent = req.headers().get("traceparent").cloned();
         if !matches!(
             path.as_str(),
-            "/metrics" | "/health" | "/mock/fault" | "/v1/models"
+            "/metrics" | "/health" | "/mock/fault" | "/mock/kv_transfers" | "/v1/models"
         ) {
             self.http_requests.fetch_add(1, Ordering::Relaxed);
         }
@@ -266,6 +270,9 @@ impl MockEngine {
             }
             (&Method::GET, "/v1/models") => json_response(StatusCode::OK, &self.models()),
             (&Method::POST, "/mock/fault") => self.set_fault(req).await,
+            (&Method::GET, "/mock/kv_transfers") => {
+                json_response(StatusCode::OK, &self.transfers.report())
+            }
             (&Method::POST, "/v1/chat/completions") => self.clone().generate(req, Kind::Chat).await,
             (&Method::POST, "/v1/completions") => self.clone().generate(req, Kind::Text).await,
             (&Method::POST, "/v1/messages") => self.clone().generate(req, Kind::Messages).await,
@@ -491,7 +498,10 @@ impl MockEngine {
             }
             _ => usage(plan.prompt_tokens, completion_tokens, plan.cached_tokens),
         };
-        let body = completion(&job, &content, usage);
+        let mut body = completion(&job, &content, usage);
+        if job.transfer == kv_transfer::Transfer::Produce {
+            body["kv_transfer_params"] = self.transfers.produce(&self.config.id, completion_tokens);
+        }
         self.keep(&job, &content, &body);
         json_response(StatusCode::OK, &body)
     }
@@ -526,9 +536,13 @@ impl MockEngine {
     /// Admits a prompt to its rank's model now: cache lookup, prefill-lane wait,
     /// prefill time.
     fn prefill(&self, job: &Job) -> crate::tools::engine_model::PrefillPlan {
-        self.ranks[job.rank]
-            .lock()
-            .prefill(&job.prompt, self.epoch.elapsed())
+        let mut model = self.ranks[job.rank].lock();
+        if let kv_transfer::Transfer::Consume { engine, blocks } = &job.transfer {
+            // Its KV cache comes from the prefill engine: nothing to prefill here.
+            self.transfers.consume(engine, blocks);
+            return model.receive(&job.prompt);
+        }
+        model.prefill(&job.prompt, self.epoch.elapsed())
     }
 
     /// Sequences running now.

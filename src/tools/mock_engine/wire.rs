@@ -61,6 +61,8 @@ pub(super) struct Job {
     pub(super) routed_dp_rank: Option<i64>,
     /// The prompt came as token ids.
     pub(super) token_ids: bool,
+    /// What its `kv_transfer_params` ask (vLLM's disaggregated prefill).
+    pub(super) transfer: super::kv_transfer::Transfer,
 }
 
 pub(super) fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<Job, String> {
@@ -124,6 +126,7 @@ pub(super) fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<
         response_id: String::new(),
         rank: 0,
         routed_dp_rank: super::sglang::routed_dp_rank(&v),
+        transfer: super::kv_transfer::Transfer::of(&v),
     })
 }
 

@@ -1,0 +1,91 @@
+//! vLLM's disaggregated prefill, as a KV connector (`NixlConnector`) shows it on the
+//! wire: a request whose `kv_transfer_params` say `do_remote_decode` is prefilled here
+//! and answered with the params a decode engine pulls the KV cache with (this
+//! engine's id and a block id of its own); a request whose params say
+//! `do_remote_prefill` names the engine and blocks it pulls from, and is not
+//! prefilled here. Every pull is recorded, so a test can check that each decode
+//! engine was handed what a prefill engine answered (`GET /mock/kv_transfers`).
+
+use parking_lot::Mutex;
+use serde_json::{json, Value};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// What a request's `kv_transfer_params` ask of this engine.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub(super) enum Transfer {
+    /// None: the request is served whole.
+    #[default]
+    None,
+    /// Prefill, and keep the KV cache for a decode engine.
+    Produce,
+    /// Pull the prompt's KV cache from `engine`'s `blocks`.
+    Consume { engine: String, blocks: Vec<u64> },
+}
+
+impl Transfer {
+    /// From a request body's `kv_transfer_params`.
+    pub(super) fn of(request: &Value) -> Transfer {
+        let p = &request["kv_transfer_params"];
+        if p["do_remote_decode"] == true {
+            return Transfer::Produce;
+        }
+        if p["do_remote_prefill"] != true {
+            return Transfer::None;
+        }
+        Transfer::Consume {
+            engine: p["remote_engine_id"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+            blocks: p["remote_block_ids"]
+                .as_array()
+                .map(|ids| ids.iter().filter_map(Value::as_u64).collect())
+                .unwrap_or_default(),
+        }
+    }
+}
+
+/// The transfers an engine took part in.
+#[derive(Debug, Default)]
+pub(super) struct Ledger {
+    produced: AtomicU64,
+    /// Tokens answered to the requests it prefilled for a decode engine.
+    produced_tokens: AtomicU64,
+    consumed: Mutex<Vec<(String, Vec<u64>)>>,
+}
+
+impl Ledger {
+    /// The params a prefill answer of `tokens` tokens carries: this engine's id and a
+    /// new block id.
+    pub(super) fn produce(&self, engine: &str, tokens: usize) -> Value {
+        let block = self.produced.fetch_add(1, Ordering::Relaxed);
+        self.produced_tokens
+            .fetch_add(tokens as u64, Ordering::Relaxed);
+        json!({
+            "do_remote_prefill": true,
+            "do_remote_decode": false,
+            "remote_engine_id": engine,
+            "remote_block_ids": [block],
+            "remote_host": "127.0.0.1",
+            "remote_port": 5600,
+            "tp_size": 1,
+        })
+    }
+
+    pub(super) fn consume(&self, engine: &str, blocks: &[u64]) {
+        self.consumed
+            .lock()
+            .push((engine.to_string(), blocks.to_vec()));
+    }
+
+    /// `GET /mock/kv_transfers`: how many prefills this engine kept for a decode
+    /// engine and the tokens it answered them, and each pull it made (engine id,
+    /// block ids).
+    pub(super) fn report(&self) -> Value {
+        json!({
+            "produced": self.produced.load(Ordering::Relaxed),
+            "produced_tokens": self.produced_tokens.load(Ordering::Relaxed),
+            "consumed": *self.consumed.lock(),
+        })
+    }
+}
