@@ -428,12 +428,23 @@ fn check_report(path: &Path, config: Config) -> String {
     for pool in &table.pools {
         let b = &pool.balancer;
         let own = b.ring().ownership();
-        let default = if pool.config.default {
-            " [default]"
-        } else {
-            ""
-        };
         let c = &pool.config;
+        let tags: Vec<String> = [
+            c.default.then(|| "default".to_string()),
+            c.decode_pool
+                .as_ref()
+                .map(|d| format!("prefill engines; decode engines in {d}")),
+            c.decodes_for
+                .as_ref()
+                .map(|p| format!("decode engines of {p}")),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        let default = match tags.is_empty() {
+            true => String::new(),
+            false => format!(" [{}]", tags.join("; ")),
+        };
         let adapters = c.adapters.iter().map(|a| format!("; adapter {a}"));
         let aliases = c
             .aliases

@@ -559,6 +559,12 @@ pub struct PoolSection {
     /// The pool for requests naming an unknown model. Default false.
     #[serde(default = "no")]
     pub default: Spanned<bool>,
+    /// `"vllm"`: the pool's engines are split into prefill and decode engines (each
+    /// node's `role`), and a chat or completions request goes to a prefill engine
+    /// first, then with its `kv_transfer_params` to a decode engine (vLLM's
+    /// `NixlConnector` and other KV connectors). Default: none (each request whole to
+    /// one node).
+    pub disaggregation: Option<Spanned<String>>,
     /// The engines.
     #[serde(default)]
     pub nodes: Vec<NodeSection>,
@@ -589,6 +595,9 @@ pub struct NodeSection {
     /// node per target address and port, `{id}-{address}:{port}`; the URL has no port.
     /// Default: none (one node, its name resolved when each connection is made).
     pub discover: Option<Spanned<String>>,
+    /// In a pool with `disaggregation`: `"prefill"` or `"decode"`, what the engine does
+    /// for the pool's requests. Required there, refused elsewhere.
+    pub role: Option<Spanned<String>>,
 }
 
 /// `[discovery]`

@@ -214,6 +214,31 @@ pub struct PoolConfig {
     /// Entries whose URL's host is a DNS name standing for several engines
     /// (`discover`): their nodes are made from the addresses it resolves to.
     pub named: Vec<NamedNodes>,
+    /// How its requests are split between prefill and decode engines, if they are.
+    pub disaggregation: Option<Disaggregation>,
+    /// A disaggregated pool's decode engines: the name of the pool made of them
+    /// ([`PoolConfig::decode_pool_name`]), which follows this one in the config.
+    pub decode_pool: Option<String>,
+    /// For the pool of a disaggregated pool's decode engines: that pool's name. Such a
+    /// pool serves no model of its own: requests reach it only from its prefill pool.
+    pub decodes_for: Option<String>,
+}
+
+/// How a disaggregated pool's requests go to its prefill and decode engines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Disaggregation {
+    /// vLLM's KV connectors (`NixlConnector`, ...): the request goes to a prefill
+    /// engine with `max_tokens` 1 and `kv_transfer_params.do_remote_decode`, then to a
+    /// decode engine with the `kv_transfer_params` the prefill engine answered.
+    Vllm,
+}
+
+impl Disaggregation {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Disaggregation::Vllm => "vllm",
+        }
+    }
 }
 
 /// How a named entry's engines are found in DNS.
@@ -293,6 +318,17 @@ impl NamedNodes {
 }
 
 impl PoolConfig {
+    /// Whether requests may name this pool's models: not a decode engines' pool, which
+    /// its prefill pool alone sends requests to.
+    pub fn addressable(&self) -> bool {
+        self.decodes_for.is_none()
+    }
+
+    /// The name of the pool made of a disaggregated pool's decode engines.
+    pub fn decode_pool_name(pool: &str) -> String {
+        format!("{pool}/decode")
+    }
+
     /// The model (or adapter) an alias stands for; `None` for a name that is no alias
     /// here.
     pub fn aliased(&self, name: &str) -> Option<&str> {

@@ -14,9 +14,9 @@ use super::file::{
     NodeSection, PoolSection, RedisSection, RoutingSection, ServerSection, ShuntStepSection,
 };
 use super::{
-    AuthConfig, BreakerSettings, Config, Discover, DiscoveryConfig, HealthConfig, NamedNodes,
-    NodeConfig, PoolConfig, RedisConfig, RoutingConfig, Secret, ServerConfig, ShuntStep,
-    MAX_DATA_PARALLEL_SIZE,
+    AuthConfig, BreakerSettings, Config, Disaggregation, Discover, DiscoveryConfig, HealthConfig,
+    NamedNodes, NodeConfig, PoolConfig, RedisConfig, RoutingConfig, Secret, ServerConfig,
+    ShuntStep, MAX_DATA_PARALLEL_SIZE,
 };
 
 /// What is wrong, and where (no span: the file as a whole).
@@ -101,11 +101,12 @@ pub(super) fn config(raw: FileConfig, dir: &Path) -> Result<Config, Invalid> {
         dynamic: redis.is_some(),
         ..Seen::default()
     };
-    let pools = raw
-        .pools
-        .into_iter()
-        .map(|p| validate_pool(p, &mut seen))
-        .collect::<Result<_, _>>()?;
+    let mut pools = Vec::with_capacity(raw.pools.len());
+    for p in raw.pools {
+        let (pool, decode) = validate_pool(p, &mut seen)?;
+        pools.push(pool);
+        pools.extend(decode);
+    }
     Ok(Config {
         server,
         routing,
@@ -228,7 +229,11 @@ struct Seen {
     dynamic: bool,
 }
 
-fn validate_pool(p: PoolSection, seen: &mut Seen) -> Result<PoolConfig, Invalid> {
+/// A pool, and for a disaggregated one the pool of its decode engines.
+fn validate_pool(
+    p: PoolSection,
+    seen: &mut Seen,
+) -> Result<(PoolConfig, Option<PoolConfig>), Invalid> {
     let name = p.name.get_ref().trim().to_string();
     if name.is_empty() {
         return invalid(p.name.span(), "pool name is empty");
@@ -313,13 +318,29 @@ fn validate_pool(p: PoolSection, seen: &mut Seen) -> Result<PoolConfig, Invalid>
             format!("pool {name:?} has no nodes (add [[pools.nodes]] with id and url, or a [redis] section for nodes that heartbeat)"),
         );
     }
-    let mut nodes = Vec::with_capacity(p.nodes.len());
-    let mut named = Vec::new();
+    let disaggregation = match p.disaggregation.as_ref().map(|d| (d.span(), d.get_ref().as_str())) {
+        None => None,
+        Some((_, "vllm")) => Some(Disaggregation::Vllm),
+        Some((span, other)) => {
+            return invalid(
+                span,
+                format!("disaggregation = {other:?}: \"vllm\" (prefill, then decode with vLLM's kv_transfer_params) is the one built, or leave it out"),
+            )
+        }
+    };
+    // Each role's nodes and named entries: [whole or prefill, decode].
+    let mut nodes = [Vec::new(), Vec::new()];
+    let mut named = [Vec::new(), Vec::new()];
     for n in p.nodes {
+        let side = usize::from(node_role(&n, &name, disaggregation.is_some())?);
         match n.discover.as_ref().map(|d| (d.span(), d.get_ref().as_str())) {
-            None => nodes.extend(validate_node(n, &mut seen.node_ids)?),
-            Some((_, "dns")) => named.push(validate_named(n, Discover::Dns, &mut seen.node_ids)?),
-            Some((_, "srv")) => named.push(validate_named(n, Discover::Srv, &mut seen.node_ids)?),
+            None => nodes[side].extend(validate_node(n, &mut seen.node_ids)?),
+            Some((_, "dns")) => {
+                named[side].push(validate_named(n, Discover::Dns, &mut seen.node_ids)?)
+            }
+            Some((_, "srv")) => {
+                named[side].push(validate_named(n, Discover::Srv, &mut seen.node_ids)?)
+            }
             Some((span, other)) => {
                 return invalid(
                     span,
@@ -328,7 +349,43 @@ fn validate_pool(p: PoolSection, seen: &mut Seen) -> Result<PoolConfig, Invalid>
             }
         }
     }
-    Ok(PoolConfig {
+    let [nodes, decode_nodes] = nodes;
+    let [named, decode_named] = named;
+    let decode_pool = match disaggregation {
+        None => None,
+        Some(how) => {
+            let span = p
+                .disaggregation
+                .as_ref()
+                .map_or(p.name.span(), |d| d.span());
+            for (role, nodes, named) in [
+                ("prefill", &nodes, &named),
+                ("decode", &decode_nodes, &decode_named),
+            ] {
+                if nodes.is_empty() && named.is_empty() {
+                    return invalid(
+                        span,
+                        format!("pool {name:?} has disaggregation = \"{}\" and no node with role = \"{role}\"", how.as_str()),
+                    );
+                }
+            }
+            if let Some(f) = p.fallbacks.first() {
+                return invalid(
+                    f.span(),
+                    format!("pool {name:?} is disaggregated and has fallbacks: not built (a fallback pool would get its prefill leg)"),
+                );
+            }
+            let decode_name = PoolConfig::decode_pool_name(&name);
+            if seen.all_pools.contains(&decode_name) || !seen.pools.insert(decode_name.clone()) {
+                return invalid(
+                    span,
+                    format!("pool {name:?} names its decode engines' pool {decode_name:?}, and another pool has that name"),
+                );
+            }
+            Some(decode_name)
+        }
+    };
+    let pool = PoolConfig {
         name,
         models,
         aliases,
@@ -339,7 +396,47 @@ fn validate_pool(p: PoolSection, seen: &mut Seen) -> Result<PoolConfig, Invalid>
         default: *p.default.get_ref(),
         nodes,
         named,
-    })
+        disaggregation,
+        decode_pool,
+        decodes_for: None,
+    };
+    // The decode engines' pool: the same models (its engines serve them), reached only
+    // from its prefill pool, with no fallbacks of its own.
+    let decode = pool.decode_pool.clone().map(|decode_name| PoolConfig {
+        name: decode_name,
+        fallbacks: Vec::new(),
+        default: false,
+        nodes: decode_nodes,
+        named: decode_named,
+        disaggregation: None,
+        decode_pool: None,
+        decodes_for: Some(pool.name.clone()),
+        ..pool.clone()
+    });
+    Ok((pool, decode))
+}
+
+/// Whether a `[[pools.nodes]]` entry is a decode engine: `role` is required in a
+/// disaggregated pool and refused elsewhere.
+fn node_role(n: &NodeSection, pool: &str, disaggregated: bool) -> Result<bool, Invalid> {
+    let id = n.id.get_ref();
+    match (n.role.as_ref().map(|r| (r.span(), r.get_ref().as_str())), disaggregated) {
+        (None, false) => Ok(false),
+        (None, true) => invalid(
+            n.id.span(),
+            format!("node {id:?} of pool {pool:?} (disaggregated) needs role = \"prefill\" or \"decode\""),
+        ),
+        (Some((span, _)), false) => invalid(
+            span,
+            format!("node {id:?} has a role, and pool {pool:?} has no disaggregation = \"vllm\" to give it one"),
+        ),
+        (Some((_, "prefill")), true) => Ok(false),
+        (Some((_, "decode")), true) => Ok(true),
+        (Some((span, other)), true) => invalid(
+            span,
+            format!("node {id:?}: role = {other:?}: \"prefill\" or \"decode\""),
+        ),
+    }
 }
 
 /// What every `[[pools.nodes]]` entry gives, checked: its id, URL, weight and

@@ -56,6 +56,10 @@ pub enum ProxyError {
     Upstream { count: u32, attempts: String },
     #[error("no engine answered in time: {attempts}")]
     UpstreamTimeout { attempts: String },
+    /// A disaggregated request's prefill engine answered without the params a decode
+    /// engine needs to pull its KV cache.
+    #[error("prefill node `{node}` answered without kv_transfer_params: is its engine started with a KV connector (vLLM --kv-transfer-config)?")]
+    NoKvTransfer { node: String },
 }
 
 impl ProxyError {
@@ -84,7 +88,9 @@ impl ProxyError {
             | ProxyError::HolderUnavailable { .. }
             | ProxyError::BufferFull
             | ProxyError::Busy { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
+            ProxyError::Upstream { .. } | ProxyError::NoKvTransfer { .. } => {
+                StatusCode::BAD_GATEWAY
+            }
             ProxyError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
         }
     }
@@ -134,6 +140,7 @@ impl ProxyError {
             ProxyError::Busy { .. } => "engines_busy",
             ProxyError::Upstream { .. } => "upstream_failed",
             ProxyError::UpstreamTimeout { .. } => "upstream_timeout",
+            ProxyError::NoKvTransfer { .. } => "no_kv_transfer_params",
         }
     }
 

@@ -17,6 +17,7 @@ use tokio::time::Instant;
 use super::admission;
 use super::body::BoxBody;
 use super::edit::{self, Edits};
+use super::kv_transfer;
 use super::probe::{self, Commit, ProbeFailure};
 use super::relay::{RelayBody, RequestLog};
 use super::upstream::{EngineBody, Outgoing, Upstream, UpstreamError};
@@ -107,6 +108,22 @@ pub(super) struct Exchange<'t> {
     pub span: tracing::Span,
     /// Time spent in the queue so far, over all attempts.
     pub queue_wait: std::time::Duration,
+    /// Which leg of a disaggregated request this is, if it is one.
+    pub leg: Leg,
+}
+
+/// What a request is asked of the pool it is placed in.
+#[derive(Debug, Default)]
+pub(super) enum Leg {
+    /// The whole request.
+    #[default]
+    Whole,
+    /// A disaggregated request's prefill: one token, whole, the KV cache kept for a
+    /// decode engine ([`kv_transfer::prefill_body`]).
+    Prefill,
+    /// A disaggregated request's decode, with the `kv_transfer_params` its prefill
+    /// engine answered.
+    Decode(Box<serde_json::value::RawValue>),
 }
 
 /// An engine's answer that goes to the client.
@@ -122,6 +139,8 @@ enum Answer {
         head: http::response::Parts,
         held: Bytes,
         body: EngineBody,
+        /// From the send until it was read whole (or `held` was full).
+        took: std::time::Duration,
     },
 }
 
@@ -178,7 +197,14 @@ impl Exchange<'_> {
             model,
             include_usage: self.strip_usage(),
         };
-        edit::apply(&self.body, &placement.facts.spans, edits)
+        let body = edit::apply(&self.body, &placement.facts.spans, edits);
+        match &self.leg {
+            Leg::Whole => body,
+            // The client's body was read as JSON before its prefill leg began
+            // (`disaggregated`), and the edits keep it JSON.
+            Leg::Prefill => kv_transfer::prefill_body(&body).unwrap_or(body),
+            Leg::Decode(params) => kv_transfer::decode_body(&body, params),
+        }
     }
 
     /// Admission, the exchange and failover, until an answer commits or nothing is
@@ -419,8 +445,9 @@ impl Exchange<'_> {
             body,
         };
         let stream = self.placement.facts.stream;
-        // A stream has `first_token_timeout` for its head and first token together.
-        let budget = if stream {
+        // A stream has `first_token_timeout` for its head and first token together; so
+        // has a prefill leg, whose one token is the first.
+        let budget = if stream || matches!(self.leg, Leg::Prefill) {
             pool.config.first_token_timeout
         } else {
             self.table.config.server.request_timeout
@@ -479,7 +506,13 @@ impl Exchange<'_> {
             // A stored response's stream, resumed (`?stream=true`): relayed as it comes.
             let (head, body) = resp.into_parts();
             let held = Bytes::new();
-            return Ok(Answer::Plain { head, held, body });
+            let took = sent.elapsed();
+            return Ok(Answer::Plain {
+                head,
+                held,
+                body,
+                took,
+            });
         }
         if !(stream && status.is_success() && is_event_stream(resp.headers())) {
             return self.read_plain(node, resp, sent, budget).await;
@@ -560,7 +593,13 @@ impl Exchange<'_> {
             }
         }
         let held = held.freeze();
-        Ok(Answer::Plain { head, held, body })
+        let took = sent.elapsed();
+        Ok(Answer::Plain {
+            head,
+            held,
+            body,
+            took,
+        })
     }
 
     /// Counts a request naming a stored response by how its engine was found (in the
@@ -602,7 +641,11 @@ impl Exchange<'_> {
             ttft,
             ticket,
             teaches: self.placement.api.is_load(),
-            charge: self.asker.charge.clone(),
+            // A disaggregated request's tokens are settled once, by its decode leg.
+            charge: match self.leg {
+                Leg::Prefill => None,
+                _ => self.asker.charge.clone(),
+            },
             spans: [self.span.clone(), attempt_span.clone()],
         };
         let (head, body) = match answer {
@@ -638,9 +681,17 @@ impl Exchange<'_> {
                 mut head,
                 held,
                 body,
+                took,
             } => {
                 label(&mut head, ticket.node(), &route, attempts);
-                let log = log(head.status, None, ticket);
+                // A prefill leg's one token is its first: the time it took is the
+                // prefill's, which the breaker and the pool's prefill rate learn from.
+                let ttft =
+                    (matches!(self.leg, Leg::Prefill) && head.status.is_success()).then_some(took);
+                if let Some(t) = ttft {
+                    series.observe_ttft(t);
+                }
+                let log = log(head.status, ttft, ticket);
                 let anthropic = self.placement.api.is_anthropic();
                 (
                     head,

@@ -24,6 +24,9 @@ static HOP_BY_HOP: [HeaderName; 9] = [
 pub static NODE: HeaderName = HeaderName::from_static("x-prefixlb-node");
 pub static ROUTE: HeaderName = HeaderName::from_static("x-prefixlb-route");
 pub static ATTEMPTS: HeaderName = HeaderName::from_static("x-prefixlb-attempts");
+/// On a disaggregated request's answer: the node of its prefill leg (`x-prefixlb-node`
+/// names its decode leg's).
+pub static PREFILL_NODE: HeaderName = HeaderName::from_static("x-prefixlb-prefill-node");
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 /// Anthropic's API key header.
 pub static X_API_KEY: HeaderName = HeaderName::from_static("x-api-key");

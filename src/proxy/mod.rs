@@ -5,12 +5,14 @@
 
 mod admission;
 pub mod body;
+mod disaggregated;
 pub mod edit;
 mod error;
 mod forward;
 pub(crate) mod h1;
 pub mod headers;
 pub mod ingress;
+mod kv_transfer;
 mod probe;
 mod relay;
 pub mod request_body;
@@ -336,8 +338,12 @@ impl Proxy {
                 asker,
                 span: span.clone(),
                 queue_wait: Duration::ZERO,
+                leg: forward::Leg::Whole,
             }
         };
+        if exchange.placement.splits() {
+            return disaggregated::run(&mut exchange, &mut at.asking).await;
+        }
         exchange.run(&mut at.asking).await
     }
 }

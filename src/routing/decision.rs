@@ -218,6 +218,27 @@ impl Placement {
         Some(next.with_homes(self.homes))
     }
 
+    /// Whether it is split between its pool's prefill and decode engines: a chat or
+    /// completions request in a disaggregated pool. Any other API goes whole to the
+    /// pool's prefill engines (vLLM serves a request with no `kv_transfer_params`
+    /// whole on any engine).
+    pub fn splits(&self) -> bool {
+        self.pool.config.decode_pool.is_some() && matches!(self.api, Api::Chat | Api::Completions)
+    }
+
+    /// The same request placed in the pool of its pool's decode engines, if it
+    /// [`splits`](Placement::splits).
+    pub fn decode(&self, table: &Table) -> Option<Placement> {
+        if !self.splits() {
+            return None;
+        }
+        let name = self.pool.config.decode_pool.as_deref()?;
+        let index = table.pools.iter().position(|p| p.config.name == name)?;
+        let facts = self.facts.clone();
+        let next = Placement::new(table, self.api, facts, index, 0, index, self.mode);
+        Some(next.with_homes(self.homes))
+    }
+
     /// The plain bounded walk: the key's own order, no homes remembered or learned
     /// (the simulator's `chwbl` and `consistent_hash`).
     pub fn without_homes(self) -> Placement {

@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use super::decision::Placement;
 use super::facts::Turn;
 use super::group::Grouping;
 use super::route::Route;
@@ -61,6 +62,10 @@ pub struct Explanation {
     /// `queued` (it would wait for a slot), `saturated` (every willing node is at its
     /// cap) or `unavailable` (no node accepts requests).
     pub route: String,
+    /// A disaggregated pool's chat or completions request: how its decode leg would
+    /// be placed, in the pool of the decode engines (the above is its prefill leg).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decode: Option<Box<Explanation>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -124,6 +129,15 @@ pub fn explain(
     now: Instant,
 ) -> Result<Explanation, PlaceError> {
     let p = table.place(path, header_key, body, Mode::Explain)?;
+    let decode = p.decode(table).map(|d| Box::new(explained(table, &d, now)));
+    Ok(Explanation {
+        decode,
+        ..explained(table, &p, now)
+    })
+}
+
+/// How a request placed as `p` would be routed at `now`.
+fn explained(table: &Table, p: &Placement, now: Instant) -> Explanation {
     let pool = p.pool();
     let b = &pool.balancer;
     let successors: Vec<Step> = b
@@ -173,7 +187,7 @@ pub fn explain(
         key.push('…');
     }
     let turn = facts.turn;
-    Ok(Explanation {
+    Explanation {
         pool: pool.config.name.clone(),
         model: facts.model.clone(),
         api: p.api.as_str(),
@@ -215,5 +229,6 @@ pub fn explain(
         successors,
         choice,
         route,
-    })
+        decode: None,
+    }
 }

@@ -153,9 +153,11 @@ impl Table {
             .iter()
             .enumerate()
             .map(|(i, p)| {
-                let aliases = p.aliases.iter().map(|(alias, _)| alias);
-                for m in p.models.iter().chain(&p.adapters).chain(aliases) {
-                    by_model.insert(m.clone(), i);
+                if p.addressable() {
+                    let aliases = p.aliases.iter().map(|(alias, _)| alias);
+                    for m in p.models.iter().chain(&p.adapters).chain(aliases) {
+                        by_model.insert(m.clone(), i);
+                    }
                 }
                 if p.default {
                     default_pool = Some(i);
@@ -192,7 +194,8 @@ impl Table {
 
     /// All model names served, in config order: each pool's models, adapters, aliases.
     pub fn models(&self) -> impl Iterator<Item = (&str, &Pool)> {
-        self.pools.iter().flat_map(|p| {
+        let addressable = self.pools.iter().filter(|p| p.config.addressable());
+        addressable.flat_map(|p| {
             let c = &p.config;
             let aliases = c.aliases.iter().map(|(alias, _)| alias);
             c.models
@@ -215,7 +218,11 @@ impl Table {
                 .by_model
                 .get(m)
                 .copied()
-                .or_else(|| self.pools.iter().position(|p| p.learned_adapter(m)))
+                .or_else(|| {
+                    self.pools
+                        .iter()
+                        .position(|p| p.config.addressable() && p.learned_adapter(m))
+                })
                 .or(self.default_pool)
                 .ok_or_else(|| PoolError::UnknownModel {
                     model: m.to_string(),
@@ -223,7 +230,15 @@ impl Table {
                 }),
             None => self
                 .default_pool
-                .or((self.pools.len() == 1).then_some(0))
+                .or_else(|| {
+                    let mut addressable = self.pools.iter().enumerate();
+                    let mut addressable =
+                        addressable.by_ref().filter(|(_, p)| p.config.addressable());
+                    match (addressable.next(), addressable.next()) {
+                        (Some((only, _)), None) => Some(only),
+                        _ => None,
+                    }
+                })
                 .ok_or_else(|| PoolError::ModelRequired {
                     available: self.model_list(),
                 }),

@@ -1,0 +1,126 @@
+//! The bodies of a disaggregated request's two legs, as vLLM's KV connectors
+//! (`NixlConnector` and the others a `--kv-transfer-config` names) take them: the
+//! prefill engine is asked for one token, whole, with
+//! `kv_transfer_params.do_remote_decode`; its answer carries the `kv_transfer_params`
+//! (its engine id, blocks, host and port) the decode engine pulls the KV cache with;
+//! the decode engine gets the client's request with those params. The same fields and
+//! values as vLLM's own router (`vllm-router --vllm-pd-disaggregation`) and its
+//! example proxy send (docs/operating.md, "Prefill/decode disaggregation"). Pure: no
+//! I/O.
+
+use bytes::{Bytes, BytesMut};
+use serde_json::value::RawValue;
+use serde_json::{Map, Value};
+
+/// What a prefill engine is told: keep the KV cache for a decode engine to pull.
+const PREFILL_PARAMS: &str = r#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#;
+
+/// The prefill leg's body: the client's request, answered whole (`stream` false,
+/// `stream_options` dropped) with one token (`max_tokens`, and
+/// `max_completion_tokens` if the client gave it), and the prefill params. `None` if
+/// the body is not a JSON object.
+pub fn prefill_body(body: &[u8]) -> Option<Bytes> {
+    let mut request: Map<String, Value> = serde_json::from_slice(body).ok()?;
+    request.insert("stream".into(), Value::Bool(false));
+    request.remove("stream_options");
+    request.insert("max_tokens".into(), Value::from(1));
+    if request.contains_key("max_completion_tokens") {
+        request.insert("max_completion_tokens".into(), Value::from(1));
+    }
+    let params: Value = serde_json::from_str(PREFILL_PARAMS).ok()?;
+    request.insert("kv_transfer_params".into(), params);
+    serde_json::to_vec(&request).ok().map(Bytes::from)
+}
+
+/// The `kv_transfer_params` of a prefill engine's answer, as it wrote them: an
+/// object, else `None` (an engine started without a KV connector answers none, or
+/// `null`).
+pub fn answered_params(answer: &[u8]) -> Option<Box<RawValue>> {
+    #[derive(serde::Deserialize)]
+    struct Answer {
+        kv_transfer_params: Option<Box<RawValue>>,
+    }
+    let params = serde_json::from_slice::<Answer>(answer)
+        .ok()?
+        .kv_transfer_params?;
+    params.get().trim_start().starts_with('{').then_some(params)
+}
+
+/// The decode leg's body: `body` (a JSON object, the client's request as edited for
+/// the pool) with `"kv_transfer_params":PARAMS` as its last member, which a JSON
+/// reader that keeps the last of a repeated key (Python's, vLLM's) takes over any the
+/// client sent.
+pub fn decode_body(body: &[u8], params: &RawValue) -> Bytes {
+    let end = body.iter().rposition(|&b| b == b'}').unwrap_or(body.len());
+    let empty = body[..end]
+        .iter()
+        .rev()
+        .find(|b| !b.is_ascii_whitespace())
+        .is_none_or(|&b| b == b'{');
+    let member = format!(
+        "{}\"kv_transfer_params\":{}",
+        if empty { "" } else { "," },
+        params.get()
+    );
+    let mut out = BytesMut::with_capacity(body.len() + member.len());
+    out.extend_from_slice(&body[..end]);
+    out.extend_from_slice(member.as_bytes());
+    out.extend_from_slice(&body[end..]);
+    out.freeze()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn json(b: &[u8]) -> Value {
+        serde_json::from_slice(b).unwrap()
+    }
+
+    #[test]
+    fn the_prefill_leg_asks_for_one_token_whole_and_keeps_the_cache_for_a_decode_engine() {
+        let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},"max_tokens":500,"max_completion_tokens":500,"temperature":0.2}"#;
+        let v = json(&prefill_body(body).unwrap());
+        assert_eq!(v["stream"], false);
+        assert!(v.get("stream_options").is_none());
+        assert_eq!(v["max_tokens"], 1);
+        assert_eq!(v["max_completion_tokens"], 1);
+        assert_eq!(v["temperature"], 0.2);
+        assert_eq!(v["messages"][0]["content"], "hi");
+        assert_eq!(v["kv_transfer_params"], json(PREFILL_PARAMS.as_bytes()));
+        // No max_completion_tokens is added where the client gave none.
+        let v = json(&prefill_body(br#"{"prompt":"x"}"#).unwrap());
+        assert!(v.get("max_completion_tokens").is_none());
+        assert_eq!(v["max_tokens"], 1);
+        assert!(prefill_body(b"[1]").is_none());
+        assert!(prefill_body(b"{").is_none());
+    }
+
+    #[test]
+    fn the_prefill_answer_s_params_are_read_as_written() {
+        let answer = br#"{"id":"x","choices":[],"kv_transfer_params":{"remote_engine_id":"e","remote_block_ids":[1,2],"remote_host":"10.0.0.1","remote_port":5600,"do_remote_prefill":true,"do_remote_decode":false}}"#;
+        let p = answered_params(answer).unwrap();
+        assert!(p.get().contains(r#""remote_block_ids":[1,2]"#));
+        assert!(answered_params(br#"{"id":"x"}"#).is_none());
+        assert!(answered_params(br#"{"kv_transfer_params":null}"#).is_none());
+        assert!(answered_params(br#"{"kv_transfer_params":3}"#).is_none());
+        assert!(answered_params(b"not json").is_none());
+    }
+
+    #[test]
+    fn the_decode_leg_carries_the_params_as_the_body_s_last_member() {
+        let params = RawValue::from_string(r#"{"remote_engine_id":"e"}"#.into()).unwrap();
+        let body = br#"{"model":"m","kv_transfer_params":{"x":1},"stream":true} "#;
+        let out = decode_body(body, &params);
+        assert_eq!(
+            &out[..],
+            br#"{"model":"m","kv_transfer_params":{"x":1},"stream":true,"kv_transfer_params":{"remote_engine_id":"e"}} "#
+        );
+        // The last of a repeated key is the one read.
+        assert_eq!(json(&out)["kv_transfer_params"]["remote_engine_id"], "e");
+        assert_eq!(
+            &decode_body(b"{ }", &params)[..],
+            br#"{ "kv_transfer_params":{"remote_engine_id":"e"}}"#
+        );
+    }
+}

@@ -1,0 +1,374 @@
+//! A disaggregated pool (`disaggregation = "vllm"`): each chat or completions request
+//! is prefilled on a prefill engine (one token, whole, `kv_transfer_params` asking it
+//! to keep the KV cache), then decoded on a decode engine that pulls the cache with
+//! the params the prefill engine answered. Against `mock-engine`s that speak vLLM's
+//! KV-connector params and record every prefill kept and every pull made
+//! (`GET /mock/kv_transfers`), so a pull of params the balancer lost or changed
+//! shows.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use common::*;
+use serde_json::{json, Value};
+
+const PREFILL: [&str; 2] = ["p0", "p1"];
+const DECODE: [&str; 2] = ["d0", "d1"];
+
+/// A config whose one pool `mock` is disaggregated over `prefill` and `decode`
+/// engines.
+fn disaggregated(prefill: &[String], decode: &[String], extra: &str) -> String {
+    let mut nodes = String::new();
+    for (role, urls, ids) in [("prefill", prefill, PREFILL), ("decode", decode, DECODE)] {
+        for (url, id) in urls.iter().zip(ids) {
+            nodes +=
+                &format!("[[pools.nodes]]\nid = \"{id}\"\nurl = \"{url}\"\nrole = \"{role}\"\n");
+        }
+    }
+    format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{extra}\n\
+         [[pools]]\nname = \"mock\"\nmodels = [\"mock\"]\ndisaggregation = \"vllm\"\n{nodes}"
+    )
+}
+
+fn url(engine: &Proc) -> String {
+    format!("http://{}", engine.addr)
+}
+
+/// Text of its own for each conversation and turn (no block shared with another).
+fn words(conversation: usize, turn: usize) -> String {
+    (0..100)
+        .map(|i| format!("c{conversation}t{turn}w{i}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+async fn transfers(engine: &Proc) -> Value {
+    get_json(&format!("http://{}/mock/kv_transfers", engine.addr)).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_request_prefills_on_its_prefix_s_engine_and_decodes_with_the_params_it_answered() {
+    let prefill: Vec<Proc> = PREFILL.iter().map(|id| engine(id, &[])).collect();
+    let decode: Vec<Proc> = DECODE.iter().map(|id| engine(id, &[])).collect();
+    let lb = balancer(&disaggregated(
+        &prefill.iter().map(url).collect::<Vec<_>>(),
+        &decode.iter().map(url).collect::<Vec<_>>(),
+        "",
+    ));
+    // 6 conversations of 3 turns: chat, streamed every other turn, and one as a
+    // completions prompt; one conversation's requests name no model.
+    let mut requests = 0;
+    let mut prefilled_on: BTreeMap<usize, BTreeSet<String>> = BTreeMap::new();
+    for c in 0..6 {
+        let mut text = String::new();
+        let mut messages: Vec<(&str, String)> = Vec::new();
+        for t in 0..3 {
+            text += &words(c, t);
+            messages.push(("user", words(c, t)));
+            let stream = t % 2 == 1;
+            let (path, mut body) = if c == 5 {
+                let body =
+                    json!({"model": "mock", "prompt": text, "max_tokens": 4, "stream": stream});
+                ("/v1/completions", body)
+            } else {
+                let m: Vec<(&str, &str)> = messages.iter().map(|(r, x)| (*r, x.as_str())).collect();
+                ("/v1/chat/completions", chat(&m, stream, 4))
+            };
+            messages.push(("assistant", format!("answer {t}")));
+            if c == 4 {
+                body.as_object_mut().unwrap().remove("model");
+            }
+            let reply = post_json(&lb.url(path), &body, &[]).await;
+            requests += 1;
+            assert_eq!(reply.status, 200, "{}", reply.text());
+            let decoded_on = reply.header("x-prefixlb-node");
+            assert!(DECODE.contains(&decoded_on), "{decoded_on}");
+            assert_eq!(reply.header("x-engine-id"), decoded_on);
+            let prefill_node = reply.header("x-prefixlb-prefill-node").to_string();
+            assert!(PREFILL.contains(&prefill_node.as_str()), "{prefill_node}");
+            prefilled_on.entry(c).or_default().insert(prefill_node);
+            if stream {
+                assert!(reply
+                    .header("content-type")
+                    .starts_with("text/event-stream"));
+                let text = reply.text();
+                assert!(text.contains("data: [DONE]"), "{text}");
+            } else {
+                assert_eq!(reply.json()["usage"]["completion_tokens"], 4);
+            }
+        }
+    }
+    // Every turn of a chat was prefilled where its prefix is cached (a completions
+    // prompt under `prefix_chars` is keyed whole, so its second turn may move, in any
+    // pool).
+    for (c, nodes) in prefilled_on.iter().filter(|(c, _)| **c != 5) {
+        assert_eq!(nodes.len(), 1, "conversation {c} prefilled on {nodes:?}");
+    }
+    let mut hits = 0.0;
+    let mut queries = 0.0;
+    for p in &prefill {
+        let url = format!("http://{}/metrics", p.addr);
+        hits += metric(&url, "vllm:prefix_cache_hits_total").await;
+        queries += metric(&url, "vllm:prefix_cache_queries_total").await;
+    }
+    assert!(
+        hits / queries > 0.4,
+        "prefill engines' hit rate {hits}/{queries}"
+    );
+    // Each prefill was asked for one token and kept for a decode engine, and each
+    // decode engine pulled exactly the blocks a prefill engine answered, once.
+    let mut produced: BTreeMap<String, u64> = BTreeMap::new();
+    for (p, id) in prefill.iter().zip(PREFILL) {
+        let t = transfers(p).await;
+        assert_eq!(t["produced"], t["produced_tokens"], "{id}: {t}");
+        assert_eq!(t["consumed"], json!([]), "{id}: {t}");
+        produced.insert(id.to_string(), t["produced"].as_u64().unwrap());
+    }
+    assert_eq!(produced.values().sum::<u64>(), requests);
+    let mut pulled = BTreeSet::new();
+    for (d, id) in decode.iter().zip(DECODE) {
+        let t = transfers(d).await;
+        assert_eq!(t["produced"], 0, "{id}: {t}");
+        for pull in t["consumed"].as_array().unwrap() {
+            let engine = pull[0].as_str().unwrap().to_string();
+            let block = pull[1][0].as_u64().unwrap();
+            assert!(block < produced[&engine], "{id} pulled {pull} never kept");
+            assert!(pulled.insert((engine, block)), "{id} pulled {pull} twice");
+        }
+    }
+    assert_eq!(pulled.len() as u64, requests);
+    // A prefill leg's time is its node's time to first token, in the prefill pool.
+    let page = call("GET", &lb.admin_url("/metrics"), &[], Vec::new())
+        .await
+        .text();
+    let prefill_ttfts: f64 = page
+        .lines()
+        .filter(|l| l.starts_with("prefixlb_ttft_seconds_count{") && l.contains("pool=\"mock\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(prefill_ttfts as u64, requests, "{page}");
+    // Both legs' slots are free again.
+    assert!(in_flight_settles(&lb, Duration::from_secs(5)).await);
+    // `check` names the two pools; `route` explains both legs.
+    let config = write_config(&disaggregated(
+        &prefill.iter().map(url).collect::<Vec<_>>(),
+        &decode.iter().map(url).collect::<Vec<_>>(),
+        "",
+    ));
+    let said =
+        String::from_utf8(run_cli(&["check", "--config", config.to_str().unwrap()])).unwrap();
+    assert!(
+        said.contains("pool mock/decode (models: mock) [decode engines of mock]: 2 nodes"),
+        "{said}"
+    );
+    let body = config.with_extension("json");
+    std::fs::write(&body, chat(&[("user", "hi")], true, 4).to_string()).unwrap();
+    let args = [
+        "route",
+        "--config",
+        config.to_str().unwrap(),
+        body.to_str().unwrap(),
+    ];
+    let routed: Value = serde_json::from_slice(&run_cli(&args)).unwrap();
+    assert_eq!(routed["pool"], "mock", "{routed}");
+    assert_eq!(routed["decode"]["pool"], "mock/decode", "{routed}");
+    assert!(DECODE.contains(&routed["decode"]["choice"].as_str().unwrap()));
+    // Other APIs go whole to the prefill engines.
+    let reply = post_json(
+        &lb.url("/v1/embeddings"),
+        &json!({"model": "mock", "input": "x"}),
+        &[],
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert!(PREFILL.contains(&reply.header("x-prefixlb-node")));
+    // `/v1/models` lists the model once.
+    let models = get_json(&lb.url("/v1/models")).await;
+    assert_eq!(models["data"].as_array().unwrap().len(), 1, "{models}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_engine_without_a_kv_connector_gets_a_clear_502() {
+    // An engine started without a KV connector answers whole, with no params.
+    let body = json!({"id": "x", "object": "chat.completion", "model": "mock",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "a"}, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}})
+    .to_string();
+    let head = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    let plain = scripted_engine(vec![((head + &body).into_bytes(), Duration::ZERO)]).await;
+    let decode = engine("d0", &[]);
+    let lb = balancer(&disaggregated(
+        &[format!("http://{plain}")],
+        &[url(&decode)],
+        "[health]\nmetrics_path = \"\"\n",
+    ));
+    let reply = post_json(
+        &lb.url("/v1/chat/completions"),
+        &chat(&[("user", "hello")], false, 4),
+        &[],
+    )
+    .await;
+    assert_eq!(reply.status, 502, "{}", reply.text());
+    let error = &reply.json()["error"];
+    assert_eq!(error["code"], "no_kv_transfer_params", "{error}");
+    assert!(
+        error["message"].as_str().unwrap().contains("`p0`"),
+        "{error}"
+    );
+    assert_eq!(transfers(&decode).await["consumed"], json!([]));
+    assert!(in_flight_settles(&lb, Duration::from_secs(5)).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_prefill_engine_s_answer_to_a_bad_request_reaches_the_client() {
+    let prefill = engine("p0", &["--max-model-len", "64"]);
+    let decode = engine("d0", &[]);
+    let lb = balancer(&disaggregated(&[url(&prefill)], &[url(&decode)], ""));
+    let reply = post_json(
+        &lb.url("/v1/chat/completions"),
+        &chat(&[("user", &words(0, 0))], true, 4),
+        &[],
+    )
+    .await;
+    assert_eq!(reply.status, 400, "{}", reply.text());
+    let message = reply.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        message.contains("maximum context length is 64"),
+        "{message}"
+    );
+    assert_eq!(reply.header("x-prefixlb-node"), "p0");
+    assert_eq!(transfers(&decode).await["consumed"], json!([]));
+    assert!(in_flight_settles(&lb, Duration::from_secs(5)).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_decode_engine_is_failed_over_with_the_same_params() {
+    let prefill = engine("p0", &[]);
+    let decode: Vec<Proc> = DECODE.iter().map(|id| engine(id, &[])).collect();
+    let lb = balancer(&disaggregated(
+        &[url(&prefill)],
+        &decode.iter().map(url).collect::<Vec<_>>(),
+        "[health]\ninterval = \"60s\"\n",
+    ));
+    set_fault(&decode[0], "error", 0).await;
+    for c in 0..6 {
+        let stream = c % 2 == 0;
+        let reply = post_json(
+            &lb.url("/v1/chat/completions"),
+            &chat(&[("user", &words(c, 0))], stream, 4),
+            &[],
+        )
+        .await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        assert_eq!(reply.header("x-prefixlb-node"), "d1");
+    }
+    // Each pull that reached d1 was a block p0 kept, once; d0 pulled nothing.
+    let pulls = transfers(&decode[1]).await["consumed"].clone();
+    let blocks: BTreeSet<u64> = pulls
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p[1][0].as_u64().unwrap())
+        .collect();
+    assert_eq!(blocks, (0..6).collect(), "{pulls}");
+    assert_eq!(transfers(&decode[0]).await["consumed"], json!([]));
+    assert!(in_flight_settles(&lb, Duration::from_secs(5)).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_prefill_engine_is_failed_over_at_the_first_token_timeout() {
+    let prefill: Vec<Proc> = PREFILL.iter().map(|id| engine(id, &[])).collect();
+    let decode = engine("d0", &[]);
+    let config = disaggregated(
+        &prefill.iter().map(url).collect::<Vec<_>>(),
+        &[url(&decode)],
+        "[health]\ninterval = \"60s\"\n",
+    )
+    .replace(
+        "disaggregation = ",
+        "first_token_timeout = \"1s\"\ndisaggregation = ",
+    );
+    let lb = balancer(&config);
+    set_fault(&prefill[0], "stall", 0).await;
+    // Not the 600 s of a whole answer: a prefill is a first token.
+    let served = tokio::time::timeout(Duration::from_secs(30), async {
+        for c in 0..4 {
+            let reply = post_json(
+                &lb.url("/v1/chat/completions"),
+                &chat(&[("user", &words(c, 0))], c % 2 == 0, 4),
+                &[],
+            )
+            .await;
+            assert_eq!(reply.status, 200, "{}", reply.text());
+            assert_eq!(reply.header("x-prefixlb-prefill-node"), "p1");
+        }
+    })
+    .await;
+    assert!(served.is_ok(), "a stalled prefill engine held its requests");
+    assert!(in_flight_settles(&lb, Duration::from_secs(5)).await);
+}
+
+#[test]
+fn check_refuses_a_disaggregated_pool_it_cannot_serve() {
+    let pool = |lines: &str| {
+        format!("[server]\nlisten = \"127.0.0.1:0\"\n[[pools]]\nname = \"m\"\n{lines}")
+    };
+    let node = |id: &str, role: &str| {
+        let role = match role {
+            "" => String::new(),
+            r => format!("role = \"{r}\"\n"),
+        };
+        format!("[[pools.nodes]]\nid = \"{id}\"\nurl = \"http://127.0.0.1:1\"\n{role}")
+    };
+    let both = node("p", "prefill") + &node("d", "decode");
+    for (lines, says) in [
+        (
+            node("a", "decode"),
+            "has a role, and pool \"m\" has no disaggregation",
+        ),
+        (
+            "disaggregation = \"vllm\"\n".to_string() + &node("p", "prefill"),
+            "no node with role = \"decode\"",
+        ),
+        (
+            "disaggregation = \"vllm\"\n".to_string() + &node("d", "decode"),
+            "no node with role = \"prefill\"",
+        ),
+        (
+            "disaggregation = \"vllm\"\n".to_string() + &node("p", "") + &node("d", "decode"),
+            "needs role = \"prefill\" or \"decode\"",
+        ),
+        (
+            "disaggregation = \"vllm\"\n".to_string() + &node("p", "prefil") + &node("d", "decode"),
+            "role = \"prefil\"",
+        ),
+        (
+            "disaggregation = \"sglang\"\n".to_string() + &both,
+            "\"vllm\" (prefill, then decode",
+        ),
+    ] {
+        let said = check_refuses(&pool(&lines));
+        assert!(said.contains(says), "{lines}\n{said}");
+    }
+    let fallback = "[server]\nlisten = \"127.0.0.1:0\"\n[[pools]]\nname = \"other\"\n".to_string()
+        + &node("o", "")
+        + "[[pools]]\nname = \"m\"\ndisaggregation = \"vllm\"\nfallbacks = [\"other\"]\n"
+        + &both;
+    assert!(check_refuses(&fallback).contains("is disaggregated and has fallbacks"));
+    let taken =
+        "[server]\nlisten = \"127.0.0.1:0\"\n[[pools]]\nname = \"m/decode\"\nmodels = [\"x\"]\n"
+            .to_string()
+            + &node("o", "")
+            + "[[pools]]\nname = \"m\"\ndisaggregation = \"vllm\"\n"
+            + &both;
+    assert!(check_refuses(&taken).contains("another pool has that name"));
+}
