@@ -487,6 +487,13 @@ fn check_report(path: &Path, config: Config) -> String {
                 table.config.discovery.interval
             );
         }
+        if c.decodes_for.is_some() && c.max_in_flight.is_none() {
+            let _ = writeln!(
+                out,
+                "  (each decode engine streams at most {} answers at once, routing.max_in_flight: a decode engine batches many, so set decode_max_in_flight near what one runs at once; docs/operating.md, \"Prefill/decode disaggregation\")",
+                table.config.routing.max_in_flight
+            );
+        }
     }
     out
 }

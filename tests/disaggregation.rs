@@ -164,6 +164,33 @@ async fn each_request_prefills_on_its_prefix_s_engine_and_decodes_with_the_param
         said.contains("pool mock/decode (models: mock) [decode engines of mock]: 2 nodes"),
         "{said}"
     );
+    assert!(said.contains("each decode engine streams at most 4 answers at once"));
+    // `decode_max_in_flight` caps the decode engines alone.
+    let raised = write_config(&std::fs::read_to_string(&config).unwrap().replace(
+        "disaggregation = ",
+        "decode_max_in_flight = 64\ndisaggregation = ",
+    ));
+    let said =
+        String::from_utf8(run_cli(&["check", "--config", raised.to_str().unwrap()])).unwrap();
+    let caps: Vec<(&str, &str)> = said
+        .lines()
+        .filter_map(|l| {
+            let l = l.trim_start().strip_prefix("node ")?;
+            Some((
+                l.split_whitespace().next()?,
+                l.split("cap ").nth(1)?.split_whitespace().next()?,
+            ))
+        })
+        .collect();
+    assert_eq!(
+        caps,
+        [("p0", "4"), ("p1", "4"), ("d0", "64"), ("d1", "64")],
+        "{said}"
+    );
+    assert!(
+        !said.contains("each decode engine streams at most"),
+        "{said}"
+    );
     let body = config.with_extension("json");
     std::fs::write(&body, chat(&[("user", "hi")], true, 4).to_string()).unwrap();
     let args = [
@@ -354,6 +381,10 @@ fn check_refuses_a_disaggregated_pool_it_cannot_serve() {
         (
             "disaggregation = \"sglang\"\n".to_string() + &both,
             "\"vllm\" (prefill, then decode",
+        ),
+        (
+            "decode_max_in_flight = 8\n".to_string() + &node("a", ""),
+            "has decode_max_in_flight and no disaggregation",
         ),
     ] {
         let said = check_refuses(&pool(&lines));

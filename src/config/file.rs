@@ -565,6 +565,11 @@ pub struct PoolSection {
     /// `NixlConnector` and other KV connectors). Default: none (each request whole to
     /// one node).
     pub disaggregation: Option<Spanned<String>>,
+    /// With `disaggregation`: each decode engine's in-flight cap (per unit of its
+    /// `weight`), for as long as it streams an answer. Default: `routing.max_in_flight`.
+    /// A decode engine prefills nothing and batches many streams: set it near the
+    /// sequences one runs at once (vLLM's `--max-num-seqs`).
+    pub decode_max_in_flight: Option<Spanned<u32>>,
     /// The engines.
     #[serde(default)]
     pub nodes: Vec<NodeSection>,

@@ -222,6 +222,9 @@ pub struct PoolConfig {
     /// For the pool of a disaggregated pool's decode engines: that pool's name. Such a
     /// pool serves no model of its own: requests reach it only from its prefill pool.
     pub decodes_for: Option<String>,
+    /// Its nodes' in-flight cap per unit of weight, where it is not
+    /// `routing.max_in_flight` (a decode engines' pool's `decode_max_in_flight`).
+    pub max_in_flight: Option<u32>,
 }
 
 /// How a disaggregated pool's requests go to its prefill and decode engines.

@@ -399,6 +399,17 @@ fn validate_pool(
         disaggregation,
         decode_pool,
         decodes_for: None,
+        max_in_flight: None,
+    };
+    let decode_cap = match (&p.decode_max_in_flight, disaggregation) {
+        (None, _) => None,
+        (Some(m), Some(_)) => Some(within(m, 1..=100_000, "decode_max_in_flight")?),
+        (Some(m), None) => {
+            return invalid(
+                m.span(),
+                format!("pool {:?} has decode_max_in_flight and no disaggregation = \"vllm\": it caps decode engines", pool.name),
+            )
+        }
     };
     // The decode engines' pool: the same models (its engines serve them), reached only
     // from its prefill pool, with no fallbacks of its own.
@@ -411,6 +422,7 @@ fn validate_pool(
         disaggregation: None,
         decode_pool: None,
         decodes_for: Some(pool.name.clone()),
+        max_in_flight: decode_cap,
         ..pool.clone()
     });
     Ok((pool, decode))

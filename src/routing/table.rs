@@ -166,7 +166,8 @@ impl Table {
                     .nodes
                     .iter()
                     .map(|n| {
-                        let cap = config.routing.max_in_flight.saturating_mul(n.weight);
+                        let per_weight = p.max_in_flight.unwrap_or(config.routing.max_in_flight);
+                        let cap = per_weight.saturating_mul(n.weight);
                         let source = sources.get(&n.id).copied().unwrap_or(NodeSource::Static);
                         Node::new(n.clone(), source, cap, registry.node(&n.id))
                     })
