@@ -60,7 +60,7 @@ async fn each_request_prefills_on_its_prefix_s_engine_and_decodes_with_the_param
     ));
     // 6 conversations of 3 turns: chat, streamed every other turn, and one as a
     // completions prompt; one conversation's requests name no model.
-    let mut requests = 0;
+    let mut requests = 0usize;
     let mut prefilled_on: BTreeMap<usize, BTreeSet<String>> = BTreeMap::new();
     for c in 0..6 {
         let mut text = String::new();
@@ -81,7 +81,12 @@ async fn each_request_prefills_on_its_prefix_s_engine_and_decodes_with_the_param
             if c == 4 {
                 body.as_object_mut().unwrap().remove("model");
             }
-            let reply = post_json(&lb.url(path), &body, &[]).await;
+            let id = format!("client-chosen-{c}{t}");
+            let named: &[(&str, &str)] = match c {
+                0 => &[("x-request-id", &id)],
+                _ => &[],
+            };
+            let reply = post_json(&lb.url(path), &body, named).await;
             requests += 1;
             assert_eq!(reply.status, 200, "{}", reply.text());
             let decoded_on = reply.header("x-prefixlb-node");
@@ -119,27 +124,42 @@ async fn each_request_prefills_on_its_prefix_s_engine_and_decodes_with_the_param
         "prefill engines' hit rate {hits}/{queries}"
     );
     // Each prefill was asked for one token and kept for a decode engine, and each
-    // decode engine pulled exactly the blocks a prefill engine answered, once.
-    let mut produced: BTreeMap<String, u64> = BTreeMap::new();
+    // decode engine pulled exactly the blocks a prefill engine answered, once, in a
+    // request with the prefill's request id (the client's where it sent one).
+    let mut produced: BTreeMap<String, Vec<Value>> = BTreeMap::new();
     for (p, id) in prefill.iter().zip(PREFILL) {
         let t = transfers(p).await;
         assert_eq!(t["produced"], t["produced_tokens"], "{id}: {t}");
         assert_eq!(t["consumed"], json!([]), "{id}: {t}");
-        produced.insert(id.to_string(), t["produced"].as_u64().unwrap());
+        produced.insert(
+            id.to_string(),
+            t["produced_ids"].as_array().unwrap().clone(),
+        );
     }
-    assert_eq!(produced.values().sum::<u64>(), requests);
+    assert_eq!(produced.values().map(Vec::len).sum::<usize>(), requests);
     let mut pulled = BTreeSet::new();
+    let mut request_ids = BTreeSet::new();
     for (d, id) in decode.iter().zip(DECODE) {
         let t = transfers(d).await;
         assert_eq!(t["produced"], 0, "{id}: {t}");
         for pull in t["consumed"].as_array().unwrap() {
             let engine = pull[0].as_str().unwrap().to_string();
-            let block = pull[1][0].as_u64().unwrap();
-            assert!(block < produced[&engine], "{id} pulled {pull} never kept");
+            let block = pull[1][0].as_u64().unwrap() as usize;
+            let kept = produced[&engine].get(block);
+            assert!(kept.is_some(), "{id} pulled {pull} never kept");
+            assert_eq!(
+                Some(&pull[2]),
+                kept,
+                "{id}: {pull} and its prefill's request id"
+            );
+            assert!(pull[2].is_string(), "{pull}");
+            request_ids.insert(pull[2].as_str().unwrap().to_string());
             assert!(pulled.insert((engine, block)), "{id} pulled {pull} twice");
         }
     }
-    assert_eq!(pulled.len() as u64, requests);
+    assert_eq!(pulled.len(), requests);
+    assert_eq!(request_ids.len(), requests, "{request_ids:?}");
+    assert!(request_ids.contains("client-chosen-00"), "{request_ids:?}");
     // A prefill leg's time is its node's time to first token, in the prefill pool.
     let page = call("GET", &lb.admin_url("/metrics"), &[], Vec::new())
         .await
@@ -149,7 +169,7 @@ async fn each_request_prefills_on_its_prefix_s_engine_and_decodes_with_the_param
         .filter(|l| l.starts_with("prefixlb_ttft_seconds_count{") && l.contains("pool=\"mock\""))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
-    assert_eq!(prefill_ttfts as u64, requests, "{page}");
+    assert_eq!(prefill_ttfts as usize, requests, "{page}");
     // Both legs' slots are free again.
     assert!(in_flight_settles(&lb, Duration::from_secs(5)).await);
     // `check` names the two pools; `route` explains both legs.

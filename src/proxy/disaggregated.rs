@@ -8,7 +8,9 @@
 //! prefills, a decode engine's while it streams.
 
 use bytes::BytesMut;
-use http::Response;
+use std::hash::{BuildHasher, RandomState};
+
+use http::{HeaderValue, Response};
 use http_body_util::BodyExt;
 
 use super::body::BoxBody;
@@ -36,6 +38,12 @@ pub(super) async fn run(
     if kv_transfer::prefill_body(&exchange.body).is_none() {
         let e = KeyError::Json("the body is not a JSON object".into());
         return Err(ProxyError::Place(PlaceError::Key(e)));
+    }
+    // Both legs carry one request id, as vLLM asks (its KV connectors may match the
+    // decode engine's pull to the prefill by it): the client's, else a new one.
+    let map = &mut exchange.headers.map;
+    if !map.contains_key(&headers::X_REQUEST_ID) {
+        map.insert(headers::X_REQUEST_ID.clone(), request_id());
     }
     exchange.placement.facts.stream = false;
     exchange.leg = Leg::Prefill;
@@ -78,4 +86,12 @@ pub(super) async fn run(
             .insert(headers::PREFILL_NODE.clone(), node);
     }
     Ok(response)
+}
+
+/// A new request id: 128 random bits in hex (`RandomState` is seeded at random, and
+/// each one made afresh is new).
+fn request_id() -> HeaderValue {
+    let half = || RandomState::new().hash_one(0u8);
+    let id = format!("prefixlb-{:016x}{:016x}", half(), half());
+    HeaderValue::from_str(&id).expect("hex digits are a header value")
 }

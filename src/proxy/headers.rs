@@ -24,6 +24,8 @@ static HOP_BY_HOP: [HeaderName; 9] = [
 pub static NODE: HeaderName = HeaderName::from_static("x-prefixlb-node");
 pub static ROUTE: HeaderName = HeaderName::from_static("x-prefixlb-route");
 pub static ATTEMPTS: HeaderName = HeaderName::from_static("x-prefixlb-attempts");
+/// The id both legs of a disaggregated request carry (the client's, if it sent one).
+pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 /// On a disaggregated request's answer: the node of its prefill leg (`x-prefixlb-node`
 /// names its decode leg's).
 pub static PREFILL_NODE: HeaderName = HeaderName::from_static("x-prefixlb-prefill-node");

@@ -3,8 +3,9 @@
 //! and answered with the params a decode engine pulls the KV cache with (this
 //! engine's id and a block id of its own); a request whose params say
 //! `do_remote_prefill` names the engine and blocks it pulls from, and is not
-//! prefilled here. Every pull is recorded, so a test can check that each decode
-//! engine was handed what a prefill engine answered (`GET /mock/kv_transfers`).
+//! prefilled here. Every prefill kept and every pull is recorded with its request's
+//! `x-request-id` (which vLLM asks both legs to share), so a test can check that each
+//! decode engine was handed what a prefill engine answered (`GET /mock/kv_transfers`).
 
 use parking_lot::Mutex;
 use serde_json::{json, Value};
@@ -48,17 +49,23 @@ impl Transfer {
 /// The transfers an engine took part in.
 #[derive(Debug, Default)]
 pub(super) struct Ledger {
-    produced: AtomicU64,
+    /// The `x-request-id` of each request it prefilled for a decode engine, by block.
+    produced: Mutex<Vec<Option<String>>>,
     /// Tokens answered to the requests it prefilled for a decode engine.
     produced_tokens: AtomicU64,
-    consumed: Mutex<Vec<(String, Vec<u64>)>>,
+    /// Each pull: the engine and blocks pulled from, and the request's `x-request-id`.
+    consumed: Mutex<Vec<(String, Vec<u64>, Option<String>)>>,
 }
 
 impl Ledger {
-    /// The params a prefill answer of `tokens` tokens carries: this engine's id and a
-    /// new block id.
-    pub(super) fn produce(&self, engine: &str, tokens: usize) -> Value {
-        let block = self.produced.fetch_add(1, Ordering::Relaxed);
+    /// The params a prefill answer of `tokens` tokens to request `id` carries: this
+    /// engine's id and a new block id.
+    pub(super) fn produce(&self, engine: &str, tokens: usize, id: Option<&str>) -> Value {
+        let block = {
+            let mut produced = self.produced.lock();
+            produced.push(id.map(str::to_string));
+            produced.len() - 1
+        };
         self.produced_tokens
             .fetch_add(tokens as u64, Ordering::Relaxed);
         json!({
@@ -72,19 +79,20 @@ impl Ledger {
         })
     }
 
-    pub(super) fn consume(&self, engine: &str, blocks: &[u64]) {
-        self.consumed
-            .lock()
-            .push((engine.to_string(), blocks.to_vec()));
+    pub(super) fn consume(&self, engine: &str, blocks: &[u64], id: Option<&str>) {
+        let pull = (engine.to_string(), blocks.to_vec(), id.map(str::to_string));
+        self.consumed.lock().push(pull);
     }
 
     /// `GET /mock/kv_transfers`: how many prefills this engine kept for a decode
-    /// engine and the tokens it answered them, and each pull it made (engine id,
-    /// block ids).
+    /// engine, the tokens it answered them and each one's `x-request-id` (by block
+    /// id), and each pull it made (engine id, block ids, `x-request-id`).
     pub(super) fn report(&self) -> Value {
+        let produced = self.produced.lock();
         json!({
-            "produced": self.produced.load(Ordering::Relaxed),
+            "produced": produced.len(),
             "produced_tokens": self.produced_tokens.load(Ordering::Relaxed),
+            "produced_ids": *produced,
             "consumed": *self.consumed.lock(),
         })
     }

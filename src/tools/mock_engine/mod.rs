@@ -371,6 +371,11 @@ impl MockEngine {
             Ok(rank) => rank,
             Err(msg) => return error(StatusCode::BAD_REQUEST, &msg),
         };
+        let request_id = req
+            .headers()
+            .get("x-request-id")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
         let Ok(body) = req.into_body().collect().await else {
             return error(StatusCode::BAD_REQUEST, "could not read body");
         };
@@ -379,6 +384,7 @@ impl MockEngine {
             Ok(job) => job,
             Err(msg) => return error(StatusCode::BAD_REQUEST, &msg),
         };
+        job.request_id = request_id;
         job.rank = match (rank, job.routed_dp_rank) {
             (Some(rank), _) => rank,
             (None, Some(r)) if usize::try_from(r).is_ok_and(|r| r < self.ranks.len()) => r as usize,
@@ -500,7 +506,11 @@ impl MockEngine {
         };
         let mut body = completion(&job, &content, usage);
         if job.transfer == kv_transfer::Transfer::Produce {
-            body["kv_transfer_params"] = self.transfers.produce(&self.config.id, completion_tokens);
+            body["kv_transfer_params"] = self.transfers.produce(
+                &self.config.id,
+                completion_tokens,
+                job.request_id.as_deref(),
+            );
         }
         self.keep(&job, &content, &body);
         json_response(StatusCode::OK, &body)
@@ -539,7 +549,8 @@ impl MockEngine {
         let mut model = self.ranks[job.rank].lock();
         if let kv_transfer::Transfer::Consume { engine, blocks } = &job.transfer {
             // Its KV cache comes from the prefill engine: nothing to prefill here.
-            self.transfers.consume(engine, blocks);
+            self.transfers
+                .consume(engine, blocks, job.request_id.as_deref());
             return model.receive(&job.prompt);
         }
         model.prefill(&job.prompt, self.epoch.elapsed())
