@@ -46,6 +46,9 @@ impl Transfer {
     }
 }
 
+/// One pull: the engine and blocks pulled from, and the request's `x-request-id`.
+type Pull = (String, Vec<u64>, Option<String>);
+
 /// The transfers an engine took part in.
 #[derive(Debug, Default)]
 pub(super) struct Ledger {
@@ -53,8 +56,7 @@ pub(super) struct Ledger {
     produced: Mutex<Vec<Option<String>>>,
     /// Tokens answered to the requests it prefilled for a decode engine.
     produced_tokens: AtomicU64,
-    /// Each pull: the engine and blocks pulled from, and the request's `x-request-id`.
-    consumed: Mutex<Vec<(String, Vec<u64>, Option<String>)>>,
+    consumed: Mutex<Vec<Pull>>,
 }
 
 impl Ledger {
