@@ -104,8 +104,13 @@ impl Redis {
 }
 
 fn agent(redis: &str, engine: &Proc, id: &str, extra: &[&str]) -> Daemon {
+    agent_in(redis, "mock", engine, id, extra)
+}
+
+/// An agent heartbeating `engine` into pool `pool`.
+fn agent_in(redis: &str, pool: &str, engine: &Proc, id: &str, extra: &[&str]) -> Daemon {
     let child = Command::new(BIN)
-        .args(["agent", "--redis", redis, "--pool", "mock", "--id", id])
+        .args(["agent", "--redis", redis, "--pool", pool, "--id", id])
         .args(["--backend", &engine.url("")])
         .args([
             "--interval",
@@ -448,6 +453,44 @@ async fn an_agent_announcing_the_wrong_number_of_ranks_says_so_once() {
     assert!(advice[0].contains("--data-parallel-size 3"), "{said}");
     let said = right.stop_and_read_stderr();
     assert!(!said.contains("data-parallel rank"), "{said}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_heartbeat_prefill_and_decode_engines_into_a_disaggregated_pool() {
+    let Some(redis) = Redis::start(&[]) else {
+        return;
+    };
+    let (prefill, decode) = (engine("p", &[]), engine("d", &[]));
+    // No node in the file: the prefill engine heartbeats into the pool, the decode
+    // engine into the pool of its decode engines.
+    let config = fleet_config(&redis.url(), "").replace(
+        "models = [\"mock\"]\n",
+        "models = [\"mock\"]\ndisaggregation = \"vllm\"\n",
+    );
+    let lb = balancer(&config);
+    let _agents = [
+        agent_in(&redis.url(), "mock", &prefill, "p0", &[]),
+        agent_in(&redis.url(), "mock/decode", &decode, "d0", &[]),
+    ];
+    let joined = eventually(Duration::from_secs(10), || async {
+        let nodes = admin_nodes(&lb).await;
+        let pools: Vec<(&str, &str)> = nodes
+            .iter()
+            .map(|n| (n["id"].as_str().unwrap(), n["pool"].as_str().unwrap()))
+            .collect();
+        pools == [("d0", "mock/decode"), ("p0", "mock")]
+    })
+    .await;
+    assert!(joined, "{:?}", admin_nodes(&lb).await);
+    for c in 0..4 {
+        let body = chat(&[("user", &format!("conversation {c}"))], c % 2 == 0, 4);
+        let reply = post_json(&lb.url("/v1/chat/completions"), &body, &[]).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        assert_eq!(reply.header("x-prefixlb-node"), "d0");
+        assert_eq!(reply.header("x-prefixlb-prefill-node"), "p0");
+    }
+    let pulls = get_json(&decode.url("/mock/kv_transfers")).await;
+    assert_eq!(pulls["consumed"].as_array().unwrap().len(), 4, "{pulls}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

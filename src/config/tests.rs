@@ -409,3 +409,45 @@ fn a_data_parallel_server_is_a_node_per_rank() {
         "{clash}"
     );
 }
+
+/// A disaggregated pool is two pools: its prefill engines under its own name, its
+/// decode engines (of the file, a data-parallel server's ranks, names found in DNS)
+/// in `{name}/decode`, which no model names and which has the decode cap.
+#[test]
+fn a_disaggregated_pool_puts_its_decode_engines_in_a_pool_of_their_own() {
+    let c = Config::parse(
+        r#"
+[[pools]]
+name = "llama"
+models = ["m"]
+disaggregation = "vllm"
+decode_max_in_flight = 32
+nodes = [
+  { id = "p", url = "http://10.0.0.1:8000", role = "prefill" },
+  { id = "pd", url = "http://prefill.svc:8000", role = "prefill", discover = "dns" },
+  { id = "d", url = "http://10.0.0.2:8000", role = "decode", data_parallel_size = 2 },
+  { id = "dd", url = "http://decode.svc:8000", role = "decode", discover = "dns" },
+]
+"#,
+        "t.toml",
+    )
+    .unwrap();
+    let names: Vec<&str> = c.pools.iter().map(|p| p.name.as_str()).collect();
+    assert_eq!(names, ["llama", "llama/decode"]);
+    let (prefill, decode) = (&c.pools[0], &c.pools[1]);
+    let ids = |p: &PoolConfig| p.nodes.iter().map(|n| n.id.clone()).collect::<Vec<_>>();
+    assert_eq!(ids(prefill), ["p"]);
+    assert_eq!(ids(decode), ["d@0", "d@1"]);
+    assert_eq!(prefill.named[0].id, "pd");
+    assert_eq!(decode.named[0].id, "dd");
+    assert_eq!(prefill.disaggregation, Some(Disaggregation::Vllm));
+    assert_eq!(prefill.decode_pool.as_deref(), Some("llama/decode"));
+    assert!(prefill.addressable() && !decode.addressable());
+    assert_eq!(decode.decodes_for.as_deref(), Some("llama"));
+    assert_eq!(
+        (prefill.max_in_flight, decode.max_in_flight),
+        (None, Some(32))
+    );
+    assert_eq!(decode.models, ["m"]);
+    assert!(decode.fallbacks.is_empty() && !decode.default);
+}

@@ -362,7 +362,8 @@ fn validate_pool(
                 ("prefill", &nodes, &named),
                 ("decode", &decode_nodes, &decode_named),
             ] {
-                if nodes.is_empty() && named.is_empty() {
+                // With [redis], engines of either role may all heartbeat in.
+                if nodes.is_empty() && named.is_empty() && !seen.dynamic {
                     return invalid(
                         span,
                         format!("pool {name:?} has disaggregation = \"{}\" and no node with role = \"{role}\"", how.as_str()),
