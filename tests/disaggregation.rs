@@ -232,6 +232,27 @@ async fn each_request_prefills_on_its_prefix_s_engine_and_decodes_with_the_param
     .await;
     assert_eq!(reply.status, 200, "{}", reply.text());
     assert!(PREFILL.contains(&reply.header("x-prefixlb-node")));
+    // The status page's summary names each pool's part.
+    let summary = get_json(&lb.admin_url("/admin/summary")).await;
+    let parts: Vec<(&str, &Value, &Value)> = summary["pools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["name"].as_str().unwrap(),
+                &p["decode_pool"],
+                &p["decodes_for"],
+            )
+        })
+        .collect();
+    assert_eq!(
+        parts,
+        [
+            ("mock", &json!("mock/decode"), &Value::Null),
+            ("mock/decode", &Value::Null, &json!("mock"))
+        ]
+    );
     // `/v1/models` lists the model once.
     let models = get_json(&lb.url("/v1/models")).await;
     assert_eq!(models["data"].as_array().unwrap().len(), 1, "{models}");

@@ -61,6 +61,10 @@ pub fn summary(control: &Control) -> Value {
             json!({
                 "name": pool.config.name,
                 "models": pool.config.models,
+                // A disaggregated pool's two: the pool of its decode engines, or the
+                // pool whose decode engines these are.
+                "decode_pool": pool.config.decode_pool,
+                "decodes_for": pool.config.decodes_for,
                 "key": table.config.routing.key.as_str(),
                 "queued": load.queued(),
                 "queued_by_priority": classes,
