@@ -16,16 +16,20 @@ use serde_json::{Map, Value};
 const PREFILL_PARAMS: &str = r#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#;
 
 /// The prefill leg's body: the client's request, answered whole (`stream` false,
-/// `stream_options` dropped) with one token (`max_tokens`, and
-/// `max_completion_tokens` if the client gave it), and the prefill params. `None` if
-/// the body is not a JSON object.
+/// `stream_options` dropped) with one token (`max_tokens`, and `max_completion_tokens`
+/// and `min_tokens` if the client gave them), and the prefill params. `None` if the
+/// body is not a JSON object.
 pub fn prefill_body(body: &[u8]) -> Option<Bytes> {
     let mut request: Map<String, Value> = serde_json::from_slice(body).ok()?;
     request.insert("stream".into(), Value::Bool(false));
     request.remove("stream_options");
     request.insert("max_tokens".into(), Value::from(1));
-    if request.contains_key("max_completion_tokens") {
-        request.insert("max_completion_tokens".into(), Value::from(1));
+    // A client's `max_completion_tokens` would override the one token, and its
+    // `min_tokens` above one would make vLLM refuse it.
+    for key in ["max_completion_tokens", "min_tokens"] {
+        if request.contains_key(key) {
+            request.insert(key.into(), Value::from(1));
+        }
     }
     let params: Value = serde_json::from_str(PREFILL_PARAMS).ok()?;
     request.insert("kv_transfer_params".into(), params);
@@ -79,18 +83,20 @@ mod tests {
 
     #[test]
     fn the_prefill_leg_asks_for_one_token_whole_and_keeps_the_cache_for_a_decode_engine() {
-        let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},"max_tokens":500,"max_completion_tokens":500,"temperature":0.2}"#;
+        let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},"max_tokens":500,"max_completion_tokens":500,"min_tokens":20,"temperature":0.2}"#;
         let v = json(&prefill_body(body).unwrap());
         assert_eq!(v["stream"], false);
         assert!(v.get("stream_options").is_none());
         assert_eq!(v["max_tokens"], 1);
         assert_eq!(v["max_completion_tokens"], 1);
+        assert_eq!(v["min_tokens"], 1);
         assert_eq!(v["temperature"], 0.2);
         assert_eq!(v["messages"][0]["content"], "hi");
         assert_eq!(v["kv_transfer_params"], json(PREFILL_PARAMS.as_bytes()));
         // No max_completion_tokens is added where the client gave none.
         let v = json(&prefill_body(br#"{"prompt":"x"}"#).unwrap());
         assert!(v.get("max_completion_tokens").is_none());
+        assert!(v.get("min_tokens").is_none());
         assert_eq!(v["max_tokens"], 1);
         assert!(prefill_body(b"[1]").is_none());
         assert!(prefill_body(b"{").is_none());
