@@ -212,7 +212,8 @@ impl Table {
     }
 
     /// The pool serving `model`: by name, else the `default` pool; a request without a
-    /// model goes to the default pool, or to the only pool when there is one.
+    /// model goes to the default pool, or to the only pool a model can name when there
+    /// is one.
     pub fn pool_for(&self, model: Option<&str>) -> Result<usize, PoolError> {
         match model {
             Some(m) => self
@@ -232,11 +233,12 @@ impl Table {
             None => self
                 .default_pool
                 .or_else(|| {
-                    let mut addressable = self.pools.iter().enumerate();
-                    let mut addressable =
-                        addressable.by_ref().filter(|(_, p)| p.config.addressable());
-                    match (addressable.next(), addressable.next()) {
-                        (Some((only, _)), None) => Some(only),
+                    // The only pool a model can name (a disaggregated pool's decode
+                    // engines are not one).
+                    let mut named =
+                        (0..self.pools.len()).filter(|&i| self.pools[i].config.addressable());
+                    match (named.next(), named.next()) {
+                        (Some(only), None) => Some(only),
                         _ => None,
                     }
                 })
