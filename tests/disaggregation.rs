@@ -120,7 +120,10 @@ async fn each_request_prefills_on_its_prefix_s_engine_and_decodes_with_the_param
         queries += metric(&url, "vllm:prefix_cache_queries_total").await;
     }
     assert!(
-        hits / queries > 0.4,
+        // Each chat's later turns hit what its earlier turns left (about half the
+        // prompt tokens of 3 turns: 3,344 of 7,225 here); the completions prompt
+        // moves once.
+        hits / queries > 0.3,
         "prefill engines' hit rate {hits}/{queries}"
     );
     // Each prefill was asked for one token and kept for a decode engine, and each
