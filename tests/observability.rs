@@ -175,7 +175,8 @@ async fn a_scripted_run_shows_in_the_metrics_and_the_dashboard_queries_exist() {
     }
 
     // And every metric the alerting rules read (`prefixlb_dns_up` only comes with a
-    // DNS name: tests/discovery.rs reads it).
+    // DNS name, `prefixlb_redis_up` with a `[redis]` section: tests/discovery.rs and
+    // tests/fleet.rs read them).
     let rules =
         yaml_rust2::YamlLoader::load_from_str(include_str!("../deploy/prometheus/alerts.yaml"))
             .unwrap();
@@ -186,12 +187,17 @@ async fn a_scripted_run_shows_in_the_metrics_and_the_dashboard_queries_exist() {
         }
     }
     assert!(read.len() >= 10, "{read:?}");
-    for name in read.iter().filter(|n| *n != "prefixlb_dns_up") {
+    for name in read
+        .iter()
+        .filter(|n| !["prefixlb_dns_up", "prefixlb_redis_up"].contains(&n.as_str()))
+    {
         assert!(
             page.contains(&format!("# TYPE {name} ")),
             "an alerting rule reads {name}, which is not exported"
         );
     }
+    // No `[redis]`: no `prefixlb_redis_up`, which would read as Redis down.
+    assert!(!page.contains("prefixlb_redis_up"), "{page}");
 }
 
 /// The metric families a PromQL expression reads (a histogram's by its base name).

@@ -68,6 +68,8 @@ pub async fn run(
             if store.take().is_some() {
                 members.apply(&Default::default());
             }
+            metrics.redis_up.clear();
+            up = None;
             if wait(&mut stop, Duration::from_secs(1)).await {
                 return;
             }

@@ -110,7 +110,7 @@ pub fn summary(control: &Control) -> Value {
         "version": env!("CARGO_PKG_VERSION"),
         "redis": {
             "configured": table.config.redis.is_some(),
-            "up": table.config.redis.is_some().then(|| fleet.redis_up.get() == 1),
+            "up": table.config.redis.is_some().then(|| fleet.redis_up.get() == Some(1)),
             "replicas": fleet.balancer_replicas.get(),
         },
         "routing": {
