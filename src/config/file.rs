@@ -598,6 +598,7 @@ pub struct NodeSection {
     /// and ranks, looked up again every `discovery.interval`. `"srv"`: the host's SRV
     /// records give the engines and their ports (Consul, a Kubernetes named port), a
     /// node per target address and port, `{id}-{address}:{port}`; the URL has no port.
+    /// With `https://`, each engine's certificate is checked against the host's name.
     /// Default: none (one node, its name resolved when each connection is made).
     pub discover: Option<Spanned<String>>,
     /// In a pool with `disaggregation`: `"prefill"` or `"decode"`, what the engine does

@@ -316,7 +316,14 @@ impl NamedNodes {
         // An address and a port always make an authority.
         parts.authority = authority.parse().ok();
         let url = http::Uri::from_parts(parts).unwrap_or_else(|_| self.url.clone());
-        NodeConfig::ranks(id, url, self.weight, self.data_parallel_size)
+        let mut nodes = NodeConfig::ranks(id, url, self.weight, self.data_parallel_size);
+        if self.url.scheme_str() == Some("https") {
+            // Reached at its address, its certificate names the entry's host.
+            for node in &mut nodes {
+                node.tls_name = Some(self.name().to_string());
+            }
+        }
+        nodes
     }
 }
 
@@ -360,6 +367,10 @@ pub struct NodeConfig {
     /// behind one URL (vLLM's `--data-parallel-size`, SGLang's `--dp-size`): each
     /// request to it names the rank in `x-data-parallel-rank`. None: the server's own.
     pub data_parallel_rank: Option<u32>,
+    /// The name its engine's TLS certificate is checked against (and sent as SNI),
+    /// where it is not the URL's host: a node found in DNS is reached at its address
+    /// and named by the entry's host.
+    pub tls_name: Option<String>,
 }
 
 /// Most data-parallel ranks one engine server may be split into.
@@ -376,6 +387,7 @@ impl NodeConfig {
                 url,
                 weight,
                 data_parallel_rank: None,
+                tls_name: None,
             }];
         }
         (0..data_parallel_size)
@@ -384,6 +396,7 @@ impl NodeConfig {
                 url: url.clone(),
                 weight,
                 data_parallel_rank: Some(rank),
+                tls_name: None,
             })
             .collect()
     }

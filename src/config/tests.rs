@@ -317,6 +317,7 @@ fn upstream_uri_keeps_base_path() {
         url: "http://h:8000/engine/".parse().unwrap(),
         weight: 1,
         data_parallel_rank: None,
+        tls_name: None,
     };
     assert_eq!(
         n.upstream_uri("/v1/chat/completions?x=1")

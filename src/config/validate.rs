@@ -518,14 +518,6 @@ fn validate_named(
             format!("node {id:?} has discover = \"{how}\" but its url's host {host:?} is an address: give the DNS name that stands for the engines"),
         );
     }
-    if url.scheme_str() == Some("https") {
-        // Each node is reached at its address, so its certificate would be checked
-        // against the address, not the name.
-        return invalid(
-            n.url.span(),
-            format!("node {id:?}: discover = \"{how}\" is for http:// engines (each is reached at its address, which its certificate would have to name)"),
-        );
-    }
     if discover == Discover::Srv && url.port_u16().is_some() {
         return invalid(
             n.url.span(),

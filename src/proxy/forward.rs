@@ -443,6 +443,7 @@ impl Exchange<'_> {
             headers: &self.headers,
             rank: node.rank_header(),
             body,
+            tls_name: node.tls_name(),
         };
         let stream = self.placement.facts.stream;
         // A stream has `first_token_timeout` for its head and first token together; so

@@ -187,6 +187,7 @@ impl Proxy {
             rank: node.rank_header(),
             body: &empty.1,
             tls: tls.as_ref(),
+            tls_name: node.tls_name(),
         };
         // Bounded by the caller's timeout.
         let resp = via

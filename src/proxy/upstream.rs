@@ -389,6 +389,9 @@ pub struct Outgoing<'r> {
     pub body: &'r Bytes,
     /// The TLS client, for an engine behind `https://`.
     pub tls: Option<&'r Arc<ClientConfig>>,
+    /// The name its certificate is checked against, where it is not the authority's
+    /// host ([`Node::tls_name`](crate::routing::node::Node::tls_name)).
+    pub tls_name: Option<&'r str>,
 }
 
 impl Upstream {
@@ -445,7 +448,10 @@ impl Upstream {
                 Some(conn) => conn,
                 // Boxed: connecting (TLS included) is a large future and a rare one;
                 // inline, its size would be copied with every request's future.
-                None => Box::pin(within(deadline, self.connect(authority, req.tls))).await??,
+                None => {
+                    let connect = self.connect(authority, req.tls, req.tls_name);
+                    Box::pin(within(deadline, connect)).await??
+                }
             };
             match within(deadline, conn.write_request(&req)).await? {
                 Ok(()) => {}
@@ -547,12 +553,13 @@ impl Upstream {
         None
     }
 
-    /// A new connection, its TLS handshake (SNI from the host) included in
-    /// `connect_timeout`.
+    /// A new connection, its TLS handshake (SNI and the certificate's name: `tls_name`,
+    /// else the host) included in `connect_timeout`.
     async fn connect(
         &self,
         authority: &Authority,
         tls: Option<&Arc<ClientConfig>>,
+        tls_name: Option<&str>,
     ) -> Result<Conn, UpstreamError> {
         let host = authority
             .host()
@@ -569,8 +576,9 @@ impl Upstream {
             let Some(tls) = tls else {
                 return Ok(Io::Plain(tcp));
             };
-            let name = ServerName::try_from(host.to_string())
-                .map_err(|e| UpstreamError::Tls(format!("{host:?} is no server name: {e}")))?;
+            let named = tls_name.unwrap_or(host);
+            let name = ServerName::try_from(named.to_string())
+                .map_err(|e| UpstreamError::Tls(format!("{named:?} is no server name: {e}")))?;
             let stream = tokio_rustls::TlsConnector::from(tls.clone())
                 .connect(name, tcp)
                 .await

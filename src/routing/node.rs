@@ -159,6 +159,12 @@ impl Node {
         self.config.url.scheme_str() == Some("https")
     }
 
+    /// The name its TLS certificate is checked against, where it is not its URL's host
+    /// (a node found in DNS: the entry's name).
+    pub fn tls_name(&self) -> Option<&str> {
+        self.config.tls_name.as_deref()
+    }
+
     /// The engine's address and its `Host` header.
     pub fn authority(&self) -> Option<(&http::uri::Authority, &http::HeaderValue)> {
         Some((self.config.url.authority()?, self.host.as_ref()?))
@@ -694,6 +700,7 @@ mod tests {
             url: url.parse().unwrap(),
             weight: 1,
             data_parallel_rank: None,
+            tls_name: None,
         };
         Node::new(config, NodeSource::Static, 4, Arc::new(NodeState::new("a")))
     }

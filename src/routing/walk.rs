@@ -223,6 +223,7 @@ impl Balancer {
                     url: http::Uri::from_static("http://127.0.0.1:1"),
                     weight: 1,
                     data_parallel_rank: None,
+                    tls_name: None,
                 };
                 Node::new(
                     config,

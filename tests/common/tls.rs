@@ -43,6 +43,11 @@ fn leaf(names: &[&str], usage: ExtendedKeyUsagePurpose) -> (CertificateParams, K
 
 /// Makes the files in a new folder under the system's temp dir.
 pub fn make_pki(tag: &str) -> Pki {
+    make_pki_for(tag, &["localhost", "127.0.0.1"])
+}
+
+/// [`make_pki`] with an engine certificate for `names` alone.
+pub fn make_pki_for(tag: &str, names: &[&str]) -> Pki {
     let dir = std::env::temp_dir().join(format!("prefixlb-pki-{}-{tag}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let write = |name: &str, text: &str| std::fs::write(dir.join(name), text).unwrap();
@@ -54,10 +59,7 @@ pub fn make_pki(tag: &str) -> Pki {
         &other_params.self_signed(&other_key).unwrap().pem(),
     );
     let issuer = Issuer::new(ca_params, ca_key);
-    let (server, server_key) = leaf(
-        &["localhost", "127.0.0.1"],
-        ExtendedKeyUsagePurpose::ServerAuth,
-    );
+    let (server, server_key) = leaf(names, ExtendedKeyUsagePurpose::ServerAuth);
     write(
         "engine.pem",
         &server.signed_by(&server_key, &issuer).unwrap().pem(),
@@ -85,6 +87,17 @@ fn certs(path: &Path) -> Vec<CertificateDer<'static>> {
 /// A TLS server on a loopback port relaying each connection's plaintext to `engine`;
 /// with `client_ca`, it requires a client certificate that CA signed.
 pub async fn tls_front(pki: &Pki, engine: SocketAddr, client_ca: bool) -> SocketAddr {
+    let any = SocketAddr::from(([127, 0, 0, 1], 0));
+    tls_front_on(pki, engine, any, client_ca).await
+}
+
+/// [`tls_front`] listening on `listen`.
+pub async fn tls_front_on(
+    pki: &Pki,
+    engine: SocketAddr,
+    listen: SocketAddr,
+    client_ca: bool,
+) -> SocketAddr {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
@@ -107,7 +120,7 @@ pub async fn tls_front(pki: &Pki, engine: SocketAddr, client_ca: bool) -> Socket
         .with_single_cert(certs(&pki.path("engine.pem")), key)
         .unwrap();
     let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let listener = TcpListener::bind(listen).await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
         while let Ok((sock, _)) = listener.accept().await {

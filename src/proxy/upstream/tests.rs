@@ -73,6 +73,7 @@ async fn send_by(
         rank: None,
         body: &BODY,
         tls: None,
+        tls_name: None,
     };
     up.send(authority, req, tokio::time::Instant::now(), deadline)
         .await

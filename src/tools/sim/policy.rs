@@ -214,6 +214,7 @@ fn fleet_table(
             url: http::Uri::from_static("http://127.0.0.1:1"),
             weight: 1,
             data_parallel_rank: None,
+            tls_name: None,
         })
         .collect();
     if let Some(lf) = load_factor {
