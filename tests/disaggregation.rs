@@ -300,7 +300,15 @@ async fn a_prefill_engine_without_a_kv_connector_gets_a_clear_502() {
 async fn the_prefill_engine_s_answer_to_a_bad_request_reaches_the_client() {
     let prefill = engine("p0", &["--max-model-len", "64"]);
     let decode = engine("d0", &[]);
-    let lb = balancer(&disaggregated(&[url(&prefill)], &[url(&decode)], ""));
+    let config = disaggregated(&[url(&prefill)], &[url(&decode)], "");
+    let (lb, log) = balancer_logged(&config, "prefixlb=warn", &[]);
+    // The decode engines left at the default cap are named when it starts.
+    let warned = eventually(Duration::from_secs(5), || async {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        text.contains("set decode_max_in_flight") && text.contains("pool=mock/decode cap=4")
+    })
+    .await;
+    assert!(warned, "{}", std::fs::read_to_string(&log).unwrap());
     let reply = post_json(
         &lb.url("/v1/chat/completions"),
         &chat(&[("user", &words(0, 0))], true, 4),

@@ -40,6 +40,15 @@ pub async fn run(
         lanes = config.server.lanes,
         "prefixlb serving"
     );
+    for pool in config.pools.iter().filter(|p| p.decodes_for.is_some()) {
+        if pool.max_in_flight.is_none() {
+            tracing::warn!(
+                pool = %pool.name,
+                cap = config.routing.max_in_flight,
+                "each decode engine streams at most routing.max_in_flight answers at once: a decode engine batches many; set decode_max_in_flight near what one runs (docs/operating.md, \"Prefill/decode disaggregation\")"
+            );
+        }
+    }
     run_on(listener, admin_listener, config, Some(source), shutdown).await;
     Ok(())
 }
