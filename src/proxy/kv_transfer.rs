@@ -129,4 +129,39 @@ mod tests {
             br#"{ "kv_transfer_params":{"remote_engine_id":"e"}}"#
         );
     }
+
+    proptest::proptest! {
+        /// Whatever the client's object (members in any order, spaced or not, a
+        /// `kv_transfer_params` of its own), each leg's body is JSON that carries the
+        /// leg's params and keeps the client's other members.
+        #[test]
+        fn both_legs_keep_the_client_s_members_and_carry_their_params(
+            members in proptest::collection::btree_map("[a-z_]{1,12}", 0i64..1000, 0..8),
+            spaced in proptest::bool::ANY,
+            own_params in proptest::bool::ANY,
+        ) {
+            let mut object: Map<String, Value> =
+                members.iter().map(|(k, v)| (k.clone(), Value::from(*v))).collect();
+            if own_params {
+                object.insert("kv_transfer_params".into(), json(b"{\"x\":1}"));
+            }
+            let body = match spaced {
+                true => serde_json::to_string_pretty(&object).unwrap() + "\n",
+                false => serde_json::to_string(&object).unwrap(),
+            };
+            let params = RawValue::from_string(r#"{"remote_block_ids":[7]}"#.into()).unwrap();
+            let decode = json(&decode_body(body.as_bytes(), &params));
+            proptest::prop_assert_eq!(&decode["kv_transfer_params"]["remote_block_ids"][0], &Value::from(7));
+            let prefill = json(&prefill_body(body.as_bytes()).unwrap());
+            proptest::prop_assert_eq!(&prefill["kv_transfer_params"]["do_remote_decode"], &Value::Bool(true));
+            proptest::prop_assert_eq!(&prefill["max_tokens"], &Value::from(1));
+            for (k, v) in &members {
+                let kept = ["stream", "max_tokens", "max_completion_tokens", "min_tokens", "kv_transfer_params"];
+                if !kept.contains(&k.as_str()) {
+                    proptest::prop_assert_eq!(&decode[k], &Value::from(*v));
+                    proptest::prop_assert_eq!(&prefill[k], &Value::from(*v));
+                }
+            }
+        }
+    }
 }
