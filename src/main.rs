@@ -441,7 +441,7 @@ fn check_report(path: &Path, config: Config) -> String {
         .into_iter()
         .flatten()
         .collect();
-        let default = match tags.is_empty() {
+        let marks = match tags.is_empty() {
             true => String::new(),
             false => format!(" [{}]", tags.join("; ")),
         };
@@ -453,7 +453,7 @@ fn check_report(path: &Path, config: Config) -> String {
         let aliases: Vec<_> = adapters.chain(aliases).collect();
         let _ = writeln!(
             out,
-            "pool {} (models: {}{}){default}: {} nodes, {} ring points",
+            "pool {} (models: {}{}){marks}: {} nodes, {} ring points",
             pool.config.name,
             pool.config.models.join(", "),
             aliases.concat(),
