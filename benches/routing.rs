@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
 use prefixlb::config::{Config, KeyMode};
+use prefixlb::proxy::kv_transfer;
 use prefixlb::routing::facts::Api;
 use prefixlb::routing::group::Grouping;
 use prefixlb::routing::key::{self, KeySpec};
@@ -293,9 +294,30 @@ fn contention(c: &mut Criterion) {
     other.join().unwrap();
 }
 
+/// A disaggregated request's two bodies for the 18 KB chat (what `disaggregation =
+/// "vllm"` adds to a request): the prefill leg's, read and written again by serde_json,
+/// and the decode leg's, the prefill answer's params appended.
+fn disaggregated_bodies(c: &mut Criterion) {
+    let body = chat_body(30, 520);
+    let params = serde_json::value::RawValue::from_string(
+        r#"{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"e","remote_block_ids":[1,2,3,4,5,6,7,8],"remote_host":"10.0.0.1","remote_port":5600,"tp_size":1}"#.into(),
+    )
+    .unwrap();
+    c.bench_function("disaggregated/is_object_18KB", |b| {
+        b.iter(|| kv_transfer::is_object(black_box(&body)))
+    });
+    c.bench_function("disaggregated/prefill_body_18KB", |b| {
+        b.iter(|| kv_transfer::prefill_body(black_box(&body)).unwrap())
+    });
+    c.bench_function("disaggregated/decode_body_18KB", |b| {
+        b.iter(|| kv_transfer::decode_body(black_box(&body), &params))
+    });
+}
+
 criterion_group!(
     benches,
     routing_decision,
+    disaggregated_bodies,
     traces_off,
     key_extraction,
     ring,

@@ -35,7 +35,7 @@ pub(super) async fn run(
     let Some(decode) = exchange.placement.decode(exchange.table) else {
         return exchange.run(asking).await;
     };
-    if kv_transfer::prefill_body(&exchange.body).is_none() {
+    if !kv_transfer::is_object(&exchange.body) {
         let e = KeyError::Json("the body is not a JSON object".into());
         return Err(ProxyError::Place(PlaceError::Key(e)));
     }

@@ -15,6 +15,13 @@ use serde_json::{Map, Value};
 /// What a prefill engine is told: keep the KV cache for a decode engine to pull.
 const PREFILL_PARAMS: &str = r#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#;
 
+/// Whether `body` is a JSON object serde_json reads, as [`prefill_body`] needs: checked
+/// once before the prefill leg, without building its values.
+pub fn is_object(body: &[u8]) -> bool {
+    type Members = std::collections::BTreeMap<String, serde::de::IgnoredAny>;
+    serde_json::from_slice::<Members>(body).is_ok()
+}
+
 /// The prefill leg's body: the client's request, answered whole (`stream` false,
 /// `stream_options` dropped) with one token (`max_tokens`, and `max_completion_tokens`
 /// and `min_tokens` if the client gave them), and the prefill params. `None` if the
@@ -100,6 +107,8 @@ mod tests {
         assert_eq!(v["max_tokens"], 1);
         assert!(prefill_body(b"[1]").is_none());
         assert!(prefill_body(b"{").is_none());
+        assert!(is_object(br#"{"a":[1,{"b":"\u00e9"}]}"#));
+        assert!(!is_object(b"[1]") && !is_object(b"{") && !is_object(b"\"x\""));
     }
 
     #[test]

@@ -12,7 +12,7 @@ mod forward;
 pub(crate) mod h1;
 pub mod headers;
 pub mod ingress;
-mod kv_transfer;
+pub mod kv_transfer;
 mod probe;
 mod relay;
 pub mod request_body;
