@@ -68,7 +68,7 @@ pub async fn run(
             if store.take().is_some() {
                 members.apply(&Default::default());
             }
-            metrics.redis_up.clear();
+            let _ = metrics.redis_up.remove_label_values::<&str>(&[]);
             up = None;
             if wait(&mut stop, Duration::from_secs(1)).await {
                 return;
@@ -96,7 +96,10 @@ pub async fn run(
             },
         };
         let ok = result.is_ok();
-        metrics.redis_up.set(i64::from(ok));
+        metrics
+            .redis_up
+            .with_label_values::<&str>(&[])
+            .set(i64::from(ok));
         if !ok {
             seen.outage = true;
         }

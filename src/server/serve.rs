@@ -11,7 +11,7 @@ use tokio::sync::watch;
 
 use super::control::Control;
 use super::{admin, health, listener, reload};
-use crate::config::Config;
+use crate::config::{Config, PoolConfig};
 
 /// The longest the balancer waits for its DNS names' first lookups before it serves.
 const FIRST_LOOKUP_WAIT: std::time::Duration = std::time::Duration::from_secs(6);
@@ -40,14 +40,13 @@ pub async fn run(
         lanes = config.server.lanes,
         "prefixlb serving"
     );
-    for pool in config.pools.iter().filter(|p| p.decodes_for.is_some()) {
-        if pool.max_in_flight.is_none() {
-            tracing::warn!(
-                pool = %pool.name,
-                cap = config.routing.max_in_flight,
-                "each decode engine streams at most routing.max_in_flight answers at once: a decode engine batches many; set decode_max_in_flight near what one runs (docs/operating.md, \"Prefill/decode disaggregation\")"
-            );
-        }
+    let uncapped = |p: &&PoolConfig| p.decodes_for.is_some() && p.max_in_flight.is_none();
+    for pool in config.pools.iter().filter(uncapped) {
+        tracing::warn!(
+            pool = %pool.name,
+            cap = config.routing.max_in_flight,
+            "each decode engine streams at most routing.max_in_flight answers at once: a decode engine batches many; set decode_max_in_flight near what one runs (docs/operating.md, \"Prefill/decode disaggregation\")"
+        );
     }
     run_on(listener, admin_listener, config, Some(source), shutdown).await;
     Ok(())

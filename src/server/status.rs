@@ -87,6 +87,13 @@ pub fn summary(control: &Control) -> Value {
                 Some((name.value().to_string(), m.get_gauge().get_value() == 1.0))
             })
             .collect();
+    // Whether membership was read from Redis when last polled (no series: no
+    // `[redis]`, or not polled yet).
+    let redis_up = prometheus::core::Collector::collect(&fleet.redis_up)
+        .iter()
+        .flat_map(|family| family.get_metric())
+        .map(|m| m.get_gauge().get_value())
+        .next();
     // Each `discover` entry: whether its name answered when last looked up (null: not
     // yet) and how many engine servers it gives now.
     let addresses = control.dns_addresses();
@@ -110,7 +117,7 @@ pub fn summary(control: &Control) -> Value {
         "version": env!("CARGO_PKG_VERSION"),
         "redis": {
             "configured": table.config.redis.is_some(),
-            "up": table.config.redis.is_some().then(|| fleet.redis_up.get() == Some(1)),
+            "up": table.config.redis.is_some().then(|| redis_up == Some(1.0)),
             "replicas": fleet.balancer_replicas.get(),
         },
         "routing": {

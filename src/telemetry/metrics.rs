@@ -71,46 +71,12 @@ pub struct RequestMetrics {
     series: SeriesCache,
 }
 
-/// A gauge exported only while it has a value: none is not 0 (`prefixlb_redis_up`
-/// without a `[redis]` section).
-pub struct PresentGauge {
-    family: IntGaugeVec,
-    /// Its value while exported (read by the status page without making one).
-    value: Mutex<Option<i64>>,
-}
-
-impl PresentGauge {
-    /// The gauge of `family`, a family with no labels (registered by the caller).
-    fn of(family: IntGaugeVec) -> PresentGauge {
-        PresentGauge {
-            family,
-            value: Mutex::new(None),
-        }
-    }
-
-    pub fn set(&self, value: i64) {
-        let mut v = self.value.lock();
-        self.family.with_label_values::<&str>(&[]).set(value);
-        *v = Some(value);
-    }
-
-    /// Exported no more.
-    pub fn clear(&self) {
-        let mut v = self.value.lock();
-        let _ = self.family.remove_label_values::<&str>(&[]);
-        *v = None;
-    }
-
-    pub fn get(&self) -> Option<i64> {
-        *self.value.lock()
-    }
-}
-
 /// What the membership watcher sees of Redis.
 pub struct FleetMetrics {
     /// With `[redis]`: 1 while the Redis watcher reads membership, 0 while Redis is
-    /// unreachable. Without: not exported.
-    pub redis_up: PresentGauge,
+    /// unreachable. Without: no series (a family with no labels whose one series is
+    /// removed), so it cannot read as Redis down.
+    pub redis_up: IntGaugeVec,
     /// `serve` replicas heartbeating in Redis, this one included.
     pub balancer_replicas: IntGauge,
     /// Per `discover` name: 1 while its last lookup answered, 0 while it
@@ -254,7 +220,7 @@ impl Metrics {
             transitions_seen: Mutex::new(HashMap::new()),
         };
         let fleet = FleetMetrics {
-            redis_up: PresentGauge::of(reg!(IntGaugeVec::new(opts("redis_up", "1 while membership is read from Redis; 0 while Redis is unreachable (membership frozen as last known). Not exported without a [redis] section."), &[]))),
+            redis_up: reg!(IntGaugeVec::new(opts("redis_up", "1 while membership is read from Redis; 0 while Redis is unreachable (membership frozen as last known). Not exported without a [redis] section."), &[])),
             balancer_replicas: reg!(IntGauge::with_opts(opts("balancer_replicas", "prefixlb serve replicas heartbeating in Redis, this one included (1 without Redis)."))),
             dns_up: reg!(IntGaugeVec::new(opts("dns_up", "1 while the last lookup of a discover = \"dns\" or \"srv\" name found addresses; 0 while it fails or finds none (its nodes frozen as last known)."), &["name"])),
         };
