@@ -139,8 +139,9 @@ enum Answer {
         head: http::response::Parts,
         held: Bytes,
         body: EngineBody,
-        /// From the send until it was read whole (or `held` was full).
-        took: std::time::Duration,
+        /// A prefill leg's: from the send until it was read whole (or `held` was
+        /// full). None for any other answer, which reads no clock for it.
+        took: Option<std::time::Duration>,
     },
 }
 
@@ -507,7 +508,7 @@ impl Exchange<'_> {
             // A stored response's stream, resumed (`?stream=true`): relayed as it comes.
             let (head, body) = resp.into_parts();
             let held = Bytes::new();
-            let took = sent.elapsed();
+            let took = self.prefill_took(sent);
             return Ok(Answer::Plain {
                 head,
                 held,
@@ -594,13 +595,18 @@ impl Exchange<'_> {
             }
         }
         let held = held.freeze();
-        let took = sent.elapsed();
+        let took = self.prefill_took(sent);
         Ok(Answer::Plain {
             head,
             held,
             body,
             took,
         })
+    }
+
+    /// A prefill leg's time from `sent` to now; none (and no clock read) for any other.
+    fn prefill_took(&self, sent: Instant) -> Option<std::time::Duration> {
+        matches!(self.leg, Leg::Prefill).then(|| sent.elapsed())
     }
 
     /// Counts a request naming a stored response by how its engine was found (in the
@@ -687,8 +693,7 @@ impl Exchange<'_> {
                 label(&mut head, ticket.node(), &route, attempts);
                 // A prefill leg's one token is its first: the time it took is the
                 // prefill's, which the breaker and the pool's prefill rate learn from.
-                let ttft =
-                    (matches!(self.leg, Leg::Prefill) && head.status.is_success()).then_some(took);
+                let ttft = took.filter(|_| head.status.is_success());
                 if let Some(t) = ttft {
                     series.observe_ttft(t);
                 }
