@@ -303,8 +303,8 @@ fn disaggregated_bodies(c: &mut Criterion) {
         r#"{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"e","remote_block_ids":[1,2,3,4,5,6,7,8],"remote_host":"10.0.0.1","remote_port":5600,"tp_size":1}"#.into(),
     )
     .unwrap();
-    c.bench_function("disaggregated/is_object_18KB", |b| {
-        b.iter(|| kv_transfer::is_object(black_box(&body)))
+    c.bench_function("disaggregated/fan_out_18KB", |b| {
+        b.iter(|| kv_transfer::fan_out(black_box(&body)))
     });
     c.bench_function("disaggregated/prefill_body_18KB", |b| {
         b.iter(|| kv_transfer::prefill_body(black_box(&body)).unwrap())

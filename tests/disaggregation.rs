@@ -396,6 +396,34 @@ async fn a_stalled_prefill_engine_is_failed_over_at_the_first_token_timeout() {
     assert!(in_flight_settles(&lb, Duration::from_secs(5)).await);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_for_several_answers_is_decoded_whole_without_a_prefill() {
+    // Each of its answers would pull the one prefill's cache, freed by the first done.
+    let prefill = engine("p0", &[]);
+    let decode = engine("d0", &[]);
+    let lb = balancer(&disaggregated(&[url(&prefill)], &[url(&decode)], ""));
+    let mut several = chat(&[("user", &words(0, 0))], true, 4);
+    several["n"] = json!(2);
+    let batch = json!({"model": "mock", "prompt": [words(1, 0), words(2, 0)], "max_tokens": 4});
+    for (path, body) in [
+        ("/v1/chat/completions", several),
+        ("/v1/completions", batch),
+    ] {
+        let reply = post_json(&lb.url(path), &body, &[]).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        assert_eq!(reply.header("x-prefixlb-node"), "d0");
+        assert!(reply.headers.get("x-prefixlb-prefill-node").is_none());
+    }
+    assert_eq!(transfers(&prefill).await["produced"], 0);
+    assert_eq!(transfers(&decode).await["consumed"], json!([]));
+    // One answer asked for: prefilled and pulled as ever.
+    let one = chat(&[("user", &words(3, 0))], false, 4);
+    let reply = post_json(&lb.url("/v1/chat/completions"), &one, &[]).await;
+    assert_eq!(reply.header("x-prefixlb-prefill-node"), "p0");
+    assert_eq!(transfers(&prefill).await["produced"], 1);
+    assert!(in_flight_settles(&lb, Duration::from_secs(5)).await);
+}
+
 #[test]
 fn check_refuses_a_disaggregated_pool_it_cannot_serve() {
     let pool = |lines: &str| {

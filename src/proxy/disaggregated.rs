@@ -35,9 +35,19 @@ pub(super) async fn run(
     let Some(decode) = exchange.placement.decode(exchange.table) else {
         return exchange.run(asking).await;
     };
-    if !kv_transfer::is_object(&exchange.body) {
+    let Some(answers) = kv_transfer::fan_out(&exchange.body) else {
         let e = KeyError::Json("the body is not a JSON object".into());
         return Err(ProxyError::Place(PlaceError::Key(e)));
+    };
+    if answers > 1 {
+        // Each answer would pull the one prefill's cache, which the first to finish
+        // frees: a decode engine serves it whole.
+        tracing::debug!(
+            answers,
+            "several answers asked for: decoded whole, no prefill leg"
+        );
+        exchange.placement = decode;
+        return exchange.run(asking).await;
     }
     // Both legs carry one request id, as vLLM asks (its KV connectors may match the
     // decode engine's pull to the prefill by it): the client's, else a new one.

@@ -15,11 +15,56 @@ use serde_json::{Map, Value};
 /// What a prefill engine is told: keep the KV cache for a decode engine to pull.
 const PREFILL_PARAMS: &str = r#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#;
 
-/// Whether `body` is a JSON object serde_json reads, as [`prefill_body`] needs: checked
-/// once before the prefill leg, without building its values.
-pub fn is_object(body: &[u8]) -> bool {
-    type Members = std::collections::BTreeMap<String, serde::de::IgnoredAny>;
-    serde_json::from_slice::<Members>(body).is_ok()
+/// How many answers `body` asks for: its `n` (1 if it names none), times the prompts
+/// of a completions batch (`"prompt": ["a", "b"]`; a list of token ids is one prompt).
+/// `None` if `body` is not a JSON object serde_json reads, as [`prefill_body`] needs:
+/// checked once before the prefill leg, without building its values.
+///
+/// A prefill's KV cache is pulled once: a request for several answers would have each
+/// pull it, and the first to finish frees it under the others (SGLang's router, which
+/// also serves vLLM's disaggregation, sends such a request to a decode engine alone).
+pub fn fan_out(body: &[u8]) -> Option<u64> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let answers = serde::Deserializer::deserialize_map(&mut de, FanOut).ok()?;
+    de.end().ok()?;
+    Some(answers)
+}
+
+/// Reads [`fan_out`] from an object's `n` and `prompt`, skipping every other member.
+struct FanOut;
+
+impl<'de> serde::de::Visitor<'de> for FanOut {
+    type Value = u64;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<u64, A::Error> {
+        let (mut n, mut prompts) = (1, 1);
+        while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+            match key.as_ref() {
+                "n" => n = map.next_value::<Value>()?.as_u64().unwrap_or(1).max(1),
+                "prompt" => {
+                    let prompt = map.next_value::<&'de RawValue>()?;
+                    let items = serde_json::from_str::<Vec<&RawValue>>(prompt.get());
+                    let tokens = |items: &[&RawValue]| {
+                        items
+                            .first()
+                            .is_some_and(|i| !i.get().starts_with(['"', '[']))
+                    };
+                    prompts = match items {
+                        Ok(items) if !items.is_empty() && !tokens(&items) => items.len() as u64,
+                        _ => 1,
+                    };
+                }
+                _ => {
+                    map.next_value::<serde::de::IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(n.saturating_mul(prompts))
+    }
 }
 
 /// The prefill leg's body: the client's request, answered whole (`stream` false,
@@ -107,8 +152,33 @@ mod tests {
         assert_eq!(v["max_tokens"], 1);
         assert!(prefill_body(b"[1]").is_none());
         assert!(prefill_body(b"{").is_none());
-        assert!(is_object(br#"{"a":[1,{"b":"\u00e9"}]}"#));
-        assert!(!is_object(b"[1]") && !is_object(b"{") && !is_object(b"\"x\""));
+        assert_eq!(fan_out(br#"{"a":[1,{"b":"\u00e9"}]}"#), Some(1));
+        for not_an_object in [&b"[1]"[..], b"{", b"\"x\"", b"{} {}"] {
+            assert_eq!(fan_out(not_an_object), None);
+        }
+    }
+
+    #[test]
+    fn a_request_for_several_answers_is_told_apart() {
+        let cases: [(&[u8], u64); 9] = [
+            (br#"{"model":"m","messages":[]}"#, 1),
+            (br#"{"n":1,"messages":[]}"#, 1),
+            (br#"{"messages":[],"n":3}"#, 3),
+            (br#"{"n":null}"#, 1),
+            (br#"{"prompt":"one"}"#, 1),
+            (br#"{"prompt":[1,2,3]}"#, 1),
+            (br#"{"prompt":["a","b"],"n":2}"#, 4),
+            (br#"{"prompt":[[1,2],[3]]}"#, 2),
+            (br#"{"pro\u006dpt":["a","b"]}"#, 2),
+        ];
+        for (body, answers) in cases {
+            assert_eq!(
+                fan_out(body),
+                Some(answers),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
     }
 
     #[test]
