@@ -605,7 +605,7 @@ mod tools {
 
     use super::{emit, load, runtime};
     use prefixlb::tools::engine_model::Costs;
-    use prefixlb::tools::mock_engine::{MockConfig, MockEngine};
+    use prefixlb::tools::mock_engine::{MockConfig, MockEngine, SglangRole};
     use prefixlb::tools::workload::{self, Workload};
     use prefixlb::tools::{bench as load_test, demo as demo_run, sim};
 
@@ -762,6 +762,13 @@ mod tools {
         /// ranks take requests in turn.
         #[arg(long, default_value_t = 1)]
         data_parallel_size: usize,
+        /// SGLang's disaggregated serving (`--disaggregation-mode`): `prefill` keeps each
+        /// request's KV cache under its `bootstrap_room` (served at `GET
+        /// /mock/bootstrap/{room}` on this port); `decode` pulls it from the
+        /// `bootstrap_host` and `bootstrap_port` its request names (waiting for it a
+        /// few seconds, then SGLang's error) and prefills nothing.
+        #[arg(long, value_parser = ["prefill", "decode"])]
+        disaggregation_mode: Option<String>,
     }
 
     /// The workload of `simulate` and `bench`: a Mooncake trace file or a synthetic one.
@@ -903,6 +910,10 @@ mod tools {
             adapters: a.adapters,
             no_embeddings: a.no_embeddings,
             data_parallel_size: a.data_parallel_size,
+            disaggregation_mode: a.disaggregation_mode.as_deref().map(|m| match m {
+                "prefill" => SglangRole::Prefill,
+                _ => SglangRole::Decode,
+            }),
         };
         let listen = a.listen;
         runtime()?.block_on(async move {

@@ -424,6 +424,204 @@ async fn a_request_for_several_answers_is_decoded_whole_without_a_prefill() {
     assert!(in_flight_settles(&lb, Duration::from_secs(5)).await);
 }
 
+/// A config whose one pool `mock` is disaggregated as SGLang's: each prefill node
+/// names its engine's port as its bootstrap port (a mock engine's bootstrap server is
+/// its HTTP server).
+fn sglang_disaggregated(prefill: &[&Proc], decode: &[&Proc], extra: &str) -> String {
+    let mut nodes = String::new();
+    for (p, id) in prefill.iter().zip(PREFILL) {
+        let port = p.addr.port();
+        nodes += &format!(
+            "[[pools.nodes]]\nid = \"{id}\"\nurl = \"{}\"\nrole = \"prefill\"\nbootstrap_port = {port}\n",
+            url(p)
+        );
+    }
+    for (d, id) in decode.iter().zip(DECODE) {
+        nodes += &format!(
+            "[[pools.nodes]]\nid = \"{id}\"\nurl = \"{}\"\nrole = \"decode\"\n",
+            url(d)
+        );
+    }
+    format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{extra}\n\
+         [[pools]]\nname = \"mock\"\nmodels = [\"mock\"]\ndisaggregation = \"sglang\"\n{nodes}"
+    )
+}
+
+fn sglang_engines(role: &str, ids: [&str; 2]) -> Vec<Proc> {
+    let flags = ["--disaggregation-mode", role];
+    ids.iter().map(|id| engine(id, &flags)).collect()
+}
+
+/// (prefill engine, room) of each room a prefill engine kept, and of each a decode
+/// engine pulled.
+async fn rooms(prefill: &[Proc], decode: &[Proc]) -> (Vec<(String, u64)>, Vec<(String, u64)>) {
+    let mut kept = Vec::new();
+    for (p, id) in prefill.iter().zip(PREFILL) {
+        let t = transfers(p).await;
+        assert_eq!(t["consumed"], json!([]), "{id}: {t}");
+        for room in t["rooms"].as_array().unwrap() {
+            kept.push((id.to_string(), room.as_u64().unwrap()));
+        }
+    }
+    let mut pulled = Vec::new();
+    for d in decode {
+        let t = transfers(d).await;
+        assert_eq!(t["rooms"], json!([]), "{t}");
+        for pull in t["consumed"].as_array().unwrap() {
+            pulled.push((
+                pull[0].as_str().unwrap().to_string(),
+                pull[1][0].as_u64().unwrap(),
+            ));
+        }
+    }
+    kept.sort();
+    pulled.sort();
+    (kept, pulled)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_each_request_goes_to_a_prefill_and_a_decode_engine_with_one_room() {
+    let prefill = sglang_engines("prefill", PREFILL);
+    let decode = sglang_engines("decode", DECODE);
+    let lb = balancer(&sglang_disaggregated(
+        &prefill.iter().collect::<Vec<_>>(),
+        &decode.iter().collect::<Vec<_>>(),
+        "",
+    ));
+    // 5 conversations of 3 turns, streamed every other turn; then SGLang's own
+    // `/generate`, a completions prompt, and a request for two answers.
+    let mut requests = 0usize;
+    let mut prefilled_on: BTreeMap<usize, BTreeSet<String>> = BTreeMap::new();
+    for c in 0..5 {
+        let mut messages: Vec<(&str, String)> = Vec::new();
+        for t in 0..3 {
+            messages.push(("user", words(c, t)));
+            let stream = (c + t) % 2 == 1;
+            let m: Vec<(&str, &str)> = messages.iter().map(|(r, x)| (*r, x.as_str())).collect();
+            let reply = post_json(&lb.url("/v1/chat/completions"), &chat(&m, stream, 4), &[]).await;
+            requests += 1;
+            assert_eq!(reply.status, 200, "{}", reply.text());
+            assert!(DECODE.contains(&reply.header("x-prefixlb-node")));
+            assert_eq!(reply.header("x-engine-id"), reply.header("x-prefixlb-node"));
+            let prefill_node = reply.header("x-prefixlb-prefill-node").to_string();
+            prefilled_on.entry(c).or_default().insert(prefill_node);
+            match stream {
+                true => assert!(reply.text().contains("data: [DONE]"), "{}", reply.text()),
+                false => assert_eq!(reply.json()["usage"]["completion_tokens"], 4),
+            }
+            messages.push(("assistant", format!("answer {t}")));
+        }
+    }
+    for (c, nodes) in &prefilled_on {
+        assert_eq!(nodes.len(), 1, "conversation {c} prefilled on {nodes:?}");
+        assert!(PREFILL.contains(&nodes.first().unwrap().as_str()));
+    }
+    let mut two = chat(&[("user", &words(9, 0))], false, 4);
+    two["n"] = json!(2);
+    let others = [
+        (
+            "/generate",
+            json!({"text": words(7, 0), "sampling_params": {"max_new_tokens": 4}}),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "mock", "prompt": words(8, 0), "max_tokens": 4}),
+        ),
+        ("/v1/chat/completions", two),
+    ];
+    for (path, body) in others {
+        let reply = post_json(&lb.url(path), &body, &[]).await;
+        requests += 1;
+        assert_eq!(reply.status, 200, "{path}: {}", reply.text());
+        assert!(DECODE.contains(&reply.header("x-prefixlb-node")), "{path}");
+        assert!(
+            PREFILL.contains(&reply.header("x-prefixlb-prefill-node")),
+            "{path}"
+        );
+    }
+    // Each request's room was kept by the prefill engine its legs named, and pulled
+    // from there by one decode engine, once; every room is new.
+    let (kept, pulled) = rooms(&prefill, &decode).await;
+    assert_eq!(kept.len(), requests, "{kept:?}");
+    assert_eq!(kept, pulled);
+    let distinct: BTreeSet<u64> = kept.iter().map(|(_, room)| *room).collect();
+    assert_eq!(distinct.len(), requests);
+    // The prefill engines hold the conversations' prefixes: later turns hit.
+    let mut hits = 0.0;
+    let mut queries = 0.0;
+    for p in &prefill {
+        let url = format!("http://{}/metrics", p.addr);
+        hits += metric(&url, "vllm:prefix_cache_hits_total").await;
+        queries += metric(&url, "vllm:prefix_cache_queries_total").await;
+    }
+    assert!(
+        hits / queries > 0.3,
+        "prefill engines' hit rate {hits}/{queries}"
+    );
+    assert!(in_flight_settles(&lb, Duration::from_secs(5)).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_a_prefill_engine_that_fails_ends_its_decode_leg_and_the_pair_goes_again() {
+    // p0 goes away between health checks (each pair sent to it fails to connect), or
+    // answers every request with a 500.
+    for gone in [true, false] {
+        let mut prefill = sglang_engines("prefill", PREFILL);
+        let decode = sglang_engines("decode", DECODE);
+        let lb = balancer(&sglang_disaggregated(
+            &prefill.iter().collect::<Vec<_>>(),
+            &decode.iter().collect::<Vec<_>>(),
+            "[health]\ninterval = \"60s\"\n",
+        ));
+        let p0 = prefill.remove(0);
+        let _failing = match gone {
+            true => {
+                drop(p0);
+                None
+            }
+            false => {
+                set_fault(&p0, "error", 0).await;
+                Some(p0)
+            }
+        };
+        let started = std::time::Instant::now();
+        for c in 0..6 {
+            let reply = post_json(
+                &lb.url("/v1/chat/completions"),
+                &chat(&[("user", &words(c, 0))], c % 2 == 0, 4),
+                &[],
+            )
+            .await;
+            assert_eq!(reply.status, 200, "{}", reply.text());
+            let prefilled_on = reply.header("x-prefixlb-prefill-node");
+            assert_eq!(
+                prefilled_on, "p1",
+                "gone {gone}, request {c}: {:?}",
+                reply.headers
+            );
+        }
+        // No decode leg was left waiting on a room never kept (a decode engine gives
+        // up on one after 5 s).
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+        let p1 = transfers(&prefill[0]).await;
+        let mut pulled = 0;
+        for d in &decode {
+            for pull in transfers(d).await["consumed"].as_array().unwrap() {
+                assert_eq!(pull[0], "p1", "{pull}");
+                pulled += 1;
+            }
+        }
+        assert_eq!(pulled, 6);
+        assert_eq!(p1["rooms"].as_array().unwrap().len(), 6, "{p1}");
+        assert!(in_flight_settles(&lb, Duration::from_secs(5)).await);
+    }
+}
+
 #[test]
 fn check_refuses_a_disaggregated_pool_it_cannot_serve() {
     let pool = |lines: &str| {
@@ -459,8 +657,19 @@ fn check_refuses_a_disaggregated_pool_it_cannot_serve() {
             "role = \"prefil\"",
         ),
         (
-            "disaggregation = \"sglang\"\n".to_string() + &both,
+            "disaggregation = \"mooncake\"\n".to_string() + &both,
             "\"vllm\" (prefill, then decode",
+        ),
+        (
+            "disaggregation = \"vllm\"\n".to_string()
+                + &node("p", "prefill")
+                + "bootstrap_port = 8998\n"
+                + &node("d", "decode"),
+            "only a prefill engine of a pool with disaggregation = \"sglang\" has one",
+        ),
+        (
+            "disaggregation = \"sglang\"\n".to_string() + &both + "bootstrap_port = 8998\n",
+            "node \"d\" has a bootstrap_port",
         ),
         (
             "decode_max_in_flight = 8\n".to_string() + &node("a", ""),

@@ -562,8 +562,11 @@ pub struct PoolSection {
     /// `"vllm"`: the pool's engines are split into prefill and decode engines (each
     /// node's `role`), and a chat or completions request goes to a prefill engine
     /// first, then with its `kv_transfer_params` to a decode engine (vLLM's
-    /// `NixlConnector` and other KV connectors). Default: none (each request whole to
-    /// one node).
+    /// `NixlConnector` and other KV connectors). `"sglang"`: a chat, completions or
+    /// `/generate` request goes to a prefill and a decode engine at once, both with the
+    /// prefill engine's `bootstrap_host`, `bootstrap_port` and a new `bootstrap_room`
+    /// (SGLang's `--disaggregation-mode`). Default: none (each request whole to one
+    /// node).
     pub disaggregation: Option<Spanned<String>>,
     /// With `disaggregation`: each decode engine's in-flight cap (per unit of its
     /// `weight`), for as long as it streams an answer. Default: `routing.max_in_flight`.
@@ -604,6 +607,10 @@ pub struct NodeSection {
     /// In a pool with `disaggregation`: `"prefill"` or `"decode"`, what the engine does
     /// for the pool's requests. Required there, refused elsewhere.
     pub role: Option<Spanned<String>>,
+    /// A prefill engine's SGLang bootstrap port (`--disaggregation-bootstrap-port`), in
+    /// a pool with `disaggregation = "sglang"`; refused elsewhere. Default: none
+    /// (`null` is sent, and the engines use their own default, 8998).
+    pub bootstrap_port: Option<Spanned<u16>>,
 }
 
 /// `[discovery]`

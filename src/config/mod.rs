@@ -234,12 +234,19 @@ pub enum Disaggregation {
     /// engine with `max_tokens` 1 and `kv_transfer_params.do_remote_decode`, then to a
     /// decode engine with the `kv_transfer_params` the prefill engine answered.
     Vllm,
+    /// SGLang's (`--disaggregation-mode prefill|decode`): the request goes to a
+    /// prefill and a decode engine at once, both told the prefill engine's
+    /// `bootstrap_host` and `bootstrap_port` and one new `bootstrap_room`, where the
+    /// decode engine pulls the KV cache from; the decode engine's answer is the
+    /// client's.
+    Sglang,
 }
 
 impl Disaggregation {
     pub fn as_str(self) -> &'static str {
         match self {
             Disaggregation::Vllm => "vllm",
+            Disaggregation::Sglang => "sglang",
         }
     }
 }
@@ -285,6 +292,8 @@ pub struct NamedNodes {
     pub discover: Discover,
     pub weight: u32,
     pub data_parallel_size: u32,
+    /// Each of its engines' SGLang bootstrap port ([`NodeConfig::bootstrap_port`]).
+    pub bootstrap_port: Option<u16>,
 }
 
 impl NamedNodes {
@@ -317,9 +326,10 @@ impl NamedNodes {
         parts.authority = authority.parse().ok();
         let url = http::Uri::from_parts(parts).unwrap_or_else(|_| self.url.clone());
         let mut nodes = NodeConfig::ranks(id, url, self.weight, self.data_parallel_size);
-        if self.url.scheme_str() == Some("https") {
-            // Reached at its address, its certificate names the entry's host.
-            for node in &mut nodes {
+        for node in &mut nodes {
+            node.bootstrap_port = self.bootstrap_port;
+            if self.url.scheme_str() == Some("https") {
+                // Reached at its address, its certificate names the entry's host.
                 node.tls_name = Some(self.name().to_string());
             }
         }
@@ -371,6 +381,10 @@ pub struct NodeConfig {
     /// where it is not the URL's host: a node found in DNS is reached at its address
     /// and named by the entry's host.
     pub tls_name: Option<String>,
+    /// A prefill engine's port for SGLang's KV-transfer bootstrap
+    /// (`--disaggregation-bootstrap-port`), sent to both legs of a request
+    /// (`disaggregation = "sglang"`). None: `null`, the engines' own default (8998).
+    pub bootstrap_port: Option<u16>,
 }
 
 /// Most data-parallel ranks one engine server may be split into.
@@ -388,6 +402,7 @@ impl NodeConfig {
                 weight,
                 data_parallel_rank: None,
                 tls_name: None,
+                bootstrap_port: None,
             }];
         }
         (0..data_parallel_size)
@@ -397,6 +412,7 @@ impl NodeConfig {
                 weight,
                 data_parallel_rank: Some(rank),
                 tls_name: None,
+                bootstrap_port: None,
             })
             .collect()
     }

@@ -318,6 +318,7 @@ fn upstream_uri_keeps_base_path() {
         weight: 1,
         data_parallel_rank: None,
         tls_name: None,
+        bootstrap_port: None,
     };
     assert_eq!(
         n.upstream_uri("/v1/chat/completions?x=1")

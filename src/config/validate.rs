@@ -321,10 +321,11 @@ fn validate_pool(
     let disaggregation = match p.disaggregation.as_ref().map(|d| (d.span(), d.get_ref().as_str())) {
         None => None,
         Some((_, "vllm")) => Some(Disaggregation::Vllm),
+        Some((_, "sglang")) => Some(Disaggregation::Sglang),
         Some((span, other)) => {
             return invalid(
                 span,
-                format!("disaggregation = {other:?}: \"vllm\" (prefill, then decode with vLLM's kv_transfer_params) is the one built, or leave it out"),
+                format!("disaggregation = {other:?}: \"vllm\" (prefill, then decode with vLLM's kv_transfer_params) or \"sglang\" (prefill and decode at once, with SGLang's bootstrap_host, bootstrap_port and bootstrap_room), or leave it out"),
             )
         }
     };
@@ -333,6 +334,18 @@ fn validate_pool(
     let mut named = [Vec::new(), Vec::new()];
     for n in p.nodes {
         let side = usize::from(node_role(&n, &name, disaggregation.is_some())?);
+        if let Some(port) = &n.bootstrap_port {
+            let id = n.id.get_ref();
+            if disaggregation != Some(Disaggregation::Sglang) || side == 1 {
+                return invalid(
+                    port.span(),
+                    format!("node {id:?} has a bootstrap_port: only a prefill engine of a pool with disaggregation = \"sglang\" has one"),
+                );
+            }
+            if *port.get_ref() == 0 {
+                return invalid(port.span(), format!("node {id:?}: bootstrap_port 0"));
+            }
+        }
         match n.discover.as_ref().map(|d| (d.span(), d.get_ref().as_str())) {
             None => nodes[side].extend(validate_node(n, &mut seen.node_ids)?),
             Some((_, "dns")) => {
@@ -408,7 +421,10 @@ fn validate_pool(
         (Some(m), None) => {
             return invalid(
                 m.span(),
-                format!("pool {:?} has decode_max_in_flight and no disaggregation = \"vllm\": it caps decode engines", pool.name),
+                format!(
+                "pool {:?} has decode_max_in_flight and no disaggregation: it caps decode engines",
+                pool.name
+            ),
             )
         }
     };
@@ -441,7 +457,7 @@ fn node_role(n: &NodeSection, pool: &str, disaggregated: bool) -> Result<bool, I
         ),
         (Some((span, _)), false) => invalid(
             span,
-            format!("node {id:?} has a role, and pool {pool:?} has no disaggregation = \"vllm\" to give it one"),
+            format!("node {id:?} has a role, and pool {pool:?} has no disaggregation to give it one"),
         ),
         (Some((_, "prefill")), true) => Ok(false),
         (Some((_, "decode")), true) => Ok(true),
@@ -531,15 +547,17 @@ fn validate_named(
         discover,
         weight,
         data_parallel_size,
+        bootstrap_port: n.bootstrap_port.as_ref().map(|p| *p.get_ref()),
     })
 }
 
 /// One `[[pools.nodes]]` entry: a node, or one per data-parallel rank.
 fn validate_node(n: NodeSection, ids: &mut HashSet<String>) -> Result<Vec<NodeConfig>, Invalid> {
     let e = validate_entry(&n)?;
-    let nodes = NodeConfig::ranks(e.id, e.url, e.weight, e.data_parallel_size);
-    for node in &nodes {
+    let mut nodes = NodeConfig::ranks(e.id, e.url, e.weight, e.data_parallel_size);
+    for node in &mut nodes {
         claim_id(ids, &node.id, n.id.span())?;
+        node.bootstrap_port = n.bootstrap_port.as_ref().map(|p| *p.get_ref());
     }
     Ok(nodes)
 }

@@ -16,6 +16,7 @@ use tokio::time::Instant;
 
 use super::admission;
 use super::body::BoxBody;
+use super::disaggregated::Bootstrap;
 use super::edit::{self, Edits};
 use super::kv_transfer;
 use super::probe::{self, Commit, ProbeFailure};
@@ -124,6 +125,21 @@ pub(super) enum Leg {
     /// A disaggregated request's decode, with the `kv_transfer_params` its prefill
     /// engine answered.
     Decode(Box<serde_json::value::RawValue>),
+    /// An SGLang-disaggregated request's prefill: the request, with its engine's
+    /// bootstrap address and the request's rooms, which it tells its decode leg. One
+    /// attempt: its decode leg waits on that engine.
+    PrefillFor(Arc<Bootstrap>),
+    /// An SGLang-disaggregated request's decode: the request, with the bootstrap
+    /// address and rooms of its prefill leg's engine, sent once that leg's is.
+    DecodeFrom(Arc<Bootstrap>),
+}
+
+impl Leg {
+    /// Whether it asks an engine for a prefill alone: one token, its time the node's
+    /// time to first token.
+    fn prefills(&self) -> bool {
+        matches!(self, Leg::Prefill | Leg::PrefillFor(_))
+    }
 }
 
 /// An engine's answer that goes to the client.
@@ -157,6 +173,28 @@ impl Answer {
         match self {
             Answer::Stream { committed, .. } => &committed.held,
             Answer::Plain { held, .. } => held,
+        }
+    }
+}
+
+impl<'t> Exchange<'t> {
+    /// The same request, placed by `placement`, as `leg`: a disaggregated request's
+    /// other leg, sent alongside this one.
+    pub fn sibling(&self, placement: Placement, leg: Leg) -> Exchange<'t> {
+        Exchange {
+            upstream: self.upstream,
+            metrics: self.metrics,
+            table: self.table,
+            placement,
+            method: self.method.clone(),
+            path: self.path.clone(),
+            headers: self.headers.clone(),
+            body: self.body.clone(),
+            started: self.started,
+            asker: self.asker.clone(),
+            span: self.span.clone(),
+            queue_wait: self.queue_wait,
+            leg,
         }
     }
 }
@@ -200,7 +238,7 @@ impl Exchange<'_> {
         };
         let body = edit::apply(&self.body, &placement.facts.spans, edits);
         match &self.leg {
-            Leg::Whole => body,
+            Leg::Whole | Leg::PrefillFor(_) | Leg::DecodeFrom(_) => body,
             // The client's body was read as JSON before its prefill leg began
             // (`disaggregated`), and the edits keep it JSON.
             Leg::Prefill => kv_transfer::prefill_body(&body).unwrap_or(body),
@@ -216,10 +254,16 @@ impl Exchange<'_> {
         asking: &mut Option<&'static NodeSeries>,
     ) -> Result<Response<BoxBody>, ProxyError> {
         let mut body = self.body_for(&self.placement);
-        let max_attempts = self.routing().max_attempts;
+        let max_attempts = match &self.leg {
+            Leg::PrefillFor(_) => 1,
+            _ => self.routing().max_attempts,
+        };
         // Engines that do not serve the adapter asked for count as tried from the start.
         let mut tried: SmallVec<[usize; 4]> = SmallVec::new();
         tried.extend_from_slice(self.placement.unserved());
+        if let Leg::PrefillFor(bootstrap) = &self.leg {
+            tried.extend_from_slice(&bootstrap.avoid);
+        }
         let mut failures: Vec<Failure> = Vec::new();
         // The last HTTP 500 answered, until another engine's answer says whose error
         // it was (its node blamed when dropped).
@@ -286,6 +330,9 @@ impl Exchange<'_> {
                 span.record("prefixlb.route", route.label().as_ref());
             }
             traces::inject(&span, &mut self.headers.map);
+            if let Leg::PrefillFor(bootstrap) = &self.leg {
+                bootstrap.open(ticket.index(), ticket.node());
+            }
             let series = self
                 .metrics
                 .series(&ticket.pool().config.name, ticket.node().id());
@@ -436,6 +483,15 @@ impl Exchange<'_> {
             }
             _ => body,
         };
+        // SGLang's disaggregation: both legs name the prefill engine's bootstrap.
+        let bootstrapped;
+        let body = match &self.leg {
+            Leg::PrefillFor(bootstrap) | Leg::DecodeFrom(bootstrap) => {
+                bootstrapped = bootstrap.body(body).await;
+                &bootstrapped
+            }
+            _ => body,
+        };
         let req = Outgoing {
             tls: tls.as_ref(),
             method: &self.method,
@@ -449,7 +505,7 @@ impl Exchange<'_> {
         let stream = self.placement.facts.stream;
         // A stream has `first_token_timeout` for its head and first token together; so
         // has a prefill leg, whose one token is the first.
-        let budget = if stream || matches!(self.leg, Leg::Prefill) {
+        let budget = if stream || self.leg.prefills() {
             pool.config.first_token_timeout
         } else {
             self.table.config.server.request_timeout
@@ -606,7 +662,7 @@ impl Exchange<'_> {
 
     /// A prefill leg's time from `sent` to now; none (and no clock read) for any other.
     fn prefill_took(&self, sent: Instant) -> Option<std::time::Duration> {
-        matches!(self.leg, Leg::Prefill).then(|| sent.elapsed())
+        self.leg.prefills().then(|| sent.elapsed())
     }
 
     /// Counts a request naming a stored response by how its engine was found (in the
@@ -649,9 +705,9 @@ impl Exchange<'_> {
             ticket,
             teaches: self.placement.api.is_load(),
             // A disaggregated request's tokens are settled once, by its decode leg.
-            charge: match self.leg {
-                Leg::Prefill => None,
-                _ => self.asker.charge.clone(),
+            charge: match self.leg.prefills() {
+                true => None,
+                false => self.asker.charge.clone(),
             },
             spans: [self.span.clone(), attempt_span.clone()],
         };

@@ -102,7 +102,7 @@ fn hop_by_hop_index(name: &str) -> Option<usize> {
 /// plus the client's address in `x-forwarded-for`. The client's map is kept as it
 /// came and the rules are applied as the head is written ([`UpstreamHeaders::write`]):
 /// each removal from a `HeaderMap` would hash its name, on every request.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct UpstreamHeaders {
     /// The client's fields, and any the balancer adds (`traceparent`).
     pub map: HeaderMap,

@@ -23,29 +23,56 @@ const PREFILL_PARAMS: &str = r#"{"do_remote_decode":true,"do_remote_prefill":fal
 /// A prefill's KV cache is pulled once: a request for several answers would have each
 /// pull it, and the first to finish frees it under the others (SGLang's router, which
 /// also serves vLLM's disaggregation, sends such a request to a decode engine alone).
-pub fn fan_out(body: &[u8]) -> Option<u64> {
+pub fn fan_out(body: &[u8]) -> Option<Answers> {
     let mut de = serde_json::Deserializer::from_slice(body);
     let answers = serde::Deserializer::deserialize_map(&mut de, FanOut).ok()?;
     de.end().ok()?;
     Some(answers)
 }
 
-/// Reads [`fan_out`] from an object's `n` and `prompt`, skipping every other member.
+/// How many answers a request asks for ([`fan_out`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Answers {
+    /// Its `n` (1 if it names none).
+    pub n: u64,
+    /// Its prompts: more than one for a batch (`prompt` or `/generate`'s `text` a list
+    /// of texts, or `prompt` or `input_ids` a list of token lists).
+    pub prompts: u64,
+}
+
+impl Answers {
+    pub fn total(self) -> u64 {
+        self.n.saturating_mul(self.prompts)
+    }
+
+    /// How many requests an SGLang engine makes of it, each with a bootstrap room of
+    /// its own (as SGLang's router counts them: the prompts of a batch, else `n`); none
+    /// for one.
+    pub fn batch(self) -> Option<u64> {
+        match (self.prompts, self.n) {
+            (1, 1) => None,
+            (1, n) => Some(n),
+            (prompts, _) => Some(prompts),
+        }
+    }
+}
+
+/// Reads [`fan_out`] from an object's `n` and prompts, skipping every other member.
 struct FanOut;
 
 impl<'de> serde::de::Visitor<'de> for FanOut {
-    type Value = u64;
+    type Value = Answers;
 
     fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("a JSON object")
     }
 
-    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<u64, A::Error> {
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Answers, A::Error> {
         let (mut n, mut prompts) = (1, 1);
         while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
             match key.as_ref() {
                 "n" => n = map.next_value::<Value>()?.as_u64().unwrap_or(1).max(1),
-                "prompt" => {
+                "prompt" | "text" | "input_ids" => {
                     let prompt = map.next_value::<&'de RawValue>()?;
                     let items = serde_json::from_str::<Vec<&RawValue>>(prompt.get());
                     let tokens = |items: &[&RawValue]| {
@@ -63,7 +90,7 @@ impl<'de> serde::de::Visitor<'de> for FanOut {
                 }
             }
         }
-        Ok(n.saturating_mul(prompts))
+        Ok(Answers { n, prompts })
     }
 }
 
@@ -88,6 +115,40 @@ pub fn prefill_body(body: &[u8]) -> Option<Bytes> {
     serde_json::to_vec(&request).ok().map(Bytes::from)
 }
 
+/// Both legs' body in SGLang's disaggregation: `body` (a JSON object) with the prefill
+/// engine's `bootstrap_host` and `bootstrap_port` (`null`: the engines' default) and
+/// the request's `bootstrap_room` as its last members, as SGLang's router adds them (a
+/// list of each, one per request, for a `batch`).
+pub fn bootstrap_body(
+    body: &[u8],
+    host: &str,
+    port: Option<u16>,
+    rooms: &[u64],
+    batch: bool,
+) -> Bytes {
+    let host = Value::from(host).to_string();
+    let port = port.map_or_else(|| "null".to_string(), |p| p.to_string());
+    let members = match (batch, rooms) {
+        (false, [room, ..]) => {
+            format!(r#""bootstrap_host":{host},"bootstrap_port":{port},"bootstrap_room":{room}"#)
+        }
+        _ => {
+            let each = |v: &str| vec![v; rooms.len()].join(",");
+            let rooms = rooms
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(",");
+            format!(
+                r#""bootstrap_host":[{}],"bootstrap_port":[{}],"bootstrap_room":[{rooms}]"#,
+                each(&host),
+                each(&port)
+            )
+        }
+    };
+    append_members(body, &members)
+}
+
 /// The `kv_transfer_params` of a prefill engine's answer, as it wrote them: an
 /// object, else `None` (an engine started without a KV connector answers none, or
 /// `null`).
@@ -107,20 +168,22 @@ pub fn answered_params(answer: &[u8]) -> Option<Box<RawValue>> {
 /// reader that keeps the last of a repeated key (Python's, vLLM's) takes over any the
 /// client sent.
 pub fn decode_body(body: &[u8], params: &RawValue) -> Bytes {
+    append_members(body, &format!("\"kv_transfer_params\":{}", params.get()))
+}
+
+/// `body` (a JSON object) with `members` (`"name":value`, comma-separated) as its last.
+fn append_members(body: &[u8], members: &str) -> Bytes {
     let end = body.iter().rposition(|&b| b == b'}').unwrap_or(body.len());
     let empty = body[..end]
         .iter()
         .rev()
         .find(|b| !b.is_ascii_whitespace())
         .is_none_or(|&b| b == b'{');
-    let member = format!(
-        "{}\"kv_transfer_params\":{}",
-        if empty { "" } else { "," },
-        params.get()
-    );
-    let mut out = BytesMut::with_capacity(body.len() + member.len());
+    let comma = if empty { "" } else { "," };
+    let mut out = BytesMut::with_capacity(body.len() + comma.len() + members.len());
     out.extend_from_slice(&body[..end]);
-    out.extend_from_slice(member.as_bytes());
+    out.extend_from_slice(comma.as_bytes());
+    out.extend_from_slice(members.as_bytes());
     out.extend_from_slice(&body[end..]);
     out.freeze()
 }
@@ -152,7 +215,7 @@ mod tests {
         assert_eq!(v["max_tokens"], 1);
         assert!(prefill_body(b"[1]").is_none());
         assert!(prefill_body(b"{").is_none());
-        assert_eq!(fan_out(br#"{"a":[1,{"b":"\u00e9"}]}"#), Some(1));
+        assert_eq!(fan_out(br#"{"a":[1,{"b":"\u00e9"}]}"#).unwrap().total(), 1);
         for not_an_object in [&b"[1]"[..], b"{", b"\"x\"", b"{} {}"] {
             assert_eq!(fan_out(not_an_object), None);
         }
@@ -172,13 +235,33 @@ mod tests {
             (br#"{"pro\u006dpt":["a","b"]}"#, 2),
         ];
         for (body, answers) in cases {
-            assert_eq!(
-                fan_out(body),
-                Some(answers),
-                "{}",
-                String::from_utf8_lossy(body)
-            );
+            let read = fan_out(body).unwrap();
+            assert_eq!(read.total(), answers, "{}", String::from_utf8_lossy(body));
         }
+        let batch = |b: &[u8]| fan_out(b).unwrap().batch();
+        assert_eq!(batch(br#"{"text":"a"}"#), None);
+        assert_eq!(batch(br#"{"n":3}"#), Some(3));
+        assert_eq!(batch(br#"{"text":["a","b"]}"#), Some(2));
+        assert_eq!(batch(br#"{"input_ids":[[1],[2],[3]],"n":2}"#), Some(3));
+        assert_eq!(batch(br#"{"input_ids":[1,2,3]}"#), None);
+    }
+
+    #[test]
+    fn both_sglang_legs_name_the_prefill_engine_s_bootstrap_and_one_room() {
+        let body = br#"{"model":"m","bootstrap_room":1,"stream":true}"#;
+        let out = json(&bootstrap_body(body, "10.0.1.10", Some(8998), &[42], false));
+        assert_eq!(out["bootstrap_host"], "10.0.1.10");
+        assert_eq!(out["bootstrap_port"], 8998);
+        // The last of a repeated key is the one read: the balancer's room.
+        assert_eq!(out["bootstrap_room"], 42);
+        assert_eq!(out["stream"], true);
+        let out = json(&bootstrap_body(b"{}", "h\"x", None, &[7], false));
+        let alone = serde_json::json!({"bootstrap_host": "h\"x", "bootstrap_port": null, "bootstrap_room": 7});
+        assert_eq!(out, alone);
+        let out = json(&bootstrap_body(br#"{"n":2}"#, "h", None, &[1, 2], true));
+        assert_eq!(out["bootstrap_host"], serde_json::json!(["h", "h"]));
+        assert_eq!(out["bootstrap_port"], serde_json::json!([null, null]));
+        assert_eq!(out["bootstrap_room"], serde_json::json!([1, 2]));
     }
 
     #[test]

@@ -24,7 +24,7 @@ use super::stored::{self, Holder};
 use super::table::{PlaceError, Pool, PoolError, Table};
 use super::walk::{Choice, Peek, Target, Walk};
 use super::Mode;
-use crate::config::WhenSaturated;
+use crate::config::{Disaggregation, WhenSaturated};
 
 /// A request placed in one pool: everything admission and the explanation need.
 #[derive(Debug)]
@@ -219,11 +219,18 @@ impl Placement {
     }
 
     /// Whether it is split between its pool's prefill and decode engines: a chat or
-    /// completions request in a disaggregated pool. Any other API goes whole to the
-    /// pool's prefill engines (vLLM serves a request with no `kv_transfer_params`
-    /// whole on any engine).
+    /// completions request in a disaggregated pool (and a `/generate` one in SGLang's).
+    /// Any other API goes whole to the pool's prefill engines (vLLM serves a request
+    /// with no `kv_transfer_params` whole on any engine).
     pub fn splits(&self) -> bool {
-        self.pool.config.decode_pool.is_some() && matches!(self.api, Api::Chat | Api::Completions)
+        let config = &self.pool.config;
+        config.decode_pool.is_some()
+            && match self.api {
+                Api::Chat | Api::Completions => true,
+                // SGLang's native API, which its disaggregation serves too.
+                Api::Generate => config.disaggregation == Some(Disaggregation::Sglang),
+                _ => false,
+            }
     }
 
     /// The same request placed in the pool of its pool's decode engines, if it

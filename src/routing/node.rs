@@ -165,6 +165,11 @@ impl Node {
         self.config.tls_name.as_deref()
     }
 
+    /// Its engine's SGLang bootstrap port, if the config names one.
+    pub fn bootstrap_port(&self) -> Option<u16> {
+        self.config.bootstrap_port
+    }
+
     /// The engine's address and its `Host` header.
     pub fn authority(&self) -> Option<(&http::uri::Authority, &http::HeaderValue)> {
         Some((self.config.url.authority()?, self.host.as_ref()?))
@@ -701,6 +706,7 @@ mod tests {
             weight: 1,
             data_parallel_rank: None,
             tls_name: None,
+            bootstrap_port: None,
         };
         Node::new(config, NodeSource::Static, 4, Arc::new(NodeState::new("a")))
     }

@@ -224,6 +224,7 @@ impl Balancer {
                     weight: 1,
                     data_parallel_rank: None,
                     tls_name: None,
+                    bootstrap_port: None,
                 };
                 Node::new(
                     config,

@@ -6,6 +6,12 @@
 //! prefilled here. Every prefill kept and every pull is recorded with its request's
 //! `x-request-id` (which vLLM asks both legs to share), so a test can check that each
 //! decode engine was handed what a prefill engine answered (`GET /mock/kv_transfers`).
+//!
+//! SGLang's disaggregation too: a prefill engine (`--disaggregation-mode prefill`)
+//! keeps each request's KV cache under its `bootstrap_room`, and answers `GET
+//! /mock/bootstrap/{room}` for it (its bootstrap server, on its own HTTP port here); a
+//! decode engine pulls the room from the `bootstrap_host` and `bootstrap_port` its
+//! request names, and fails the request if no such room is kept there in time.
 
 use parking_lot::Mutex;
 use serde_json::{json, Value};
@@ -46,6 +52,68 @@ impl Transfer {
     }
 }
 
+/// The bootstrap an SGLang-disaggregated request names: its prefill engine's host and
+/// port (SGLang's default, 8998, if null) and its room (the first, for a batch).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Bootstrap {
+    pub host: String,
+    pub port: u16,
+    pub room: u64,
+}
+
+impl Bootstrap {
+    pub(super) fn of(request: &Value) -> Option<Bootstrap> {
+        let first = |v: &Value| match v {
+            Value::Array(items) => items.first().cloned().unwrap_or(Value::Null),
+            v => v.clone(),
+        };
+        Some(Bootstrap {
+            host: first(&request["bootstrap_host"]).as_str()?.to_string(),
+            port: first(&request["bootstrap_port"])
+                .as_u64()
+                .map_or(Some(8998), |p| u16::try_from(p).ok())?,
+            room: first(&request["bootstrap_room"]).as_u64()?,
+        })
+    }
+
+    /// Pulls the room from its prefill engine: that engine's id once it keeps it, else
+    /// (after `wait`) why not.
+    pub(super) async fn pull(&self, wait: std::time::Duration) -> Result<String, String> {
+        let until = tokio::time::Instant::now() + wait;
+        let at = format!("{}:{}", self.host, self.port);
+        loop {
+            if let Some(engine) = kept_at(&at, self.room).await {
+                return Ok(engine);
+            }
+            if tokio::time::Instant::now() >= until {
+                return Err(format!(
+                    "KV transfer failed: bootstrap room {} not kept at {at}",
+                    self.room
+                ));
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    }
+}
+
+/// Asks the engine at `at` whether it keeps `room`: its id if so.
+async fn kept_at(at: &str, room: u64) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(at).await.ok()?;
+    let ask =
+        format!("GET /mock/bootstrap/{room} HTTP/1.1\r\nhost: {at}\r\nconnection: close\r\n\r\n");
+    stream.write_all(ask.as_bytes()).await.ok()?;
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).await.ok()?;
+    let answer = String::from_utf8_lossy(&answer);
+    if !answer.starts_with("HTTP/1.1 200") {
+        return None;
+    }
+    let (_, body) = answer.split_once("\r\n\r\n")?;
+    let v: Value = serde_json::from_str(body.trim()).ok()?;
+    v["engine"].as_str().map(str::to_string)
+}
+
 /// One pull: the engine and blocks pulled from, and the request's `x-request-id`.
 type Pull = (String, Vec<u64>, Option<String>);
 
@@ -57,6 +125,8 @@ pub(super) struct Ledger {
     /// Tokens answered to the requests it prefilled for a decode engine.
     produced_tokens: AtomicU64,
     consumed: Mutex<Vec<Pull>>,
+    /// The bootstrap rooms whose KV cache it kept, in order.
+    rooms: Mutex<Vec<u64>>,
 }
 
 impl Ledger {
@@ -81,6 +151,16 @@ impl Ledger {
         })
     }
 
+    /// Keeps a prefill's KV cache under `room`.
+    pub(super) fn keep_room(&self, room: u64) {
+        self.rooms.lock().push(room);
+    }
+
+    /// Whether it keeps `room`.
+    pub(super) fn keeps_room(&self, room: u64) -> bool {
+        self.rooms.lock().contains(&room)
+    }
+
     pub(super) fn consume(&self, engine: &str, blocks: &[u64], id: Option<&str>) {
         let pull = (engine.to_string(), blocks.to_vec(), id.map(str::to_string));
         self.consumed.lock().push(pull);
@@ -96,6 +176,7 @@ impl Ledger {
             "produced_tokens": self.produced_tokens.load(Ordering::Relaxed),
             "produced_ids": *produced,
             "consumed": *self.consumed.lock(),
+            "rooms": *self.rooms.lock(),
         })
     }
 }

@@ -32,6 +32,10 @@ mod responses;
 mod sglang;
 mod wire;
 
+/// How long a decode engine waits for its request's bootstrap room to be kept by its
+/// prefill engine (sent at the same time) before it fails the request.
+const ROOM_WAIT: Duration = Duration::from_secs(5);
+
 /// `mock-engine` settings (the subcommand's flags).
 #[derive(Debug, Clone)]
 pub struct MockConfig {
@@ -52,6 +56,17 @@ pub struct MockConfig {
     /// lane (vLLM's `--data-parallel-size`). Sequence slots and the decode slowdown
     /// stay the engine's as a whole.
     pub data_parallel_size: usize,
+    /// SGLang's `--disaggregation-mode`: what it does with a request's bootstrap room.
+    pub disaggregation_mode: Option<SglangRole>,
+}
+
+/// An engine's part in SGLang's disaggregated serving.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SglangRole {
+    /// Prefills, and keeps the KV cache under the request's `bootstrap_room`.
+    Prefill,
+    /// Pulls the KV cache from the room at the request's bootstrap address.
+    Decode,
 }
 
 impl Default for MockConfig {
@@ -66,6 +81,7 @@ impl Default for MockConfig {
             adapters: Vec::new(),
             no_embeddings: false,
             data_parallel_size: 1,
+            disaggregation_mode: None,
         }
     }
 }
@@ -145,7 +161,7 @@ pub struct MockEngine {
     /// The Responses API's stored responses.
     store: responses::Store,
     /// Disaggregated prefills kept for decode engines, and pulls from prefill engines.
-    transfers: kv_transfer::Ledger,
+    transfers: Arc<kv_transfer::Ledger>,
 }
 
 /// Counts a running sequence, and the KV cache it holds, on its rank, for as long as
@@ -212,7 +228,7 @@ impl MockEngine {
             prompt_tokens: AtomicU64::new(0),
             cached_tokens: AtomicU64::new(0),
             store: responses::Store::default(),
-            transfers: kv_transfer::Ledger::default(),
+            transfers: Arc::default(),
         })
     }
 
@@ -250,7 +266,8 @@ impl MockEngine {
         if !matches!(
             path.as_str(),
             "/metrics" | "/health" | "/mock/fault" | "/mock/kv_transfers" | "/v1/models"
-        ) {
+        ) && !path.starts_with("/mock/bootstrap/")
+        {
             self.http_requests.fetch_add(1, Ordering::Relaxed);
         }
         let mut resp = match (req.method(), path.as_str()) {
@@ -293,6 +310,13 @@ impl MockEngine {
                 },
                 Err(_) => error(StatusCode::BAD_REQUEST, "could not read body"),
             },
+            (&Method::GET, p) if p.starts_with("/mock/bootstrap/") => {
+                let room = p["/mock/bootstrap/".len()..].parse::<u64>();
+                match room.is_ok_and(|room| self.transfers.keeps_room(room)) {
+                    true => json_response(StatusCode::OK, &json!({"engine": self.config.id})),
+                    false => error(StatusCode::NOT_FOUND, "no such room"),
+                }
+            }
             _ => error(StatusCode::NOT_FOUND, &format!("no route for {path}")),
         };
         if let Ok(id) = header::HeaderValue::from_str(&self.config.id) {
@@ -449,6 +473,24 @@ impl MockEngine {
         if fault.mode == FaultMode::Error {
             return error(StatusCode::INTERNAL_SERVER_ERROR, "injected fault: error");
         }
+        match (self.config.disaggregation_mode, &job.bootstrap) {
+            (None, _) => {}
+            (Some(_), None) => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    "disaggregated serving needs the request's bootstrap_host, bootstrap_port and bootstrap_room",
+                )
+            }
+            // Kept once prefilled (`prefill`).
+            (Some(SglangRole::Prefill), Some(_)) => {}
+            (Some(SglangRole::Decode), Some(b)) => match b.pull(ROOM_WAIT).await {
+                Ok(engine) => {
+                    let blocks = vec![b.room];
+                    job.transfer = kv_transfer::Transfer::Consume { engine, blocks };
+                }
+                Err(msg) => return error(StatusCode::INTERNAL_SERVER_ERROR, &msg),
+            },
+        }
         if fault.mode == FaultMode::ClientError && !job.stream {
             return error(
                 StatusCode::BAD_REQUEST,
@@ -553,7 +595,18 @@ impl MockEngine {
                 .consume(engine, blocks, job.request_id.as_deref());
             return model.receive(&job.prompt);
         }
-        model.prefill(&job.prompt, self.epoch.elapsed())
+        let plan = model.prefill(&job.prompt, self.epoch.elapsed());
+        if let (Some(SglangRole::Prefill), Some(b)) =
+            (self.config.disaggregation_mode, &job.bootstrap)
+        {
+            // Its decode engine can pull the KV cache once it is computed.
+            let (ledger, room, after) = (self.transfers.clone(), b.room, plan.first_token());
+            tokio::spawn(async move {
+                tokio::time::sleep(after).await;
+                ledger.keep_room(room);
+            });
+        }
+        plan
     }
 
     /// Sequences running now.

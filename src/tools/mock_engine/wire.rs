@@ -63,6 +63,8 @@ pub(super) struct Job {
     pub(super) token_ids: bool,
     /// What its `kv_transfer_params` ask (vLLM's disaggregated prefill).
     pub(super) transfer: super::kv_transfer::Transfer,
+    /// The bootstrap its body names (SGLang's disaggregated serving).
+    pub(super) bootstrap: Option<super::kv_transfer::Bootstrap>,
     /// Its `x-request-id` header.
     pub(super) request_id: Option<String>,
 }
@@ -129,6 +131,7 @@ pub(super) fn parse_job(body: &[u8], kind: Kind, default_model: &str) -> Result<
         rank: 0,
         routed_dp_rank: super::sglang::routed_dp_rank(&v),
         transfer: super::kv_transfer::Transfer::of(&v),
+        bootstrap: super::kv_transfer::Bootstrap::of(&v),
         request_id: None,
     })
 }

@@ -215,6 +215,7 @@ fn fleet_table(
             weight: 1,
             data_parallel_rank: None,
             tls_name: None,
+            bootstrap_port: None,
         })
         .collect();
     if let Some(lf) = load_factor {
