@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A disaggregated fleet: PREFILL prefill engines and DECODE decode engines (fresh
-# `prefixlb mock-engine`s speaking vLLM's KV-connector params: a 30,000-token cache
-# each, 50 µs a prefilled token), driven by `prefixlb bench` (WORKLOADS, streaming,
-# concurrency 16, answers of 16 tokens) through:
+# `prefixlb mock-engine`s: a 30,000-token cache each, 50 µs a prefilled token),
+# driven by `prefixlb bench` (WORKLOADS, streaming, concurrency 16, answers of 16
+# tokens). PD=vllm (the default): the engines speak vLLM's KV-connector params, and
+# the routers are
 #   prefixlb       a pool with `disaggregation = "vllm"` and the shipped defaults (each
 #                  decode engine capped at routing.max_in_flight, 4, like every node)
 #   prefixlb-decode64  the same with `decode_max_in_flight = 64`
@@ -10,6 +11,12 @@
 #   vllm-session   the same, consistent_hash, bench sending each conversation's id in
 #                  x-session-id
 #   vllm-rr        the same, round_robin
+# PD=sglang: the engines run `--disaggregation-mode prefill|decode` (SGLang's
+# bootstrap rooms: a decode engine pulls the KV cache from the room its prefill engine
+# keeps once it has prefilled), and the routers are
+#   prefixlb, prefixlb-decode64  as above, with `disaggregation = "sglang"`
+#   sglang         SGLang's router, `--pd-disaggregation`, cache_aware
+#   sglang-rr      the same, round_robin
 # Prints, per router and seed, the prefill engines' hit rate (prompt tokens their
 # prefix caches served, read from their /metrics: where the prefix cache pays in a
 # disaggregated fleet), TTFT p50/p99 as the client saw it (prefill, transfer and the
@@ -19,13 +26,19 @@
 # Usage: scripts/disaggregated.sh   (builds prefixlb; installs vllm-router in a venv)
 #   PREFILL=4 DECODE=2 WORKLOADS="multi-turn doc-qa" SEEDS="1 2"
 #   ROUTERS="prefixlb prefixlb-decode64 vllm vllm-session vllm-rr"
+#   PD=sglang ROUTERS="prefixlb prefixlb-decode64 sglang sglang-rr"
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PD=${PD:-vllm}
 PREFILL=${PREFILL:-4}
 DECODE=${DECODE:-2}
 WORKLOADS=${WORKLOADS:-"multi-turn doc-qa"}
 SEEDS=${SEEDS:-"1"}
-ROUTERS=${ROUTERS:-"prefixlb prefixlb-decode64 vllm vllm-session vllm-rr"}
+case $PD in
+  vllm) ROUTERS=${ROUTERS:-"prefixlb prefixlb-decode64 vllm vllm-session vllm-rr"} ;;
+  sglang) ROUTERS=${ROUTERS:-"prefixlb prefixlb-decode64 sglang sglang-rr"} ;;
+  *) echo "PD=$PD: vllm or sglang" >&2; exit 2 ;;
+esac
 BASE_PORT=${BASE_PORT:-19800}
 NODES=$PREFILL
 if [ -z "${B:-}" ]; then
@@ -41,13 +54,17 @@ prefill_url() { echo "http://127.0.0.1:$((BASE_PORT + $1))"; }
 decode_url() { echo "http://127.0.0.1:$((BASE_PORT + 50 + $1))"; }
 
 fleet() { # fresh prefill and decode engines
-  local flags=(--cache-tokens 30000 --prefill-us-per-token 50)
+  local flags=(--cache-tokens 30000 --prefill-us-per-token 50) p=() d=()
+  if [ "$PD" = sglang ]; then
+    p=(--disaggregation-mode prefill)
+    d=(--disaggregation-mode decode)
+  fi
   for i in $(seq 0 $((PREFILL - 1))); do
-    $E mock-engine --listen "127.0.0.1:$((BASE_PORT + i))" --id "p$i" "${flags[@]}" >/dev/null 2>&1 &
+    $E mock-engine --listen "127.0.0.1:$((BASE_PORT + i))" --id "p$i" "${flags[@]}" "${p[@]}" >/dev/null 2>&1 &
     pids+=($!)
   done
   for j in $(seq 0 $((DECODE - 1))); do
-    $E mock-engine --listen "127.0.0.1:$((BASE_PORT + 50 + j))" --id "d$j" "${flags[@]}" >/dev/null 2>&1 &
+    $E mock-engine --listen "127.0.0.1:$((BASE_PORT + 50 + j))" --id "d$j" "${flags[@]}" "${d[@]}" >/dev/null 2>&1 &
     pids+=($!)
   done
   for i in $(seq 0 $((PREFILL - 1))); do wait_http "$(prefill_url "$i")/health"; done
@@ -57,9 +74,11 @@ fleet() { # fresh prefill and decode engines
 start_prefixlb_pd() { # [POOL_LINE]: the shipped defaults, or with this line in the pool
   {
     printf '[server]\nlisten = "127.0.0.1:%s"\nadmin_listen = "127.0.0.1:%s"\n' "$port" $((port + 1))
-    printf '[[pools]]\nname = "mock"\nmodels = ["mock"]\ndisaggregation = "vllm"\n%s\n' "${1:-}"
+    printf '[[pools]]\nname = "mock"\nmodels = ["mock"]\ndisaggregation = "%s"\n%s\n' "$PD" "${1:-}"
     for i in $(seq 0 $((PREFILL - 1))); do
       printf '[[pools.nodes]]\nid = "p%s"\nurl = "%s"\nrole = "prefill"\n' "$i" "$(prefill_url "$i")"
+      # A mock engine's bootstrap server is its HTTP port.
+      [ "$PD" = sglang ] && printf 'bootstrap_port = %s\n' $((BASE_PORT + i))
     done
     for j in $(seq 0 $((DECODE - 1))); do
       printf '[[pools.nodes]]\nid = "d%s"\nurl = "%s"\nrole = "decode"\n' "$j" "$(decode_url "$j")"
@@ -77,6 +96,17 @@ start_vllm_pd() { # POLICY
   "$VLLM_VENV/bin/vllm-router" --host 127.0.0.1 --port "$port" --vllm-pd-disaggregation \
     "${args[@]}" --policy "$1" --log-level warning \
     --prometheus-port $((BASE_PORT + 92)) > "$WORK/vllm.log" 2>&1 &
+  pids+=($!)
+  wait_http "http://127.0.0.1:$port/health"
+}
+
+start_sglang_pd() { # POLICY
+  local args=()
+  for i in $(seq 0 $((PREFILL - 1))); do args+=(--prefill "$(prefill_url "$i")" $((BASE_PORT + i))); done
+  for j in $(seq 0 $((DECODE - 1))); do args+=(--decode "$(decode_url "$j")"); done
+  "$VENV/bin/python" -m sglang_router.launch_router --host 127.0.0.1 --port "$port" \
+    --pd-disaggregation "${args[@]}" --policy "$1" --log-level warn \
+    --prometheus-port $((BASE_PORT + 92)) > "$WORK/sglang.log" 2>&1 &
   pids+=($!)
   wait_http "http://127.0.0.1:$port/health"
 }
@@ -106,6 +136,8 @@ for w in $WORKLOADS; do
           SESSION=(--session-header x-session-id)
           ;;
         vllm-rr) start_vllm_pd round_robin ;;
+        sglang) start_sglang_pd cache_aware ;;
+        sglang-rr) start_sglang_pd round_robin ;;
       esac
       out=$($B bench --target "http://127.0.0.1:$port" --workload "$w" --concurrency 16 --stream \
         --max-tokens 16 --seed "$seed" "${SESSION[@]}" --json 2>/dev/null)

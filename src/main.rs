@@ -461,14 +461,16 @@ fn check_report(path: &Path, config: Config) -> String {
             b.ring().points()
         );
         for (n, share) in b.nodes().iter().zip(own) {
+            let bootstrap = n.bootstrap_port().map(|p| format!(", bootstrap port {p}"));
             let _ = writeln!(
                 out,
-                "  node {:<16} {:<32} weight {:<3} cap {:<4} key share {:5.1}%",
+                "  node {:<16} {:<32} weight {:<3} cap {:<4} key share {:5.1}%{}",
                 n.id(),
                 n.url().to_string(),
                 n.weight(),
                 n.cap(),
-                share * 100.0
+                share * 100.0,
+                bootstrap.unwrap_or_default()
             );
         }
         for e in &c.named {

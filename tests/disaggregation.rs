@@ -560,6 +560,18 @@ async fn sglang_each_request_goes_to_a_prefill_and_a_decode_engine_with_one_room
         "prefill engines' hit rate {hits}/{queries}"
     );
     assert!(in_flight_settles(&lb, Duration::from_secs(5)).await);
+    // `check` names each prefill engine's bootstrap port.
+    let config = write_config(&sglang_disaggregated(
+        &prefill.iter().collect::<Vec<_>>(),
+        &decode.iter().collect::<Vec<_>>(),
+        "",
+    ));
+    let said =
+        String::from_utf8(run_cli(&["check", "--config", config.to_str().unwrap()])).unwrap();
+    for p in &prefill {
+        let port = format!("bootstrap port {}", p.addr.port());
+        assert!(said.contains(&port), "{said}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -618,6 +630,15 @@ async fn sglang_a_prefill_engine_that_fails_ends_its_decode_leg_and_the_pair_goe
         }
         assert_eq!(pulled, 6);
         assert_eq!(p1["rooms"].as_array().unwrap().len(), 6, "{p1}");
+        if gone {
+            // With every prefill engine gone, the client reads why each try failed.
+            drop(prefill.remove(0));
+            let body = chat(&[("user", &words(9, 0))], true, 4);
+            let reply = post_json(&lb.url("/v1/chat/completions"), &body, &[]).await;
+            assert_eq!(reply.status, 502, "{}", reply.text());
+            let message = reply.json()["error"]["message"].to_string();
+            assert!(message.contains("p1: "), "{message}");
+        }
         assert!(in_flight_settles(&lb, Duration::from_secs(5)).await);
     }
 }

@@ -453,3 +453,42 @@ nodes = [
     assert_eq!(decode.models, ["m"]);
     assert!(decode.fallbacks.is_empty() && !decode.default);
 }
+
+/// SGLang's disaggregation: each prefill engine's bootstrap port, on its node, a DNS
+/// entry's every engine and a data-parallel server's every rank.
+#[test]
+fn an_sglang_disaggregated_pool_keeps_each_prefill_engine_s_bootstrap_port() {
+    let c = Config::parse(
+        r#"
+[[pools]]
+name = "llama"
+models = ["m"]
+disaggregation = "sglang"
+nodes = [
+  { id = "p", url = "http://10.0.0.1:30000", role = "prefill", bootstrap_port = 9000, data_parallel_size = 2 },
+  { id = "q", url = "http://10.0.0.3:30000", role = "prefill" },
+  { id = "pd", url = "http://prefill.svc:30000", role = "prefill", discover = "dns", bootstrap_port = 8999 },
+  { id = "d", url = "http://10.0.0.2:30001", role = "decode" },
+]
+"#,
+        "t.toml",
+    )
+    .unwrap();
+    let prefill = &c.pools[0];
+    assert_eq!(prefill.disaggregation, Some(Disaggregation::Sglang));
+    let ports: Vec<(&str, Option<u16>)> = prefill
+        .nodes
+        .iter()
+        .map(|n| (n.id.as_str(), n.bootstrap_port))
+        .collect();
+    assert_eq!(
+        ports,
+        [("p@0", Some(9000)), ("p@1", Some(9000)), ("q", None)]
+    );
+    let found = prefill.named[0].at(crate::config::Endpoint {
+        ip: "10.0.0.9".parse().unwrap(),
+        port: None,
+    });
+    assert_eq!(found[0].bootstrap_port, Some(8999));
+    assert_eq!(c.pools[1].nodes[0].bootstrap_port, None);
+}

@@ -181,9 +181,13 @@ async fn sglang(
         tokio::select! {
             biased;
             () = bootstrap.opened() => {}
-            // Ended before it was sent: no engine for it (all full or down), or the
-            // request refused in the queue.
-            answer = &mut prefill => return answer,
+            // Ended before it was sent: no engine for it (all full or down, or
+            // each failed in an earlier try of the pair), or the request refused in
+            // the queue.
+            answer = &mut prefill => match answer {
+                Err(_) if !failed.is_empty() => break,
+                answer => return answer,
+            },
         }
         let decoded = decode_leg.run(asking);
         tokio::pin!(decoded);

@@ -481,8 +481,9 @@ impl MockEngine {
                     "disaggregated serving needs the request's bootstrap_host, bootstrap_port and bootstrap_room",
                 )
             }
-            // Kept once prefilled (`prefill`).
-            (Some(SglangRole::Prefill), Some(_)) => {}
+            // Kept once prefilled (`prefill`); a prefill engine's answer ends with
+            // its first token, as SGLang's does: its decode engine generates the rest.
+            (Some(SglangRole::Prefill), Some(_)) => job.max_tokens = job.max_tokens.min(1),
             (Some(SglangRole::Decode), Some(b)) => match b.pull(ROOM_WAIT).await {
                 Ok(engine) => {
                     let blocks = vec![b.room];
