@@ -643,6 +643,50 @@ async fn sglang_a_prefill_engine_that_fails_ends_its_decode_leg_and_the_pair_goe
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_a_data_parallel_prefill_server_s_rank_is_named_to_the_decode_engine() {
+    // One prefill server of two ranks, each keeping the rooms it prefilled: a decode
+    // engine pulls from the rank its request names.
+    let prefill = engine(
+        "p0",
+        &[
+            "--disaggregation-mode",
+            "prefill",
+            "--data-parallel-size",
+            "2",
+        ],
+    );
+    let decode = sglang_engines("decode", DECODE);
+    let config = sglang_disaggregated(&[&prefill], &decode.iter().collect::<Vec<_>>(), "").replace(
+        "role = \"prefill\"\n",
+        "role = \"prefill\"\ndata_parallel_size = 2\n",
+    );
+    let lb = balancer(&config);
+    let mut ranks = BTreeSet::new();
+    for c in 0..8 {
+        let (path, body) = match c % 2 {
+            0 => (
+                "/v1/chat/completions",
+                chat(&[("user", &words(c, 0))], c % 4 == 0, 4),
+            ),
+            _ => (
+                "/generate",
+                json!({"text": words(c, 0), "sampling_params": {"max_new_tokens": 4}}),
+            ),
+        };
+        let reply = post_json(&lb.url(path), &body, &[]).await;
+        assert_eq!(reply.status, 200, "{path}: {}", reply.text());
+        ranks.insert(reply.header("x-prefixlb-prefill-node").to_string());
+    }
+    assert_eq!(
+        ranks,
+        BTreeSet::from(["p0@0".to_string(), "p0@1".to_string()])
+    );
+    let (kept, pulled) = rooms(&[prefill], &decode).await;
+    assert_eq!((kept.len(), kept), (8, pulled));
+    assert!(in_flight_settles(&lb, Duration::from_secs(5)).await);
+}
+
 #[test]
 fn check_refuses_a_disaggregated_pool_it_cannot_serve() {
     let pool = |lines: &str| {

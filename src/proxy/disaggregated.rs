@@ -277,6 +277,8 @@ struct BootstrapAt {
     node: usize,
     host: Arc<str>,
     port: Option<u16>,
+    /// Its data-parallel rank, if the node is one rank of its server.
+    rank: Option<u32>,
 }
 
 impl Bootstrap {
@@ -297,6 +299,7 @@ impl Bootstrap {
             node: index,
             host: node.url().host().unwrap_or_default().into(),
             port: node.bootstrap_port(),
+            rank: node.data_parallel_rank(),
         }));
     }
 
@@ -316,14 +319,21 @@ impl Bootstrap {
         self.prefill.borrow().as_ref().map(|at| at.node)
     }
 
-    /// A leg's body: `body` naming the prefill engine's bootstrap and the rooms, once
-    /// that engine is chosen.
-    pub(super) async fn body(&self, body: &Bytes) -> Bytes {
-        match self.chosen().await {
-            Some(at) => {
-                kv_transfer::bootstrap_body(body, &at.host, at.port, &self.rooms, self.batch)
-            }
-            None => body.clone(),
-        }
+    /// A leg's body for `node`: `body` naming the prefill engine's bootstrap and the
+    /// rooms (once that engine is chosen), and the data-parallel ranks: the node's
+    /// own, and a decode leg's prefill engine's.
+    pub(super) async fn body(&self, body: &Bytes, node: &Node, decode: bool) -> Bytes {
+        let Some(at) = self.chosen().await else {
+            return body.clone();
+        };
+        let to = kv_transfer::Bootstrapped {
+            host: &at.host,
+            port: at.port,
+            rooms: &self.rooms,
+            batch: self.batch,
+            rank: node.data_parallel_rank(),
+            prefill_rank: at.rank.filter(|_| decode),
+        };
+        kv_transfer::bootstrap_body(body, &to)
     }
 }

@@ -474,10 +474,12 @@ impl Exchange<'_> {
                 )
             })?),
         };
-        // SGLang's `/generate` reads its data-parallel rank from the body.
+        // SGLang's `/generate` reads its data-parallel rank from the body (as SGLang's
+        // disaggregated legs do, whose bodies name it with the rest).
         let ranked;
+        let bootstrapping = matches!(self.leg, Leg::PrefillFor(_) | Leg::DecodeFrom(_));
         let body = match node.rank_header() {
-            Some(rank) if self.placement.api == Api::Generate => {
+            Some(rank) if self.placement.api == Api::Generate && !bootstrapping => {
                 ranked = edit::with_rank(body, &self.placement.facts.spans, rank.as_bytes());
                 &ranked
             }
@@ -486,8 +488,12 @@ impl Exchange<'_> {
         // SGLang's disaggregation: both legs name the prefill engine's bootstrap.
         let bootstrapped;
         let body = match &self.leg {
-            Leg::PrefillFor(bootstrap) | Leg::DecodeFrom(bootstrap) => {
-                bootstrapped = bootstrap.body(body).await;
+            Leg::PrefillFor(bootstrap) => {
+                bootstrapped = bootstrap.body(body, node, false).await;
+                &bootstrapped
+            }
+            Leg::DecodeFrom(bootstrap) => {
+                bootstrapped = bootstrap.body(body, node, true).await;
                 &bootstrapped
             }
             _ => body,

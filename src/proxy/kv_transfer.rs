@@ -115,20 +115,38 @@ pub fn prefill_body(body: &[u8]) -> Option<Bytes> {
     serde_json::to_vec(&request).ok().map(Bytes::from)
 }
 
-/// Both legs' body in SGLang's disaggregation: `body` (a JSON object) with the prefill
-/// engine's `bootstrap_host` and `bootstrap_port` (`null`: the engines' default) and
-/// the request's `bootstrap_room` as its last members, as SGLang's router adds them (a
-/// list of each, one per request, for a `batch`).
-pub fn bootstrap_body(
-    body: &[u8],
-    host: &str,
-    port: Option<u16>,
-    rooms: &[u64],
-    batch: bool,
-) -> Bytes {
+/// What both legs of an SGLang-disaggregated request are told.
+#[derive(Debug, Clone, Copy)]
+pub struct Bootstrapped<'a> {
+    /// The prefill engine's host and bootstrap port (`None`: the engines' default).
+    pub host: &'a str,
+    pub port: Option<u16>,
+    /// One per request the engines make of it.
+    pub rooms: &'a [u64],
+    /// Whether it is a batch (each member a list, one per request).
+    pub batch: bool,
+    /// The leg's own data-parallel rank (`routed_dp_rank`), where its node is one.
+    pub rank: Option<u32>,
+    /// The decode leg's: the data-parallel rank of the prefill engine that holds its
+    /// KV cache (`disagg_prefill_dp_rank`), where that node is one.
+    pub prefill_rank: Option<u32>,
+}
+
+/// A leg's body in SGLang's disaggregation: `body` (a JSON object) with the prefill
+/// engine's `bootstrap_host` and `bootstrap_port` (`null`: the engines' default), the
+/// request's `bootstrap_room` (a list of each, one per request, for a batch), and the
+/// data-parallel ranks, as SGLang's router adds them, as its last members.
+pub fn bootstrap_body(body: &[u8], to: &Bootstrapped<'_>) -> Bytes {
+    let Bootstrapped {
+        host,
+        port,
+        rooms,
+        batch,
+        ..
+    } = *to;
     let host = Value::from(host).to_string();
     let port = port.map_or_else(|| "null".to_string(), |p| p.to_string());
-    let members = match (batch, rooms) {
+    let mut members = match (batch, rooms) {
         (false, [room, ..]) => {
             format!(r#""bootstrap_host":{host},"bootstrap_port":{port},"bootstrap_room":{room}"#)
         }
@@ -146,6 +164,12 @@ pub fn bootstrap_body(
             )
         }
     };
+    if let Some(rank) = to.rank {
+        members += &format!(r#","routed_dp_rank":{rank}"#);
+    }
+    if let Some(rank) = to.prefill_rank {
+        members += &format!(r#","disagg_prefill_dp_rank":{rank}"#);
+    }
     append_members(body, &members)
 }
 
@@ -249,16 +273,50 @@ mod tests {
     #[test]
     fn both_sglang_legs_name_the_prefill_engine_s_bootstrap_and_one_room() {
         let body = br#"{"model":"m","bootstrap_room":1,"stream":true}"#;
-        let out = json(&bootstrap_body(body, "10.0.1.10", Some(8998), &[42], false));
+        let to = Bootstrapped {
+            host: "10.0.1.10",
+            port: Some(8998),
+            rooms: &[42],
+            batch: false,
+            rank: None,
+            prefill_rank: None,
+        };
+        let out = json(&bootstrap_body(body, &to));
         assert_eq!(out["bootstrap_host"], "10.0.1.10");
         assert_eq!(out["bootstrap_port"], 8998);
         // The last of a repeated key is the one read: the balancer's room.
         assert_eq!(out["bootstrap_room"], 42);
         assert_eq!(out["stream"], true);
-        let out = json(&bootstrap_body(b"{}", "h\"x", None, &[7], false));
+        let out = json(&bootstrap_body(
+            b"{}",
+            &Bootstrapped {
+                host: "h\"x",
+                port: None,
+                rooms: &[7],
+                ..to
+            },
+        ));
         let alone = serde_json::json!({"bootstrap_host": "h\"x", "bootstrap_port": null, "bootstrap_room": 7});
         assert_eq!(out, alone);
-        let out = json(&bootstrap_body(br#"{"n":2}"#, "h", None, &[1, 2], true));
+        assert!(out.get("routed_dp_rank").is_none());
+        let ranked = Bootstrapped {
+            rank: Some(3),
+            prefill_rank: Some(1),
+            ..to
+        };
+        let out = json(&bootstrap_body(b"{}", &ranked));
+        assert_eq!(
+            (&out["routed_dp_rank"], &out["disagg_prefill_dp_rank"]),
+            (&3.into(), &1.into())
+        );
+        let batch = Bootstrapped {
+            host: "h",
+            port: None,
+            rooms: &[1, 2],
+            batch: true,
+            ..to
+        };
+        let out = json(&bootstrap_body(br#"{"n":2}"#, &batch));
         assert_eq!(out["bootstrap_host"], serde_json::json!(["h", "h"]));
         assert_eq!(out["bootstrap_port"], serde_json::json!([null, null]));
         assert_eq!(out["bootstrap_room"], serde_json::json!([1, 2]));

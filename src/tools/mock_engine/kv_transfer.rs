@@ -53,12 +53,15 @@ impl Transfer {
 }
 
 /// The bootstrap an SGLang-disaggregated request names: its prefill engine's host and
-/// port (SGLang's default, 8998, if null) and its room (the first, for a batch).
+/// port (SGLang's default, 8998, if null), its room (the first, for a batch), and the
+/// data-parallel rank of the prefill engine that holds it, if named
+/// (`disagg_prefill_dp_rank`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Bootstrap {
     pub host: String,
     pub port: u16,
     pub room: u64,
+    pub prefill_rank: Option<u64>,
 }
 
 impl Bootstrap {
@@ -73,6 +76,7 @@ impl Bootstrap {
                 .as_u64()
                 .map_or(Some(8998), |p| u16::try_from(p).ok())?,
             room: first(&request["bootstrap_room"]).as_u64()?,
+            prefill_rank: request["disagg_prefill_dp_rank"].as_u64(),
         })
     }
 
@@ -82,7 +86,15 @@ impl Bootstrap {
         let until = tokio::time::Instant::now() + wait;
         let at = format!("{}:{}", self.host, self.port);
         loop {
-            if let Some(engine) = kept_at(&at, self.room).await {
+            if let Some((engine, rank)) = kept_at(&at, self.room).await {
+                // A data-parallel prefill server keeps it in one rank, which the
+                // request must name.
+                if rank.is_some() && rank != self.prefill_rank {
+                    return Err(format!(
+                        "KV transfer failed: bootstrap room {} is in prefill rank {rank:?} at {at}, and the request names rank {:?} (disagg_prefill_dp_rank)",
+                        self.room, self.prefill_rank
+                    ));
+                }
                 return Ok(engine);
             }
             if tokio::time::Instant::now() >= until {
@@ -96,8 +108,9 @@ impl Bootstrap {
     }
 }
 
-/// Asks the engine at `at` whether it keeps `room`: its id if so.
-async fn kept_at(at: &str, room: u64) -> Option<String> {
+/// Asks the engine at `at` whether it keeps `room`: its id, and the rank that keeps
+/// it if it runs several, if so.
+async fn kept_at(at: &str, room: u64) -> Option<(String, Option<u64>)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(at).await.ok()?;
     let ask =
@@ -111,7 +124,7 @@ async fn kept_at(at: &str, room: u64) -> Option<String> {
     }
     let (_, body) = answer.split_once("\r\n\r\n")?;
     let v: Value = serde_json::from_str(body.trim()).ok()?;
-    v["engine"].as_str().map(str::to_string)
+    Some((v["engine"].as_str()?.to_string(), v["rank"].as_u64()))
 }
 
 /// One pull: the engine and blocks pulled from, and the request's `x-request-id`.
@@ -125,8 +138,9 @@ pub(super) struct Ledger {
     /// Tokens answered to the requests it prefilled for a decode engine.
     produced_tokens: AtomicU64,
     consumed: Mutex<Vec<Pull>>,
-    /// The bootstrap rooms whose KV cache it kept, in order.
-    rooms: Mutex<Vec<u64>>,
+    /// The bootstrap rooms whose KV cache it kept, in order, each with the rank that
+    /// keeps it.
+    rooms: Mutex<Vec<(u64, usize)>>,
 }
 
 impl Ledger {
@@ -151,14 +165,18 @@ impl Ledger {
         })
     }
 
-    /// Keeps a prefill's KV cache under `room`.
-    pub(super) fn keep_room(&self, room: u64) {
-        self.rooms.lock().push(room);
+    /// Keeps a prefill's KV cache under `room`, in `rank`.
+    pub(super) fn keep_room(&self, room: u64, rank: usize) {
+        self.rooms.lock().push((room, rank));
     }
 
-    /// Whether it keeps `room`.
-    pub(super) fn keeps_room(&self, room: u64) -> bool {
-        self.rooms.lock().contains(&room)
+    /// The rank that keeps `room`, if one does.
+    pub(super) fn room_rank(&self, room: u64) -> Option<usize> {
+        let rooms = self.rooms.lock();
+        rooms
+            .iter()
+            .find(|(r, _)| *r == room)
+            .map(|(_, rank)| *rank)
     }
 
     pub(super) fn consume(&self, engine: &str, blocks: &[u64], id: Option<&str>) {
@@ -176,7 +194,7 @@ impl Ledger {
             "produced_tokens": self.produced_tokens.load(Ordering::Relaxed),
             "produced_ids": *produced,
             "consumed": *self.consumed.lock(),
-            "rooms": *self.rooms.lock(),
+            "rooms": self.rooms.lock().iter().map(|(room, _)| *room).collect::<Vec<_>>(),
         })
     }
 }

@@ -312,9 +312,13 @@ impl MockEngine {
             },
             (&Method::GET, p) if p.starts_with("/mock/bootstrap/") => {
                 let room = p["/mock/bootstrap/".len()..].parse::<u64>();
-                match room.is_ok_and(|room| self.transfers.keeps_room(room)) {
-                    true => json_response(StatusCode::OK, &json!({"engine": self.config.id})),
-                    false => error(StatusCode::NOT_FOUND, "no such room"),
+                match room.ok().and_then(|room| self.transfers.room_rank(room)) {
+                    // The rank is named where there are several.
+                    Some(rank) => json_response(
+                        StatusCode::OK,
+                        &json!({"engine": self.config.id, "rank": (self.ranks.len() > 1).then_some(rank)}),
+                    ),
+                    None => error(StatusCode::NOT_FOUND, "no such room"),
                 }
             }
             _ => error(StatusCode::NOT_FOUND, &format!("no route for {path}")),
@@ -602,9 +606,10 @@ impl MockEngine {
         {
             // Its decode engine can pull the KV cache once it is computed.
             let (ledger, room, after) = (self.transfers.clone(), b.room, plan.first_token());
+            let rank = job.rank;
             tokio::spawn(async move {
                 tokio::time::sleep(after).await;
-                ledger.keep_room(room);
+                ledger.keep_room(room, rank);
             });
         }
         plan
