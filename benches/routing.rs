@@ -294,9 +294,10 @@ fn contention(c: &mut Criterion) {
     other.join().unwrap();
 }
 
-/// A disaggregated request's two bodies for the 18 KB chat (what `disaggregation =
-/// "vllm"` adds to a request): the prefill leg's, read and written again by serde_json,
-/// and the decode leg's, the prefill answer's params appended.
+/// A disaggregated request's bodies for the 18 KB chat (what disaggregation adds to a
+/// request): with `"vllm"`, the prefill leg's, read and written again by serde_json,
+/// and the decode leg's, the prefill answer's params appended; with `"sglang"`, a leg's
+/// body, the bootstrap members appended (each leg gets one).
 fn disaggregated_bodies(c: &mut Criterion) {
     let body = chat_body(30, 520);
     let params = serde_json::value::RawValue::from_string(
@@ -311,6 +312,17 @@ fn disaggregated_bodies(c: &mut Criterion) {
     });
     c.bench_function("disaggregated/decode_body_18KB", |b| {
         b.iter(|| kv_transfer::decode_body(black_box(&body), &params))
+    });
+    let to = kv_transfer::Bootstrapped {
+        host: "10.0.1.10",
+        port: Some(8998),
+        rooms: &[7_212_512_377_410_811_021],
+        batch: false,
+        rank: None,
+        prefill_rank: None,
+    };
+    c.bench_function("disaggregated/bootstrap_body_18KB", |b| {
+        b.iter(|| kv_transfer::bootstrap_body(black_box(&body), &to))
     });
 }
 
