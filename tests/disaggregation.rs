@@ -687,6 +687,48 @@ async fn sglang_a_data_parallel_prefill_server_s_rank_is_named_to_the_decode_eng
     assert!(in_flight_settles(&lb, Duration::from_secs(5)).await);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_a_client_who_leaves_frees_both_legs_slots() {
+    // Leaving while the decode engine has no first token (its leg pending), then
+    // while the prefill engine has not answered (its leg pending, the decode leg's
+    // answer held for it).
+    for (stalled, mode, ms) in [("d0", "stall", 0), ("p0", "slow", 3000)] {
+        let prefill = sglang_engines("prefill", PREFILL);
+        let decode = sglang_engines("decode", DECODE);
+        let config = sglang_disaggregated(&[&prefill[0]], &[&decode[0]], "");
+        let lb = balancer(&config);
+        let engine = if stalled == "d0" {
+            &decode[0]
+        } else {
+            &prefill[0]
+        };
+        set_fault(engine, mode, ms).await;
+        let url = lb.url("/v1/chat/completions");
+        let asking = tokio::spawn(async move {
+            let body = chat(&[("user", &words(0, 0))], true, 4);
+            tokio::time::timeout(Duration::from_millis(800), post_json(&url, &body, &[])).await
+        });
+        let held = eventually(Duration::from_millis(700), || async {
+            in_flight(&lb)
+                .await
+                .iter()
+                .any(|(node, n)| node == stalled && *n == 1)
+        })
+        .await;
+        assert!(
+            held,
+            "{stalled}'s leg holds its slot: {:?}",
+            in_flight(&lb).await
+        );
+        assert!(asking.await.unwrap().is_err(), "answered despite {stalled}");
+        assert!(
+            in_flight_settles(&lb, Duration::from_secs(5)).await,
+            "{stalled}: {:?}",
+            in_flight(&lb).await
+        );
+    }
+}
+
 #[test]
 fn check_refuses_a_disaggregated_pool_it_cannot_serve() {
     let pool = |lines: &str| {
