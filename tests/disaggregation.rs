@@ -729,6 +729,54 @@ async fn sglang_a_client_who_leaves_frees_both_legs_slots() {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_prefill_or_decode_engine_free_the_fallback_pool_takes_the_request_whole() {
+    for how in ["vllm", "sglang"] {
+        let role = |r: &'static str| match how {
+            "sglang" => vec!["--disaggregation-mode", r],
+            _ => vec![],
+        };
+        let prefill = engine("p0", &role("prefill"));
+        let decode = engine("d0", &role("decode"));
+        let plain = engine("whole", &[]);
+        let pd = match how {
+            "sglang" => sglang_disaggregated(&[&prefill], &[&decode], ""),
+            _ => disaggregated(&[url(&prefill)], &[url(&decode)], ""),
+        };
+        let config = pd.replace("models = [\"mock\"]\n", "models = [\"mock\"]\nfallbacks = [\"plain\"]\n")
+            + &format!(
+                "[[pools]]\nname = \"plain\"\nmodels = [\"other\"]\n[[pools.nodes]]\nid = \"n0\"\nurl = \"{}\"\n",
+                url(&plain)
+            );
+        let lb = balancer(&config);
+        let ask = |stream: bool| {
+            let url = lb.url("/v1/chat/completions");
+            async move { post_json(&url, &chat(&[("user", &words(0, 0))], stream, 4), &[]).await }
+        };
+        let drain = |node: &'static str, verb: &'static str| {
+            let url = lb.admin_url(&format!("/admin/nodes/{node}/{verb}"));
+            async move { call("POST", &url, &[], "").await }
+        };
+        let reply = ask(false).await;
+        assert_eq!(reply.header("x-prefixlb-prefill-node"), "p0", "{how}");
+        for (node, stream) in [("p0", true), ("d0", false)] {
+            drain(node, "drain").await;
+            let reply = ask(stream).await;
+            assert_eq!(reply.status, 200, "{how}, {node} drained: {}", reply.text());
+            assert_eq!(
+                reply.header("x-prefixlb-node"),
+                "n0",
+                "{how}, {node} drained"
+            );
+            assert_eq!(reply.header("x-prefixlb-route"), "fallback:plain");
+            assert!(reply.headers.get("x-prefixlb-prefill-node").is_none());
+            drain(node, "undrain").await;
+        }
+        assert_eq!(ask(true).await.header("x-prefixlb-node"), "d0", "{how}");
+        assert!(in_flight_settles(&lb, Duration::from_secs(5)).await);
+    }
+}
+
 #[test]
 fn check_refuses_a_disaggregated_pool_it_cannot_serve() {
     let pool = |lines: &str| {
@@ -786,11 +834,13 @@ fn check_refuses_a_disaggregated_pool_it_cannot_serve() {
         let said = check_refuses(&pool(&lines));
         assert!(said.contains(says), "{lines}\n{said}");
     }
-    let fallback = "[server]\nlisten = \"127.0.0.1:0\"\n[[pools]]\nname = \"other\"\n".to_string()
-        + &node("o", "")
-        + "[[pools]]\nname = \"m\"\ndisaggregation = \"vllm\"\nfallbacks = [\"other\"]\n"
-        + &both;
-    assert!(check_refuses(&fallback).contains("is disaggregated and has fallbacks"));
+    let fallback =
+        "[server]\nlisten = \"127.0.0.1:0\"\n[[pools]]\nname = \"other\"\nfallbacks = [\"m\"]\n"
+            .to_string()
+            + &node("o", "")
+            + "[[pools]]\nname = \"m\"\ndisaggregation = \"vllm\"\n"
+            + &both;
+    assert!(check_refuses(&fallback).contains("falls back to \"m\", which is disaggregated"));
     let taken =
         "[server]\nlisten = \"127.0.0.1:0\"\n[[pools]]\nname = \"m/decode\"\nmodels = [\"x\"]\n"
             .to_string()

@@ -550,7 +550,9 @@ pub struct PoolSection {
     /// Budget for the first generated token. Default `"60s"`.
     #[serde(default = "default_first_token_timeout")]
     pub first_token_timeout: Dur,
-    /// Pools tried, in order, when this one has no available node. Default none.
+    /// Pools tried, in order, when this one has no available node (a disaggregated
+    /// pool: no prefill or no decode engine for a leg; the fallback takes the request
+    /// whole). None may be a disaggregated pool. Default none.
     #[serde(default)]
     pub fallbacks: Vec<Spanned<String>>,
     /// Whether requests that ask for reasoning may come here. Default true.

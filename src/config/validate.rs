@@ -107,6 +107,20 @@ pub(super) fn config(raw: FileConfig, dir: &Path) -> Result<Config, Invalid> {
         pools.push(pool);
         pools.extend(decode);
     }
+    // A fallback takes a request whole, which a disaggregated pool's engines do not.
+    for pool in &pools {
+        let split = |f: &&String| {
+            pools
+                .iter()
+                .any(|q| q.name == **f && q.decode_pool.is_some())
+        };
+        if let Some(f) = pool.fallbacks.iter().find(split) {
+            return invalid(
+                0..0,
+                format!("pool {:?} falls back to {f:?}, which is disaggregated: not built (a fallback takes the request whole); a disaggregated pool may have fallbacks of its own", pool.name),
+            );
+        }
+    }
     Ok(Config {
         server,
         routing,
@@ -382,12 +396,6 @@ fn validate_pool(
                         format!("pool {name:?} has disaggregation = \"{}\" and no node with role = \"{role}\"", how.as_str()),
                     );
                 }
-            }
-            if let Some(f) = p.fallbacks.first() {
-                return invalid(
-                    f.span(),
-                    format!("pool {name:?} is disaggregated and has fallbacks: not built (a fallback pool would get its prefill leg)"),
-                );
             }
             let decode_name = PoolConfig::decode_pool_name(&name);
             if seen.all_pools.contains(&decode_name) || !seen.pools.insert(decode_name.clone()) {

@@ -56,10 +56,24 @@ pub(super) async fn run(
         let e = KeyError::Json("the body is not a JSON object".into());
         return Err(ProxyError::Place(PlaceError::Key(e)));
     };
-    match exchange.placement.pool().config.disaggregation {
+    let stream = exchange.placement.facts.stream;
+    let split = match exchange.placement.pool().config.disaggregation {
         Some(Disaggregation::Sglang) => sglang(exchange, decode, answers, asking).await,
         _ => vllm(exchange, decode, answers, asking).await,
-    }
+    };
+    // No prefill or no decode engine to take it: the pool's fallbacks, whole.
+    let Err(e @ ProxyError::NoNode { .. }) = split else {
+        return split;
+    };
+    exchange.placement.facts.stream = stream;
+    let Some(fallback) = exchange.placement.fallback(exchange.table) else {
+        return Err(e);
+    };
+    tracing::debug!(from = %exchange.placement.pool().config.name, to = %fallback.pool().config.name, "no prefill or decode engine available; the fallback pool takes it whole");
+    exchange.placement = fallback;
+    exchange.leg = Leg::Whole;
+    *asking = None;
+    exchange.run(asking).await
 }
 
 /// vLLM's: the prefill leg, read whole for its `kv_transfer_params`, then the decode
@@ -77,8 +91,7 @@ async fn vllm(
             answers = answers.total(),
             "several answers asked for: decoded whole, no prefill leg"
         );
-        exchange.placement = decode;
-        return exchange.run(asking).await;
+        return exchange.sibling(decode, Leg::Whole).run(asking).await;
     }
     // Both legs carry one request id, as vLLM asks (its KV connectors may match the
     // decode engine's pull to the prefill by it): the client's, else a new one.
@@ -116,11 +129,10 @@ async fn vllm(
     let Some(params) = kv_transfer::answered_params(&answer) else {
         return Err(ProxyError::NoKvTransfer { node: node_id() });
     };
-    exchange.placement = decode;
-    exchange.leg = Leg::Decode(params);
+    let mut decode_leg = exchange.sibling(decode, Leg::Decode(params));
     // No engine is asked until the decode leg's attempt is.
     *asking = None;
-    let mut response = exchange.run(asking).await?;
+    let mut response = decode_leg.run(asking).await?;
     if let Some(node) = node {
         response
             .headers_mut()

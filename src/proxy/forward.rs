@@ -298,7 +298,13 @@ impl Exchange<'_> {
                         node: node.to_string(),
                     });
                 }
-                Err(e @ ProxyError::NoNode { .. }) => match self.placement.fallback(self.table) {
+                // A disaggregated request's leg is not sent elsewhere: the request
+                // goes whole to the fallback pool (`disaggregated`).
+                Err(e @ ProxyError::NoNode { .. }) => match self
+                    .placement
+                    .fallback(self.table)
+                    .filter(|_| matches!(self.leg, Leg::Whole))
+                {
                     Some(next) => {
                         tracing::debug!(from = %self.placement.pool().config.name, to = %next.pool().config.name, "no node available; trying the fallback pool");
                         self.placement = next;
