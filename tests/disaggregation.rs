@@ -559,6 +559,17 @@ async fn sglang_each_request_goes_to_a_prefill_and_a_decode_engine_with_one_room
         hits / queries > 0.3,
         "prefill engines' hit rate {hits}/{queries}"
     );
+    // The prefill pool counts each prefill's prompt tokens from its engine's usage
+    // (a stream's too), as it does any request's.
+    let page = call("GET", &lb.admin_url("/metrics"), &[], Vec::new())
+        .await
+        .text();
+    let counted: f64 = page
+        .lines()
+        .filter(|l| l.starts_with("prefixlb_prompt_tokens_total{node=\"p"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(counted, queries, "{page}");
     assert!(in_flight_settles(&lb, Duration::from_secs(5)).await);
     // `check` names each prefill engine's bootstrap port.
     let config = write_config(&sglang_disaggregated(

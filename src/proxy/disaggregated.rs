@@ -162,17 +162,16 @@ async fn sglang(
         let e = format!("it asks for more than {MAX_ROOMS} answers, the most a disaggregated pool takes in one request");
         return Err(ProxyError::Place(PlaceError::Key(KeyError::Json(e))));
     }
-    let stream = exchange.placement.facts.stream;
-    // The prefill engine's answer (its first token) is read whole, in the time a
-    // first token has.
-    exchange.placement.facts.stream = false;
+    // The prefill leg asks what the client asked, as SGLang's router sends it: a
+    // stream (usage asked for, to count its prompt tokens) is probed for its first
+    // token; a whole answer is read in the time a first token has.
     let mut decode = Some(decode);
     let mut avoid = Vec::new();
     let mut failed = Vec::new();
     let tries = exchange.table.config.routing.max_attempts;
     for pair in 1..=tries {
         let bootstrap = Arc::new(Bootstrap::new(batch, avoid.clone()));
-        let mut placement =
+        let placement =
             match decode.take() {
                 Some(p) => p,
                 None => exchange.placement.decode(exchange.table).ok_or_else(|| {
@@ -182,7 +181,6 @@ async fn sglang(
                     }
                 })?,
             };
-        placement.facts.stream = stream;
         let mut decode_leg = exchange.sibling(placement, Leg::DecodeFrom(bootstrap.clone()));
         exchange.leg = Leg::PrefillFor(bootstrap.clone());
         let mut prefill_asking = None;
