@@ -45,6 +45,18 @@ fn words(conversation: usize, turn: usize) -> String {
         .join(" ")
 }
 
+/// The prompt tokens the balancer counted from its prefill nodes' (`p…`) answers
+/// (each counted when its answer has been read to its end).
+async fn prefill_prompt_tokens(lb: &Proc) -> f64 {
+    let page = call("GET", &lb.admin_url("/metrics"), &[], Vec::new())
+        .await
+        .text();
+    page.lines()
+        .filter(|l| l.starts_with("prefixlb_prompt_tokens_total{node=\"p"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 async fn transfers(engine: &Proc) -> Value {
     get_json(&format!("http://{}/mock/kv_transfers", engine.addr)).await
 }
@@ -125,6 +137,14 @@ async fn each_request_prefills_on_its_prefix_s_engine_and_decodes_with_the_param
         // moves once.
         hits / queries > 0.3,
         "prefill engines' hit rate {hits}/{queries}"
+    );
+    let counted = eventually(Duration::from_secs(2), || async {
+        prefill_prompt_tokens(&lb).await == queries
+    });
+    assert!(
+        counted.await,
+        "{} of {queries}",
+        prefill_prompt_tokens(&lb).await
     );
     // Each prefill was asked for one token and kept for a decode engine, and each
     // decode engine pulled exactly the blocks a prefill engine answered, once, in a
@@ -561,15 +581,14 @@ async fn sglang_each_request_goes_to_a_prefill_and_a_decode_engine_with_one_room
     );
     // The prefill pool counts each prefill's prompt tokens from its engine's usage
     // (a stream's too), as it does any request's.
-    let page = call("GET", &lb.admin_url("/metrics"), &[], Vec::new())
-        .await
-        .text();
-    let counted: f64 = page
-        .lines()
-        .filter(|l| l.starts_with("prefixlb_prompt_tokens_total{node=\"p"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum();
-    assert_eq!(counted, queries, "{page}");
+    let counted = eventually(Duration::from_secs(2), || async {
+        prefill_prompt_tokens(&lb).await == queries
+    });
+    assert!(
+        counted.await,
+        "{} of {queries}",
+        prefill_prompt_tokens(&lb).await
+    );
     assert!(in_flight_settles(&lb, Duration::from_secs(5)).await);
     // `check` names each prefill engine's bootstrap port.
     let config = write_config(&sglang_disaggregated(
