@@ -343,7 +343,9 @@ impl Proxy {
             }
         };
         if exchange.placement.splits() {
-            return disaggregated::run(&mut exchange, &mut at.asking).await;
+            // Boxed: its future holds two legs' at once, and every request's future
+            // would be as large (and copied as often) if it were held in place.
+            return Box::pin(disaggregated::run(&mut exchange, &mut at.asking)).await;
         }
         exchange.run(&mut at.asking).await
     }
