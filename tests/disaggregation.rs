@@ -45,6 +45,29 @@ fn words(conversation: usize, turn: usize) -> String {
         .join(" ")
 }
 
+/// The prefill engines' caches served over 30 % of the prompt tokens they were asked
+/// for, and the prefill pool counted those tokens from their answers' usage (a
+/// stream's too), as it does any request's.
+async fn prefill_caches_hit(lb: &Proc, prefill: &[Proc]) {
+    let mut hits = 0.0;
+    let mut queries = 0.0;
+    for p in prefill {
+        let url = format!("http://{}/metrics", p.addr);
+        hits += metric(&url, "vllm:prefix_cache_hits_total").await;
+        queries += metric(&url, "vllm:prefix_cache_queries_total").await;
+    }
+    assert!(
+        hits / queries > 0.3,
+        "prefill engines' hit rate {hits}/{queries}"
+    );
+    let counted = eventually(Duration::from_secs(2), || async {
+        prefill_prompt_tokens(lb).await == queries
+    })
+    .await;
+    let seen = prefill_prompt_tokens(lb).await;
+    assert!(counted, "{seen} of {queries}");
+}
+
 /// The prompt tokens the balancer counted from its prefill nodes' (`p…`) answers
 /// (each counted when its answer has been read to its end).
 async fn prefill_prompt_tokens(lb: &Proc) -> f64 {
@@ -124,28 +147,9 @@ async fn each_request_prefills_on_its_prefix_s_engine_and_decodes_with_the_param
     for (c, nodes) in prefilled_on.iter().filter(|(c, _)| **c != 5) {
         assert_eq!(nodes.len(), 1, "conversation {c} prefilled on {nodes:?}");
     }
-    let mut hits = 0.0;
-    let mut queries = 0.0;
-    for p in &prefill {
-        let url = format!("http://{}/metrics", p.addr);
-        hits += metric(&url, "vllm:prefix_cache_hits_total").await;
-        queries += metric(&url, "vllm:prefix_cache_queries_total").await;
-    }
-    assert!(
-        // Each chat's later turns hit what its earlier turns left (about half the
-        // prompt tokens of 3 turns: 3,344 of 7,225 here); the completions prompt
-        // moves once.
-        hits / queries > 0.3,
-        "prefill engines' hit rate {hits}/{queries}"
-    );
-    let counted = eventually(Duration::from_secs(2), || async {
-        prefill_prompt_tokens(&lb).await == queries
-    });
-    assert!(
-        counted.await,
-        "{} of {queries}",
-        prefill_prompt_tokens(&lb).await
-    );
+    // Each chat's later turns hit what its earlier turns left (about half the prompt
+    // tokens of 3 turns: 3,344 of 7,225 here); the completions prompt moves once.
+    prefill_caches_hit(&lb, &prefill).await;
     // Each prefill was asked for one token and kept for a decode engine, and each
     // decode engine pulled exactly the blocks a prefill engine answered, once, in a
     // request with the prefill's request id (the client's where it sent one).
@@ -568,27 +572,7 @@ async fn sglang_each_request_goes_to_a_prefill_and_a_decode_engine_with_one_room
     let distinct: BTreeSet<u64> = kept.iter().map(|(_, room)| *room).collect();
     assert_eq!(distinct.len(), requests);
     // The prefill engines hold the conversations' prefixes: later turns hit.
-    let mut hits = 0.0;
-    let mut queries = 0.0;
-    for p in &prefill {
-        let url = format!("http://{}/metrics", p.addr);
-        hits += metric(&url, "vllm:prefix_cache_hits_total").await;
-        queries += metric(&url, "vllm:prefix_cache_queries_total").await;
-    }
-    assert!(
-        hits / queries > 0.3,
-        "prefill engines' hit rate {hits}/{queries}"
-    );
-    // The prefill pool counts each prefill's prompt tokens from its engine's usage
-    // (a stream's too), as it does any request's.
-    let counted = eventually(Duration::from_secs(2), || async {
-        prefill_prompt_tokens(&lb).await == queries
-    });
-    assert!(
-        counted.await,
-        "{} of {queries}",
-        prefill_prompt_tokens(&lb).await
-    );
+    prefill_caches_hit(&lb, &prefill).await;
     assert!(in_flight_settles(&lb, Duration::from_secs(5)).await);
     // `check` names each prefill engine's bootstrap port.
     let config = write_config(&sglang_disaggregated(

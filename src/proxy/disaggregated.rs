@@ -190,7 +190,7 @@ async fn sglang(
         // decode leg holds no slot.
         tokio::select! {
             biased;
-            () = bootstrap.opened() => {}
+            _ = bootstrap.chosen() => {}
             // Ended before it was sent: no engine for it (all full or down, or
             // each failed in an earlier try of the pair), or the request refused in
             // the queue.
@@ -207,8 +207,7 @@ async fn sglang(
             tokio::select! {
                 answer = &mut prefill, if !prefilled => match answer {
                     Ok(answer) if answer.status().is_success() => {
-                        prefill_node = answer.headers().get(&headers::NODE).cloned();
-                        drain(answer);
+                        prefill_node = drain(answer);
                         prefilled = true;
                     }
                     // An engine's error: the pair goes again, on another engine.
@@ -239,10 +238,7 @@ async fn sglang(
                         // Its engine has answered the decode engine: its own answer
                         // is on the way.
                         match (&mut prefill).await {
-                            Ok(p) => {
-                                prefill_node = p.headers().get(&headers::NODE).cloned();
-                                drain(p);
-                            }
+                            Ok(p) => prefill_node = drain(p),
                             Err(e) => tracing::info!(reason = %e, "the prefill leg failed after its decode leg answered"),
                         }
                     }
@@ -260,11 +256,12 @@ async fn sglang(
     })
 }
 
-/// Reads a prefill leg's answer to its end, away from the request: its node's slot
-/// is freed, and its request logged, when it ends.
-fn drain(answer: Response<BoxBody>) {
-    let mut body = answer.into_body();
+/// Reads a prefill leg's answer to its end, away from the request (its node's slot
+/// is freed, and its request logged, when it ends); returns the node it names.
+fn drain(answer: Response<BoxBody>) -> Option<HeaderValue> {
+    let (head, mut body) = answer.into_parts();
     tokio::spawn(async move { while let Some(Ok(_)) = body.frame().await {} });
+    head.headers.get(&headers::NODE).cloned()
 }
 
 /// An SGLang-disaggregated request's bootstrap: its rooms, and the prefill engine its
@@ -319,10 +316,6 @@ impl Bootstrap {
         let mut chosen = self.prefill.subscribe();
         let at = chosen.wait_for(Option::is_some).await.ok()?.clone();
         at
-    }
-
-    async fn opened(&self) {
-        self.chosen().await;
     }
 
     fn node(&self) -> Option<usize> {

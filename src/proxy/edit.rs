@@ -97,22 +97,32 @@ pub fn with_rank(body: &Bytes, spans: &BodySpans, rank: &[u8]) -> Bytes {
     if spans.object.is_none() {
         return body.clone();
     }
+    append_members(body, &[b"\"routed_dp_rank\":", rank])
+}
+
+/// `body` (a JSON object) with `members` (the pieces of `"name":value` members,
+/// comma-separated, written one after the other) as its last, and the comma before
+/// them that its other members need. A body whose last byte (but whitespace) is not
+/// its object's `}` is left as it is.
+pub fn append_members(body: &[u8], members: &[&[u8]]) -> Bytes {
     let Some(close) = body.iter().rposition(|b| !b.is_ascii_whitespace()) else {
-        return body.clone();
+        return Bytes::copy_from_slice(body);
     };
     if body[close] != b'}' {
-        return body.clone();
+        return Bytes::copy_from_slice(body);
     }
     // Empty when its `{` is the last thing before its `}` (after the other edits).
     let before = body[..close].iter().rposition(|b| !b.is_ascii_whitespace());
     let has_members = before.is_some_and(|i| body[i] != b'{');
-    let mut out = BytesMut::with_capacity(body.len() + rank.len() + 20);
+    let added: usize = members.iter().map(|m| m.len()).sum();
+    let mut out = BytesMut::with_capacity(body.len() + added + 1);
     out.extend_from_slice(&body[..close]);
     if has_members {
         out.extend_from_slice(b",");
     }
-    out.extend_from_slice(b"\"routed_dp_rank\":");
-    out.extend_from_slice(rank);
+    for m in members {
+        out.extend_from_slice(m);
+    }
     out.extend_from_slice(&body[close..]);
     out.freeze()
 }

@@ -8,7 +8,9 @@
 //! example proxy send (docs/operating.md, "Prefill/decode disaggregation"). Pure: no
 //! I/O.
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
+
+use super::edit::append_members;
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
@@ -170,7 +172,7 @@ pub fn bootstrap_body(body: &[u8], to: &Bootstrapped<'_>) -> Bytes {
     if let Some(rank) = to.prefill_rank {
         members += &format!(r#","disagg_prefill_dp_rank":{rank}"#);
     }
-    append_members(body, &members)
+    append_members(body, &[members.as_bytes()])
 }
 
 /// The `kv_transfer_params` of a prefill engine's answer, as it wrote them: an
@@ -192,24 +194,7 @@ pub fn answered_params(answer: &[u8]) -> Option<Box<RawValue>> {
 /// reader that keeps the last of a repeated key (Python's, vLLM's) takes over any the
 /// client sent.
 pub fn decode_body(body: &[u8], params: &RawValue) -> Bytes {
-    append_members(body, &format!("\"kv_transfer_params\":{}", params.get()))
-}
-
-/// `body` (a JSON object) with `members` (`"name":value`, comma-separated) as its last.
-fn append_members(body: &[u8], members: &str) -> Bytes {
-    let end = body.iter().rposition(|&b| b == b'}').unwrap_or(body.len());
-    let empty = body[..end]
-        .iter()
-        .rev()
-        .find(|b| !b.is_ascii_whitespace())
-        .is_none_or(|&b| b == b'{');
-    let comma = if empty { "" } else { "," };
-    let mut out = BytesMut::with_capacity(body.len() + comma.len() + members.len());
-    out.extend_from_slice(&body[..end]);
-    out.extend_from_slice(comma.as_bytes());
-    out.extend_from_slice(members.as_bytes());
-    out.extend_from_slice(&body[end..]);
-    out.freeze()
+    append_members(body, &[b"\"kv_transfer_params\":", params.get().as_bytes()])
 }
 
 #[cfg(test)]
