@@ -17,6 +17,7 @@ pub mod decision;
 pub mod explain;
 pub mod facts;
 pub mod fair;
+pub mod form;
 pub mod group;
 pub mod home;
 pub mod json_scan;
