@@ -36,6 +36,9 @@ struct Splice {
 
 /// The body with `edits` applied. `spans` must come from scanning this very `body`.
 pub fn apply(body: &Bytes, spans: &BodySpans, edits: Edits<'_>) -> Bytes {
+    if spans.form {
+        return in_form(body, spans, edits.model);
+    }
     let Some(object) = spans.object.filter(|_| !edits.is_empty()) else {
         return body.clone();
     };
@@ -84,6 +87,22 @@ pub fn apply(body: &Bytes, spans: &BodySpans, edits: Edits<'_>) -> Bytes {
         from = s.at.end;
     }
     out.extend_from_slice(&body[from..]);
+    out.freeze()
+}
+
+/// A multipart form with its `model` part's value replaced by `model` (a form that has
+/// no `model` part is left as it is: OpenAI's audio APIs require one). A form has no
+/// `stream_options`; its usage is asked for by other fields.
+fn in_form(body: &Bytes, spans: &BodySpans, model: Option<&str>) -> Bytes {
+    // A model name is one line of text (a line end would end the part).
+    let model = model.filter(|m| !m.contains(['\r', '\n']));
+    let (Some(model), Some(at)) = (model, &spans.model) else {
+        return body.clone();
+    };
+    let mut out = BytesMut::with_capacity(body.len() + model.len());
+    out.extend_from_slice(&body[..at.start]);
+    out.extend_from_slice(model.as_bytes());
+    out.extend_from_slice(&body[at.end..]);
     out.freeze()
 }
 
@@ -166,6 +185,32 @@ mod tests {
         let body = Bytes::copy_from_slice(body.as_bytes());
         let out = with_rank(&body, &facts.spans, rank.as_bytes());
         String::from_utf8(out.to_vec()).unwrap()
+    }
+
+    #[test]
+    fn a_form_s_model_part_is_rewritten_and_nothing_else() {
+        let form = |model: &str| {
+            format!("--b\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\n{model}\r\n--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\nRIFF\x00model\r\n--b--\r\n")
+        };
+        let spec = KeySpec::new(KeyMode::Hybrid, 64);
+        let body = form("whisper-1");
+        let facts = extract(Api::Audio, body.as_bytes(), None, spec).unwrap();
+        let edited = |model, include_usage| {
+            let body = Bytes::copy_from_slice(body.as_bytes());
+            apply(
+                &body,
+                &facts.spans,
+                Edits {
+                    model,
+                    include_usage,
+                },
+            )
+        };
+        let rewritten = edited(Some("openai/whisper-large-v3"), true);
+        assert_eq!(rewritten, form("openai/whisper-large-v3").as_bytes());
+        assert_eq!(edited(None, true), body.as_bytes());
+        // A name that would end the part is not written.
+        assert_eq!(edited(Some("a\r\n--b--"), false), body.as_bytes());
     }
 
     #[test]

@@ -18,13 +18,13 @@ pub enum ProxyError {
     BodyRead(String),
     #[error("request body exceeds the limit of {limit} bytes (server.max_body_bytes)")]
     BodyTooLarge { limit: usize },
-    #[error("content-type `{0}` is not supported; send the body as application/json")]
-    UnsupportedMediaType(String),
+    #[error("content-type `{got}` is not supported; send the body as {want}")]
+    UnsupportedMediaType { got: String, want: &'static str },
     #[error("content-encoding `{0}` is not supported; send the body uncompressed (engines read plain JSON)")]
     UnsupportedEncoding(String),
     #[error("method {method} is not allowed on {path}; use POST")]
     MethodNotAllowed { method: String, path: String },
-    #[error("invalid URL ({method} {path}): this balancer serves /v1/chat/completions, /v1/completions, /v1/responses (and /v1/responses/{{id}}), /v1/embeddings, /v1/messages, /v1/messages/count_tokens, /generate and /v1/models")]
+    #[error("invalid URL ({method} {path}): this balancer serves /v1/chat/completions, /v1/completions, /v1/responses (and /v1/responses/{{id}}), /v1/embeddings, /v1/audio/transcriptions, /v1/audio/translations, /v1/messages, /v1/messages/count_tokens, /generate and /v1/models")]
     UnknownPath { method: String, path: String },
     #[error("tenant `{tenant}` is over its {limit} limit; retry in {retry_after_secs} s")]
     RateLimited {
@@ -77,7 +77,7 @@ impl ProxyError {
             ProxyError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             ProxyError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            ProxyError::UnsupportedMediaType(_) | ProxyError::UnsupportedEncoding(_) => {
+            ProxyError::UnsupportedMediaType { .. } | ProxyError::UnsupportedEncoding(_) => {
                 StatusCode::UNSUPPORTED_MEDIA_TYPE
             }
             ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
@@ -119,12 +119,14 @@ impl ProxyError {
             }
             ProxyError::Place(PlaceError::Key(KeyError::Empty)) => "empty_body",
             ProxyError::Place(PlaceError::Key(KeyError::Json(_))) => "invalid_json",
+            ProxyError::Place(PlaceError::Key(KeyError::Form(_))) => "invalid_form",
+            ProxyError::Place(PlaceError::Key(KeyError::NotText(_))) => "invalid_parameter",
             ProxyError::Place(PlaceError::Key(KeyError::Missing(_))) => {
                 "missing_required_parameter"
             }
             ProxyError::BodyRead(_) => "body_read_error",
             ProxyError::BodyTooLarge { .. } => "request_too_large",
-            ProxyError::UnsupportedMediaType(_) => "unsupported_media_type",
+            ProxyError::UnsupportedMediaType { .. } => "unsupported_media_type",
             ProxyError::UnsupportedEncoding(_) => "unsupported_content_encoding",
             ProxyError::MethodNotAllowed { .. } => "method_not_allowed",
             ProxyError::UnknownPath { .. } => "unknown_url",
@@ -252,7 +254,10 @@ mod tests {
                 None,
             ),
             (
-                ProxyError::UnsupportedMediaType("text/plain".into()),
+                ProxyError::UnsupportedMediaType {
+                    got: "text/plain".into(),
+                    want: "application/json",
+                },
                 415,
                 "unsupported_media_type",
                 None,

@@ -715,7 +715,7 @@ impl Exchange<'_> {
             started: self.started,
             ttft,
             ticket,
-            teaches: self.placement.api.is_load(),
+            teaches: self.placement.api.teaches(),
             // A disaggregated request's tokens are settled once, by its decode leg.
             charge: match self.leg.prefills() {
                 true => None,

@@ -15,6 +15,9 @@ use http_body_util::BodyExt;
 
 use super::ProxyError;
 use crate::clip::clip;
+use crate::routing::facts::KeyError;
+use crate::routing::form;
+use crate::routing::table::PlaceError;
 
 /// The largest buffer allocated before the body's bytes have arrived.
 const INITIAL_BUFFER: usize = 64 * 1024;
@@ -100,8 +103,40 @@ pub fn check_json_content_type(headers: &http::HeaderMap) -> Result<(), ProxyErr
     if json {
         Ok(())
     } else {
-        Err(ProxyError::UnsupportedMediaType(clip(essence)))
+        Err(ProxyError::UnsupportedMediaType {
+            got: clip(essence),
+            want: "application/json",
+        })
     }
+}
+
+/// An upload (OpenAI's audio APIs) takes `multipart/form-data` with its boundary.
+pub fn check_form_content_type(headers: &http::HeaderMap) -> Result<(), ProxyError> {
+    let ct = headers
+        .get(header::CONTENT_TYPE)
+        .map(|v| v.to_str().unwrap_or("?"));
+    match ct.and_then(form::boundary) {
+        Some(_) => Ok(()),
+        None => Err(ProxyError::UnsupportedMediaType {
+            got: clip(ct.unwrap_or("(none)")),
+            want: "multipart/form-data with a boundary",
+        }),
+    }
+}
+
+/// A form's body opens with the boundary its content type names (else the engine
+/// would read other parts than the ones it was routed by).
+pub fn check_form_boundary(headers: &http::HeaderMap, body: &[u8]) -> Result<(), ProxyError> {
+    let named = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(form::boundary);
+    let refused = |e| ProxyError::Place(PlaceError::Key(KeyError::Form(e)));
+    let opened = form::opening(body).map_err(refused)?;
+    if named.map(str::as_bytes) != Some(opened) {
+        return Err(refused(form::FormError::OtherBoundary));
+    }
+    Ok(())
 }
 
 /// The body must come as it is meant to be read: a compressed body (`Content-Encoding`

@@ -291,11 +291,14 @@ impl Proxy {
                 path: clip(path),
             });
         }
-        if api.requires_json() {
+        if api.requires_json() || api.takes_form() {
             if method != Method::POST {
                 return Err(method_not_allowed(method, path));
             }
-            ingress::check_json_content_type(req.headers())?;
+            match api.takes_form() {
+                true => ingress::check_form_content_type(req.headers())?,
+                false => ingress::check_json_content_type(req.headers())?,
+            }
             ingress::check_identity_encoding(req.headers())?;
         }
         let server = &table.config.server;
@@ -308,6 +311,9 @@ impl Proxy {
         // Held until this function returns: through the queue and every attempt.
         let mut claim = self.budget.claim();
         let body = ingress::read_body(body, &parts.headers, limits, started, &mut claim).await?;
+        if api.takes_form() {
+            ingress::check_form_boundary(&parts.headers, &body)?;
+        }
         // Built in a block whose locals end before any `.await`: the request's future
         // (copied whole as it is made) then holds the exchange, not also the placement,
         // asker and header key it was built from.

@@ -54,7 +54,8 @@ pub struct RequestLog {
     /// the engine reports when it ends.
     pub charge: Option<super::tenant::Charge>,
     /// The pool learns from it when it succeeds, and its prompt tokens are counted
-    /// (not a `count_tokens`'s, nor a stored response's read again).
+    /// (not a `count_tokens`'s, nor a stored response's read again, nor an audio
+    /// upload's: see [`Api::teaches`](crate::routing::facts::Api::teaches)).
     pub teaches: bool,
     /// Its trace spans (the request's, the answering attempt's): they end with it.
     pub spans: [tracing::Span; 2],

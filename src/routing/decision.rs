@@ -77,8 +77,8 @@ impl Table {
             None => self.pool_for(envelope.as_ref().and_then(|e| e.model()))?,
         };
         let prefixes = &self.pools[own].balancer.load().prefixes;
-        // A request that is not load is keyed as its API keys, but counts nothing.
-        let learn = if api.is_load() { mode } else { Mode::Explain };
+        // A request that teaches nothing is keyed as its API keys, but counts nothing.
+        let learn = if api.teaches() { mode } else { Mode::Explain };
         let mut facts = key::facts_of(
             api,
             body,
@@ -96,7 +96,7 @@ impl Table {
             }));
         };
         let placement = Placement::new(self, api, facts, own, at, pool, mode);
-        Ok(placement.with_homes(api.is_load()))
+        Ok(placement.with_homes(api.teaches()))
     }
 
     /// The first pool whose table knows where the stored response `id` is.

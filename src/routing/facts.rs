@@ -28,6 +28,11 @@ pub enum Api {
     /// `POST /v1/responses/{id}/cancel`, …): served by the engine that holds it.
     StoredResponse,
     Embeddings,
+    /// OpenAI's audio transcriptions and translations (`/v1/audio/transcriptions`,
+    /// `/v1/audio/translations`): a `multipart/form-data` upload, read for its
+    /// `model`, `stream` and `file` parts. No engine caches audio by prefix, so it is
+    /// keyed by its file and teaches the pool nothing.
+    Audio,
     Other,
 }
 
@@ -41,6 +46,7 @@ impl Api {
             "/generate" => Api::Generate,
             "/v1/responses" => Api::Responses,
             "/v1/embeddings" => Api::Embeddings,
+            "/v1/audio/transcriptions" | "/v1/audio/translations" => Api::Audio,
             p if super::stored::id_in_path(p).is_some() => Api::StoredResponse,
             _ => Api::Other,
         }
@@ -56,13 +62,27 @@ impl Api {
             Api::Responses => "responses",
             Api::StoredResponse => "stored_response",
             Api::Embeddings => "embeddings",
+            Api::Audio => "audio",
             Api::Other => "other",
         }
     }
 
     /// Whether the body must be a JSON object (else 400).
     pub fn requires_json(self) -> bool {
-        !matches!(self, Api::Other | Api::StoredResponse)
+        !matches!(self, Api::Other | Api::StoredResponse | Api::Audio)
+    }
+
+    /// Whether the body must be a `multipart/form-data` form (else 400).
+    pub fn takes_form(self) -> bool {
+        self == Api::Audio
+    }
+
+    /// Whether the pool learns from it: its prefix is counted, its home remembered,
+    /// and its prefill rate, latency and cached tokens learned when it ends. Not a
+    /// request that is not load, nor an audio upload: no engine caches audio by
+    /// prefix, and its time is the audio's length, which the body does not tell.
+    pub fn teaches(self) -> bool {
+        self.is_load() && self != Api::Audio
     }
 
     /// Anthropic's API: its errors, stream events and usage have Anthropic's shapes.
@@ -98,6 +118,8 @@ pub enum KeySource {
     Prompt,
     /// The raw body bytes (non-JSON bodies, or JSON with no prompt field).
     Raw,
+    /// The digest of a form's uploaded `file`.
+    File,
 }
 
 impl KeySource {
@@ -106,6 +128,7 @@ impl KeySource {
             KeySource::Header => "header",
             KeySource::Prompt => "prompt",
             KeySource::Raw => "raw",
+            KeySource::File => "file",
         }
     }
 }
@@ -219,6 +242,8 @@ pub struct BodySpans {
     pub model: Option<Range<usize>>,
     /// The value of `stream_options`.
     pub stream_options: Option<StreamOptionsSpan>,
+    /// The body is a multipart form: `model` is a part's raw value.
+    pub form: bool,
 }
 
 /// An object's opening: the offset just after its `{`, and whether it has members.
@@ -246,6 +271,10 @@ pub enum KeyError {
     Json(String),
     #[error("'{0}' is a required property")]
     Missing(&'static str),
+    #[error("request body is not a valid multipart/form-data form: {0}")]
+    Form(#[from] super::form::FormError),
+    #[error("'{0}' must be UTF-8 text")]
+    NotText(&'static str),
 }
 
 /// The fields of any OpenAI-style body that routing reads, as raw JSON text; everything
@@ -271,6 +300,8 @@ pub struct Envelope<'a> {
     pub(super) previous_response_id: Option<Cow<'a, str>>,
     /// `"store": false`.
     pub(super) no_store: bool,
+    /// A form's `file` part: the audio uploaded.
+    pub(super) upload: Option<Range<usize>>,
 }
 
 /// A chat message, or a `/v1/responses` input item. Its content is the raw JSON
@@ -278,6 +309,39 @@ pub struct Envelope<'a> {
 pub(super) struct Message<'a> {
     pub(super) role: Option<Cow<'a, str>>,
     pub(super) content: Option<Cow<'a, str>>,
+}
+
+/// An audio upload's form: its `model` (and where it is, for a rewrite), `stream`,
+/// and its `file` (required, as OpenAI's API has it).
+fn read_form(body: &[u8]) -> Result<Envelope<'_>, KeyError> {
+    let mut env = Envelope::default();
+    env.spans.form = true;
+    // Engines read the last of a repeated field, as they do a JSON member.
+    for part in super::form::parts(body)? {
+        let value = &body[part.value.clone()];
+        match part.name.as_str() {
+            "model" => {
+                let model = std::str::from_utf8(value).map_err(|_| KeyError::NotText("model"))?;
+                env.model = Some(Cow::Borrowed(model));
+                env.spans.model = Some(part.value);
+            }
+            // What pydantic reads as true in a form field (vLLM's and SGLang's servers).
+            "stream" => {
+                let text = String::from_utf8_lossy(value);
+                let text = text.trim().to_ascii_lowercase();
+                env.stream = Some(matches!(
+                    text.as_str(),
+                    "true" | "1" | "t" | "yes" | "y" | "on"
+                ));
+            }
+            "file" => env.upload = Some(part.value),
+            _ => {}
+        }
+    }
+    if env.upload.is_none() {
+        return Err(KeyError::Missing("file"));
+    }
+    Ok(env)
 }
 
 fn read_envelope(text: &str) -> Result<Envelope<'_>, ScanError> {
@@ -495,6 +559,9 @@ pub fn read(api: Api, body: &[u8]) -> Result<Option<Envelope<'_>>, KeyError> {
         Ok(text) => Ok(text),
         Err(_) => std::str::from_utf8(body),
     };
+    if api.takes_form() {
+        return read_form(body).map(Some);
+    }
     if !api.requires_json() {
         // Anything else: use the JSON fields if it is a JSON object, else raw bytes.
         return Ok(text.ok().and_then(|t| read_envelope(t).ok()));

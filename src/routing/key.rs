@@ -106,6 +106,25 @@ pub fn facts_of(
             },
             KeySource::Header,
         ),
+        // An upload: its file's digest (no engine caches audio by prefix, and the
+        // bytes before the file are a random boundary and the same few fields).
+        (
+            None,
+            Some(Envelope {
+                upload: Some(file), ..
+            }),
+        ) => {
+            let digest = xxhash_rust::xxh3::xxh3_128(&body[file.clone()]);
+            (
+                PromptKey {
+                    key: digest.to_le_bytes().to_vec(),
+                    group: Grouping::Ring,
+                    prefix: None,
+                    turn: None,
+                },
+                KeySource::File,
+            )
+        }
         (None, Some(env)) if spec.mode == KeyMode::Hybrid => {
             match hybrid_key(api, env, spec, prefixes) {
                 Some(k) => (k, KeySource::Prompt),
@@ -158,6 +177,10 @@ pub fn facts_of(
 /// message continues a conversation, whose history is everything before its last
 /// message.
 fn shape(api: Api, env: &Envelope<'_>, body_len: usize) -> (Turn, TokenEstimate) {
+    if api == Api::Audio {
+        // Audio: its size in tokens is not its size in bytes, and is not known.
+        return (Turn::Unknown, TokenEstimate::default());
+    }
     let messages = match api {
         api if api.has_messages() => env.messages.as_deref(),
         _ => None,

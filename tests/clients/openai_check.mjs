@@ -3,7 +3,8 @@
 //     NODE_PATH=target/ci-node/node_modules node tests/clients/openai_check.mjs target/debug/prefixlb
 //
 // The same checks as openai_check.py, as a Node user sees them: chat completions with
-// and without streaming, completions, models, embeddings, a streamed tool call, a
+// and without streaming, completions, models, embeddings, an audio transcription
+// (a multipart upload), a streamed tool call, a
 // Responses API conversation chained by previous_response_id (read, then deleted), and our
 // errors as the client's exception classes (404 -> NotFoundError, 401 ->
 // AuthenticationError, 503 on saturation -> APIError with status 503). Starts its own
@@ -101,6 +102,14 @@ async function main() {
 
   const e = await client.embeddings.create({ model: "mock", input: ["a", "b"] });
   check("embeddings.create", e.data.length === 2 && e.data[0].embedding.length === 8, e);
+
+  // Audio: a multipart upload as the Node client writes it; the mock engine's
+  // "transcript" says what it received (model, file length, digest).
+  const audio = Buffer.concat([Buffer.from("RIFF"), Buffer.alloc(16000), Buffer.from([...Array(256).keys()])]);
+  const said = `model=mock bytes=${audio.length} `;
+  const file = await OpenAI.toFile(audio, "speech.wav", { type: "audio/wav" });
+  const t = await client.audio.transcriptions.create({ model: "mock", file, language: "en" });
+  check("audio.transcriptions.create", t.text.startsWith(said), t);
 
   let name = "";
   let args = "";

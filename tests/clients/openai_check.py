@@ -5,7 +5,8 @@
 
 Starts the engines and the balancer itself (loopback, ports chosen by the OS), then
 checks what a user of the client sees: chat completions with and without streaming,
-completions, models, embeddings, a streamed tool call, a Responses API conversation
+completions, models, embeddings, audio transcriptions and translations (uploads,
+plain and streamed), a streamed tool call, a Responses API conversation
 chained by `previous_response_id` (plain and streamed, then read and deleted), and that our errors become the
 client's exceptions (404 -> NotFoundError, 503 on saturation -> APIStatusError,
 401 -> AuthenticationError). Exits non-zero on the first failure.
@@ -45,6 +46,22 @@ def main():
 
     e = client.embeddings.create(model="mock", input=["a", "b"])
     check("embeddings.create", len(e.data) == 2 and len(e.data[0].embedding) == 8, e)
+
+    # Audio: a multipart upload, as the SDK writes it; the mock engine's "transcript"
+    # says what it received (model, file length, digest), so the upload came whole.
+    audio = b"RIFF" + bytes(16_000) + bytes(range(256)) * 64
+    said = f"model=mock bytes={len(audio)} "
+    t = client.audio.transcriptions.create(model="mock", file=("speech.wav", audio, "audio/wav"), language="en")
+    check("audio.transcriptions.create", t.text.startswith(said), t)
+    t = client.audio.translations.create(model="mock", file=("speech.wav", audio, "audio/wav"))
+    check("audio.translations.create", t.text.startswith(said), t)
+    words = ""
+    for event in client.audio.transcriptions.create(model="mock", file=("speech.wav", audio, "audio/wav"),
+                                                    stream=True):
+        # vLLM streams chat-shaped `transcription.chunk`s: the SDK keeps their fields.
+        for choice in getattr(event, "choices", None) or []:
+            words += (choice.get("delta") or {}).get("content") or ""
+    check("audio.transcriptions.create(stream=True)", words.startswith(said), words)
 
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
     name, args, finish = "", "", None

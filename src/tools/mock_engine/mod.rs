@@ -27,6 +27,7 @@ use wire::{
 };
 
 mod anthropic;
+mod audio;
 mod kv_transfer;
 mod responses;
 mod sglang;
@@ -153,6 +154,8 @@ pub struct MockEngine {
     health_checks: AtomicU64,
     /// Requests to SGLang's native `/generate`.
     generate_requests: AtomicU64,
+    /// Uploads to the audio APIs (`/v1/audio/transcriptions`, `/translations`).
+    audio_requests: AtomicU64,
     /// Generation requests whose prompt came as token ids.
     token_id_prompts: AtomicU64,
     cancelled: AtomicU64,
@@ -223,6 +226,7 @@ impl MockEngine {
             http_requests: AtomicU64::new(0),
             health_checks: AtomicU64::new(0),
             generate_requests: AtomicU64::new(0),
+            audio_requests: AtomicU64::new(0),
             token_id_prompts: AtomicU64::new(0),
             cancelled: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
@@ -296,6 +300,11 @@ impl MockEngine {
             (&Method::POST, "/v1/messages/count_tokens") => self.count_tokens(req).await,
             (&Method::POST, "/v1/responses") => self.clone().generate(req, Kind::Responses).await,
             (&Method::POST, "/generate") => self.clone().generate(req, Kind::Generate).await,
+            (&Method::POST, "/v1/audio/transcriptions" | "/v1/audio/translations") => {
+                self.audio_requests.fetch_add(1, Ordering::Relaxed);
+                let per_word = self.config.costs.decode_per_token;
+                audio::serve(req, &self.config.model, per_word).await
+            }
             (method, p) if p.starts_with("/v1/responses/") => {
                 self.store.serve(method, &p["/v1/responses/".len()..])
             }
@@ -969,6 +978,12 @@ impl MockEngine {
                 "counter",
                 "Requests to SGLang's native /generate.",
                 self.generate_requests.load(Ordering::Relaxed),
+            ),
+            g(
+                "mock_engine_audio_requests_total",
+                "counter",
+                "Uploads to /v1/audio/transcriptions and /v1/audio/translations.",
+                self.audio_requests.load(Ordering::Relaxed),
             ),
             g(
                 "mock_engine_token_id_prompts_total",
