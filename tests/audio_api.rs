@@ -192,6 +192,27 @@ async fn uploads_spread_over_the_pool_and_their_size_is_not_taken_for_tokens() {
         assert!(nodes.iter().any(|n| n == id), "{id} got none: {nodes:?}");
     }
     let again = form(&[("model", WHISPER)], Some(&audio(5, 20_000)));
+    let ct = form_type();
+    let explained = call(
+        "POST",
+        &lb.admin_url("/admin/explain?path=/v1/audio/transcriptions"),
+        &[("content-type", &ct)],
+        again.clone(),
+    )
+    .await
+    .json();
+    let digest = xxhash_rust::xxh3::xxh3_128(&audio(5, 20_000)).to_le_bytes();
+    let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    assert_eq!(
+        (
+            &explained["api"],
+            &explained["key_source"],
+            &explained["key"]
+        ),
+        (&"audio".into(), &"file".into(), &hex.into()),
+        "{explained}"
+    );
+    assert_eq!(explained["choice"], nodes[5].as_str());
     let r = upload(&lb, "/v1/audio/transcriptions", again, &[]).await;
     assert_eq!(r.header("x-prefixlb-node"), nodes[5]);
     let mut served = 0.0;

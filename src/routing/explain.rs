@@ -6,12 +6,13 @@
 //! side-effect free [`Placement::peek`](super::decision::Placement::peek), so it is the
 //! truth and changes nothing.
 
+use std::borrow::Cow;
 use std::time::Instant;
 
 use serde::Serialize;
 
 use super::decision::Placement;
-use super::facts::Turn;
+use super::facts::{KeySource, Turn};
 use super::group::Grouping;
 use super::route::Route;
 use super::table::{PlaceError, Table};
@@ -28,9 +29,9 @@ pub struct Explanation {
     pub model: Option<String>,
     pub api: &'static str,
     pub stream: bool,
-    /// `header`, `prompt` or `raw`.
+    /// `header`, `prompt`, `raw` or `file`.
     pub key_source: &'static str,
-    /// The key text, shortened.
+    /// The key text, shortened (`file`: the upload's digest, in hex).
     pub key: String,
     pub key_chars: usize,
     /// `xxh3_64(pool ‖ 0x00 ‖ key, hash_seed)` in hex.
@@ -180,7 +181,11 @@ fn explained(table: &Table, p: &Placement, now: Instant) -> Explanation {
         Peek::Unavailable => (None, "unavailable".to_string()),
     };
     let facts = &p.facts;
-    let text = String::from_utf8_lossy(&facts.key);
+    let text = match facts.source {
+        // A digest: shown as hex.
+        KeySource::File => Cow::Owned(facts.key.iter().map(|b| format!("{b:02x}")).collect()),
+        _ => String::from_utf8_lossy(&facts.key),
+    };
     let key_chars = text.chars().count();
     let mut key: String = text.chars().take(SHOWN_KEY_CHARS).collect();
     if key_chars > SHOWN_KEY_CHARS {
