@@ -242,7 +242,7 @@ async fn a_stream_outlasting_the_head_timeout_is_whole_and_the_idle_wait_follows
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_the_apis_we_serve_reach_the_engines() {
     let e = engine("e0", &FAST);
-    let lb = balancer(&config(&[&e], "", "extra_paths = [\"/v1/rerank\"]"));
+    let lb = balancer(&config(&[&e], "", "extra_paths = [\"/v1/moderations\"]"));
     for (method, path) in [
         ("POST", "/flush_cache"),
         ("POST", "/update_weights_from_disk"),
@@ -252,6 +252,7 @@ async fn only_the_apis_we_serve_reach_the_engines() {
         ("GET", "/v1/responses/resp_1/../../metrics"),
         ("POST", "/v1/responses/resp_1/flush"),
         ("GET", "/v1/anything"),
+        ("POST", "/v1/moderations/x"),
         ("DELETE", "/v1/models"),
     ] {
         let reply = call(method, &lb.url(path), &[], "{}").await;
@@ -267,7 +268,7 @@ async fn only_the_apis_we_serve_reach_the_engines() {
     }
     assert_eq!(engine_requests(&e).await, 0.0, "nothing was forwarded");
     // A path listed in routing.extra_paths is forwarded.
-    let reply = post_json(&lb.url("/v1/rerank"), &json!({"query": "q"}), &[]).await;
+    let reply = post_json(&lb.url("/v1/moderations"), &json!({"input": "q"}), &[]).await;
     assert_eq!(reply.header("x-prefixlb-node"), "n0");
     assert_eq!(engine_requests(&e).await, 1.0);
 }

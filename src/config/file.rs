@@ -160,8 +160,8 @@ pub struct RoutingSection {
     /// `key = "hybrid"`: most bytes of prompt text walked to find the shared prefix in
     /// front of the conversation. Default 65536.
     pub max_scan_bytes: Spanned<usize>,
-    /// Paths forwarded besides the OpenAI APIs and `/generate` (e.g.
-    /// `"/v1/rerank"`); any other path is answered 404. Default none.
+    /// Paths forwarded besides the APIs served (e.g. `"/v1/moderations"`); any other
+    /// path is answered 404. Default none.
     pub extra_paths: Spanned<Vec<String>>,
     /// Divide each node's cap by the number of balancer replicas heartbeating in
     /// Redis (rounded up, at least 1), so N replicas together keep the cap. Default

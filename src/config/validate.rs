@@ -843,7 +843,7 @@ fn validate_routing(r: RoutingSection) -> Result<RoutingConfig, Invalid> {
         if !p.starts_with('/') || p.contains(['?', '#']) {
             return invalid(
                 r.extra_paths.span(),
-                format!("extra_paths entry {p:?} must be a path like \"/v1/rerank\""),
+                format!("extra_paths entry {p:?} must be a path like \"/v1/moderations\""),
             );
         }
     }

@@ -24,7 +24,7 @@ pub enum ProxyError {
     UnsupportedEncoding(String),
     #[error("method {method} is not allowed on {path}; use POST")]
     MethodNotAllowed { method: String, path: String },
-    #[error("invalid URL ({method} {path}): this balancer serves /v1/chat/completions, /v1/completions, /v1/responses (and /v1/responses/{{id}}), /v1/embeddings, /v1/audio/transcriptions, /v1/audio/translations, /v1/messages, /v1/messages/count_tokens, /generate and /v1/models")]
+    #[error("invalid URL ({method} {path}): this balancer serves /v1/chat/completions, /v1/completions, /v1/responses (and /v1/responses/{{id}}), /v1/embeddings, /v1/audio/transcriptions, /v1/audio/translations, /v1/messages, /v1/messages/count_tokens, /generate, vLLM's /v1/rerank, /score, /pooling, /classify, /tokenize, /detokenize, and /v1/models")]
     UnknownPath { method: String, path: String },
     #[error("tenant `{tenant}` is over its {limit} limit; retry in {retry_after_secs} s")]
     RateLimited {

@@ -28,6 +28,11 @@ pub enum Api {
     /// `POST /v1/responses/{id}/cancel`, …): served by the engine that holds it.
     StoredResponse,
     Embeddings,
+    /// vLLM's pooling endpoints: `/v1/rerank` (also `/rerank`, `/v2/rerank`), `/score`
+    /// (`/v1/score`), `/pooling` and `/classify`. Keyed as embeddings are.
+    Pooling,
+    /// vLLM's `/tokenize` and `/detokenize`: like `count_tokens`, no load.
+    Tokenize,
     /// OpenAI's audio transcriptions and translations (`/v1/audio/transcriptions`,
     /// `/v1/audio/translations`): a `multipart/form-data` upload, read for its
     /// `model`, `stream` and `file` parts. No engine caches audio by prefix, so it is
@@ -46,6 +51,9 @@ impl Api {
             "/generate" => Api::Generate,
             "/v1/responses" => Api::Responses,
             "/v1/embeddings" => Api::Embeddings,
+            "/v1/rerank" | "/rerank" | "/v2/rerank" | "/v1/score" | "/score" | "/pooling"
+            | "/classify" => Api::Pooling,
+            "/tokenize" | "/detokenize" => Api::Tokenize,
             "/v1/audio/transcriptions" | "/v1/audio/translations" => Api::Audio,
             p if super::stored::id_in_path(p).is_some() => Api::StoredResponse,
             _ => Api::Other,
@@ -62,6 +70,8 @@ impl Api {
             Api::Responses => "responses",
             Api::StoredResponse => "stored_response",
             Api::Embeddings => "embeddings",
+            Api::Pooling => "pooling",
+            Api::Tokenize => "tokenize",
             Api::Audio => "audio",
             Api::Other => "other",
         }
@@ -90,13 +100,14 @@ impl Api {
         matches!(self, Api::Messages | Api::CountTokens)
     }
 
-    /// Whether a request is load that matters: everything but `count_tokens`, which
-    /// only tokenizes, and a stored response's own endpoints (read, delete, cancel).
+    /// Whether a request is load that matters: everything but `count_tokens` and
+    /// `/tokenize` (`/detokenize`), which only tokenize, and a stored response's own
+    /// endpoints (read, delete, cancel).
     /// Such a request takes the least loaded node at once (never a
     /// queue place or a home wait), adds nothing to a prefill backlog, and teaches the
     /// pool nothing (no prefix counted, no home, no latency sample).
     pub fn is_load(self) -> bool {
-        !matches!(self, Api::CountTokens | Api::StoredResponse)
+        !matches!(self, Api::CountTokens | Api::Tokenize | Api::StoredResponse)
     }
 
     /// Whether the prompt is a message list (`messages`), read the same for every API

@@ -29,6 +29,7 @@ use wire::{
 mod anthropic;
 mod audio;
 mod kv_transfer;
+mod pooling;
 mod responses;
 mod sglang;
 mod wire;
@@ -156,6 +157,8 @@ pub struct MockEngine {
     generate_requests: AtomicU64,
     /// Uploads to the audio APIs (`/v1/audio/transcriptions`, `/translations`).
     audio_requests: AtomicU64,
+    /// Requests to the pooling and tokenizer endpoints (`/v1/rerank`, `/tokenize`, …).
+    pooling_requests: AtomicU64,
     /// Generation requests whose prompt came as token ids.
     token_id_prompts: AtomicU64,
     cancelled: AtomicU64,
@@ -227,6 +230,7 @@ impl MockEngine {
             health_checks: AtomicU64::new(0),
             generate_requests: AtomicU64::new(0),
             audio_requests: AtomicU64::new(0),
+            pooling_requests: AtomicU64::new(0),
             token_id_prompts: AtomicU64::new(0),
             cancelled: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
@@ -300,6 +304,23 @@ impl MockEngine {
             (&Method::POST, "/v1/messages/count_tokens") => self.count_tokens(req).await,
             (&Method::POST, "/v1/responses") => self.clone().generate(req, Kind::Responses).await,
             (&Method::POST, "/generate") => self.clone().generate(req, Kind::Generate).await,
+            (
+                &Method::POST,
+                "/v1/rerank" | "/rerank" | "/v2/rerank" | "/v1/score" | "/score" | "/pooling"
+                | "/classify" | "/tokenize" | "/detokenize",
+            ) => {
+                self.pooling_requests.fetch_add(1, Ordering::Relaxed);
+                let Ok(body) = req.into_body().collect().await else {
+                    return error(StatusCode::BAD_REQUEST, "could not read body");
+                };
+                match pooling::answer(&path, &body.to_bytes(), &self.config.model) {
+                    Ok(v) => json_response(StatusCode::OK, &v),
+                    Err((status, msg)) => error(
+                        StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST),
+                        &msg,
+                    ),
+                }
+            }
             (&Method::POST, "/v1/audio/transcriptions" | "/v1/audio/translations") => {
                 self.audio_requests.fetch_add(1, Ordering::Relaxed);
                 let per_word = self.config.costs.decode_per_token;
@@ -984,6 +1005,12 @@ impl MockEngine {
                 "counter",
                 "Uploads to /v1/audio/transcriptions and /v1/audio/translations.",
                 self.audio_requests.load(Ordering::Relaxed),
+            ),
+            g(
+                "mock_engine_pooling_requests_total",
+                "counter",
+                "Requests to the pooling and tokenizer endpoints (/v1/rerank, /score, /pooling, /classify, /tokenize, /detokenize).",
+                self.pooling_requests.load(Ordering::Relaxed),
             ),
             g(
                 "mock_engine_token_id_prompts_total",
