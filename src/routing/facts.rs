@@ -82,7 +82,8 @@ impl Api {
         !matches!(self, Api::Other | Api::StoredResponse | Api::Audio)
     }
 
-    /// Whether the body must be a `multipart/form-data` form (else 400).
+    /// Whether the body must be a `multipart/form-data` form (another content type is
+    /// 415; a form that is not whole, 400).
     pub fn takes_form(self) -> bool {
         self == Api::Audio
     }
@@ -564,15 +565,16 @@ impl Envelope<'_> {
 /// A body's envelope, checked as its API requires: `None` for a body that is not a
 /// JSON object where any body is allowed (`Api::Other`).
 pub fn read(api: Api, body: &[u8]) -> Result<Option<Envelope<'_>>, KeyError> {
+    if api.takes_form() {
+        // Binary: no text to validate but its fields'.
+        return read_form(body).map(Some);
+    }
     // SIMD validation (simdutf8) is ~3× std's on prompt-sized bodies; std's check
     // runs only on failure, for the error's position.
     let text = match simdutf8::basic::from_utf8(body) {
         Ok(text) => Ok(text),
         Err(_) => std::str::from_utf8(body),
     };
-    if api.takes_form() {
-        return read_form(body).map(Some);
-    }
     if !api.requires_json() {
         // Anything else: use the JSON fields if it is a JSON object, else raw bytes.
         return Ok(text.ok().and_then(|t| read_envelope(t).ok()));
