@@ -11,7 +11,7 @@ SECONDS_EACH=${SECONDS_EACH:-300}
 command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-    targets=(routing_key sse_scanner body_edit config)
+    targets=(routing_key sse_scanner body_edit config multipart_form)
 fi
 mkdir -p fuzz/corpus
 failed=()
@@ -21,6 +21,7 @@ for t in "${targets[@]}"; do
     case $t in
         routing_key|body_edit) cp tests/fixtures/fuzz/*.json "fuzz/corpus/$t/" 2>/dev/null || true ;;
         config) cp config/prefixlb.toml "fuzz/corpus/$t/shipped.toml" ;;
+        multipart_form) cp tests/fixtures/fuzz/*.form "fuzz/corpus/$t/" ;;
     esac
     echo "== $t for ${SECONDS_EACH}s"
     if (cd fuzz && cargo +nightly fuzz run "$t" -- -max_total_time="$SECONDS_EACH" -rss_limit_mb=2048) >"fuzz/$t.log" 2>&1; then
