@@ -11,6 +11,9 @@ use std::ops::Range;
 const MAX_PART_HEADERS: usize = 16;
 /// RFC 2046: a boundary is 1 to 70 characters.
 const MAX_BOUNDARY: usize = 70;
+/// Most parts in one form (an upload has a file and a dozen fields at most): a body of
+/// empty parts is not read into a list many times its size.
+pub const MAX_PARTS: usize = 256;
 
 /// Why a body is not a form this module can read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -21,6 +24,8 @@ pub enum FormError {
     BoundaryLength,
     #[error("the body's boundary is not the one its content-type names")]
     OtherBoundary,
+    #[error("the form has more than {MAX_PARTS} parts")]
+    TooManyParts,
     #[error("part {0}'s head is malformed or does not end")]
     PartHead(usize),
     #[error("part {0} is not closed by a boundary")]
@@ -90,6 +95,9 @@ pub fn parts(body: &[u8]) -> Result<Vec<Part>, FormError> {
     let mut parts = Vec::new();
     loop {
         let n = parts.len();
+        if n == MAX_PARTS {
+            return Err(FormError::TooManyParts);
+        }
         let mut headers = [httparse::EMPTY_HEADER; MAX_PART_HEADERS];
         let (head_len, name, file) = match httparse::parse_headers(&body[at..], &mut headers) {
             Ok(httparse::Status::Complete((len, headers))) => {

@@ -132,6 +132,17 @@ fn malformed_forms_are_errors_that_say_where() {
     }
     body.extend_from_slice(b"\r\nv\r\n--b--");
     assert_eq!(parts(&body), Err(FormError::PartHead(0)));
+    // More parts than a form has: refused before they are listed.
+    let many = b"--b\r\n\r\n\r\n".repeat(MAX_PARTS + 1);
+    assert_eq!(
+        parts(&[many.as_slice(), b"--b--"].concat()),
+        Err(FormError::TooManyParts)
+    );
+    let enough = b"--b\r\n\r\n\r\n".repeat(MAX_PARTS);
+    assert_eq!(
+        parts(&[enough.as_slice(), b"--b--"].concat()).map(|p| p.len()),
+        Ok(MAX_PARTS)
+    );
 }
 
 proptest! {
