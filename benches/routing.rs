@@ -152,6 +152,43 @@ fn routing_decision(c: &mut Criterion) {
     });
 }
 
+/// The decision for an audio upload (`/v1/audio/transcriptions`): its form read in
+/// place and its file hashed whole for the key, at 1 MiB (a minute of 16 kHz speech)
+/// and at 16 MiB (`server.max_body_bytes`' default).
+fn audio_uploads(c: &mut Criterion) {
+    let t = table(8);
+    for (name, len) in [("1MiB", 1 << 20), ("16MiB", 16 << 20)] {
+        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+        let file: Vec<u8> = (0..len / 8)
+            .flat_map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x.to_le_bytes()
+            })
+            .collect();
+        let mut body = b"--b0undary\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nllama\r\n--b0undary\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\n".to_vec();
+        body.extend_from_slice(&file);
+        body.extend_from_slice(b"\r\n--b0undary--\r\n");
+        c.bench_function(&format!("routing_decision/audio_upload_{name}"), |b| {
+            b.iter(|| {
+                let placement = t
+                    .place(
+                        "/v1/audio/transcriptions",
+                        None,
+                        black_box(&body),
+                        Mode::Route,
+                    )
+                    .unwrap();
+                match placement.choose(&[], Instant::now()) {
+                    Walk::Chosen(choice) => drop(black_box(choice)),
+                    _ => unreachable!(),
+                }
+            })
+        });
+    }
+}
+
 /// Every trace hook a proxied request passes through, with `[tracing]` off (no layer
 /// listens to the spans' target, as in `prefixlb serve` without the section): beside
 /// `routing_decision/18KB_31_messages`, what traces cost a request when they are off.
@@ -330,6 +367,7 @@ criterion_group!(
     benches,
     routing_decision,
     disaggregated_bodies,
+    audio_uploads,
     traces_off,
     key_extraction,
     ring,
