@@ -205,20 +205,8 @@ async fn x_api_key_is_a_key_on_messages_only_and_errors_take_the_apis_shape() {
 
 #[tokio::test]
 async fn count_tokens_answers_at_once_while_every_slot_is_taken() {
-    let e = engine("e0", &["--decode-ms-per-token", "50"]);
-    let lb = balancer(&config(
-        &[&e],
-        "",
-        "max_in_flight = 1\nwhen_saturated = \"queue\"\nqueue_timeout = \"20s\"",
-    ));
     // One long stream holds the only slot.
-    let mut held = post_stream(
-        &lb.url("/v1/messages"),
-        &messages("s", &["long"], true, 200),
-    )
-    .await;
-    assert_eq!(held.status(), 200);
-    assert!(next_chunk(held.body_mut()).await.is_some());
+    let (_e, lb, held) = only_slot_held("/v1/messages", &messages("s", &["long"], true, 200)).await;
     let started = std::time::Instant::now();
     let r = post_json(
         &lb.url("/v1/messages/count_tokens"),

@@ -90,20 +90,12 @@ async fn every_pooling_endpoint_reaches_its_model_s_pool() {
 
 #[tokio::test]
 async fn tokenize_answers_at_once_while_every_slot_is_taken() {
-    let e = engine("e0", &["--decode-ms-per-token", "50"]);
-    let lb = balancer(&config(
-        &[&e],
-        "",
-        "max_in_flight = 1\nwhen_saturated = \"queue\"\nqueue_timeout = \"20s\"",
-    ));
     // One long stream holds the only slot.
-    let mut held = post_stream(
-        &lb.url("/v1/chat/completions"),
+    let (_e, lb, held) = only_slot_held(
+        "/v1/chat/completions",
         &chat(&[("user", "long")], true, 200),
     )
     .await;
-    assert_eq!(held.status(), 200);
-    assert!(next_chunk(held.body_mut()).await.is_some());
     let started = std::time::Instant::now();
     let r = post_json(
         &lb.url("/tokenize"),

@@ -70,6 +70,11 @@ pub fn boundary(content_type: &str) -> Option<&str> {
 /// The boundary a body opens with: its first line, `--` and the boundary (transport
 /// padding after it ignored).
 pub fn opening(body: &[u8]) -> Result<&[u8], FormError> {
+    opening_line(body).map(|(boundary, _)| boundary)
+}
+
+/// The opening boundary, and where the line after it begins.
+fn opening_line(body: &[u8]) -> Result<(&[u8], usize), FormError> {
     let line_end = memchr::memmem::find(body, b"\r\n").ok_or(FormError::NoOpening)?;
     let line = body[..line_end]
         .strip_prefix(b"--")
@@ -78,20 +83,18 @@ pub fn opening(body: &[u8]) -> Result<&[u8], FormError> {
     if boundary.is_empty() || boundary.len() > MAX_BOUNDARY {
         return Err(FormError::BoundaryLength);
     }
-    Ok(boundary)
+    Ok((boundary, line_end + 2))
 }
 
 /// The parts of a form body, in order. Whatever follows the closing boundary (the
 /// epilogue) is ignored.
 pub fn parts(body: &[u8]) -> Result<Vec<Part>, FormError> {
-    let boundary = opening(body)?;
+    let (boundary, mut at) = opening_line(body)?;
     // Every boundary after the opening one is on a line of its own.
     let mut delimiter = Vec::with_capacity(boundary.len() + 4);
     delimiter.extend_from_slice(b"\r\n--");
     delimiter.extend_from_slice(boundary);
     let finder = memchr::memmem::Finder::new(&delimiter);
-    // After the opening line.
-    let mut at = memchr::memmem::find(body, b"\r\n").map_or(body.len(), |i| i + 2);
     let mut parts = Vec::new();
     loop {
         let n = parts.len();

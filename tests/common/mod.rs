@@ -440,6 +440,22 @@ where
     false
 }
 
+/// One engine behind a balancer whose only slot (`max_in_flight = 1`, requests
+/// queue) is held by a long stream to `path` with `body`, its first chunk read: the
+/// engine, the balancer and the stream.
+pub async fn only_slot_held(path: &str, body: &Value) -> (Proc, Proc, hyper::Response<Incoming>) {
+    let e = engine("e0", &["--decode-ms-per-token", "50"]);
+    let lb = balancer(&config(
+        &[&e],
+        "",
+        "max_in_flight = 1\nwhen_saturated = \"queue\"\nqueue_timeout = \"20s\"",
+    ));
+    let mut held = post_stream(&lb.url(path), body).await;
+    assert_eq!(held.status(), 200);
+    assert!(next_chunk(held.body_mut()).await.is_some());
+    (e, lb, held)
+}
+
 /// A chat body.
 pub fn chat(messages: &[(&str, &str)], stream: bool, max_tokens: u32) -> Value {
     let messages: Vec<Value> = messages
