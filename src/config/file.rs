@@ -98,6 +98,12 @@ pub struct ServerSection {
     /// Request bytes buffered at once across all connections (queued requests
     /// included); over it, 503 with `Retry-After`. Default 1 GiB.
     pub max_buffered_bytes: Spanned<u64>,
+    /// A PEM certificate chain (the listener's own certificate first): with
+    /// `tls_key_file`, `listen` serves HTTPS (HTTP/2 and HTTP/1.1 by ALPN), re-read on
+    /// every reload. Relative to the config file. Default: none (plain HTTP).
+    pub tls_cert_file: Option<Spanned<String>>,
+    /// Its PEM private key. Default: none.
+    pub tls_key_file: Option<Spanned<String>>,
 }
 
 impl Default for ServerSection {
@@ -122,6 +128,8 @@ impl Default for ServerSection {
             yield_after: Dur(std::time::Duration::from_micros(750)),
             body_read_timeout: Dur::secs(30),
             max_buffered_bytes: unspanned(1 << 30),
+            tls_cert_file: None,
+            tls_key_file: None,
         }
     }
 }

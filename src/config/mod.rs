@@ -20,7 +20,7 @@ use serde::Deserialize;
 pub use duration::{parse_duration, Dur, MAX_DURATION};
 pub use file::{FileConfig, KeyMode, PinThreads, WhenSaturated};
 pub use tenancy::{ClassConfig, Tenancy, TenantConfig};
-pub use tls::TlsConfig;
+pub use tls::{ListenerTls, TlsConfig};
 pub use validate::parse_node_url;
 
 /// `[tracing]`, validated: where spans go, which share of new traces is kept, and
@@ -175,6 +175,9 @@ pub struct ServerConfig {
     pub yield_after: Duration,
     pub body_read_timeout: Duration,
     pub max_buffered_bytes: usize,
+    /// The listener's certificate and key when `listen` serves HTTPS
+    /// (`tls_cert_file`, `tls_key_file`), read when the config is.
+    pub tls: Option<ListenerTls>,
 }
 
 #[derive(Debug, Clone)]

@@ -3,14 +3,16 @@
 //! `client_cert_file` and `client_key_file`, PEM). The files are read and checked when
 //! the config is (so `check` names one it cannot read at file:line:col); the rustls
 //! client is built on the first TLS connection, so a fleet of plain-HTTP engines never
-//! loads the system's roots.
+//! loads the system's roots. Also the client listener's own certificate and key
+//! (`server.tls_cert_file`, `server.tls_key_file`), read and matched the same way.
 
 use std::fmt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::sign::CertifiedKey;
 use rustls::{ClientConfig, RootCertStore};
 use toml::Spanned;
 
@@ -146,6 +148,55 @@ pub(super) fn validate(t: TlsSection, dir: &Path) -> Result<Arc<TlsConfig>, Inva
         roots,
         identity,
         client: OnceLock::new(),
+    }))
+}
+
+/// The client listener's certificate and key (`server.tls_cert_file`,
+/// `server.tls_key_file`), as read when the config was.
+#[derive(Debug, Clone)]
+pub struct ListenerTls {
+    pub key: Arc<CertifiedKey>,
+    /// The two files, for a reload to notice when they change.
+    pub files: [PathBuf; 2],
+}
+
+/// The client listener's certificate chain and key (`server.tls_cert_file`,
+/// `server.tls_key_file`; both or neither): read, and the key checked against the
+/// chain's first certificate. Paths are relative to the config file's folder.
+pub(super) fn listener(
+    cert: Option<&Spanned<String>>,
+    key: Option<&Spanned<String>>,
+    dir: &Path,
+) -> Result<Option<ListenerTls>, Invalid> {
+    let (cert, key) = match (cert, key) {
+        (None, None) => return Ok(None),
+        (Some(cert), Some(key)) => (cert, key),
+        (Some(only), None) | (None, Some(only)) => {
+            return Err((
+                Some(only.span()),
+                "server.tls_cert_file and server.tls_key_file go together (HTTPS needs both)"
+                    .into(),
+            ))
+        }
+    };
+    let at = |v: &Spanned<String>, name: &str, message: String| {
+        (Some(v.span()), format!("server.{name}: {message}"))
+    };
+    let files = [dir.join(cert.get_ref()), dir.join(key.get_ref())];
+    let chain = read_certs(&files[0]).map_err(|e| at(cert, "tls_cert_file", e))?;
+    let der = PrivateKeyDer::from_pem_file(&files[1])
+        .map_err(|e| at(key, "tls_key_file", format!("no private key read: {e}")))?;
+    let provider = rustls::crypto::ring::default_provider();
+    let certified = CertifiedKey::from_der(chain, der, &provider).map_err(|e| {
+        at(
+            key,
+            "tls_key_file",
+            format!("the key does not go with the certificate: {e}"),
+        )
+    })?;
+    Ok(Some(ListenerTls {
+        key: Arc::new(certified),
+        files,
     }))
 }
 

@@ -68,7 +68,7 @@ where
 
 /// Validates a parsed file; `dir` is the file's folder (for `api_keys_file`).
 pub(super) fn config(raw: FileConfig, dir: &Path) -> Result<Config, Invalid> {
-    let server = validate_server(raw.server)?;
+    let server = validate_server(raw.server, dir)?;
     let (tenant_header, priority_header, default_priority) = (
         raw.routing.tenant_header.clone(),
         raw.routing.priority_header.clone(),
@@ -759,7 +759,7 @@ fn validate_health(h: HealthSection) -> Result<HealthConfig, Invalid> {
     })
 }
 
-fn validate_server(s: ServerSection) -> Result<ServerConfig, Invalid> {
+fn validate_server(s: ServerSection, dir: &Path) -> Result<ServerConfig, Invalid> {
     let addr = |v: &Spanned<String>, key: &str| -> Result<SocketAddr, Invalid> {
         v.get_ref().parse().or_else(|_| {
             invalid(
@@ -823,6 +823,7 @@ fn validate_server(s: ServerSection) -> Result<ServerConfig, Invalid> {
         },
         body_read_timeout: s.body_read_timeout.0,
         max_buffered_bytes: max_buffered_bytes as usize,
+        tls: super::tls::listener(s.tls_cert_file.as_ref(), s.tls_key_file.as_ref(), dir)?,
     })
 }
 

@@ -19,6 +19,7 @@ use crate::fleet::watcher::Members;
 use crate::proxy::Proxy;
 use crate::routing::node::NodeSource;
 use crate::routing::table::{Registry, Table};
+use crate::server::tls::ClientTls;
 use crate::telemetry::metrics::Metrics;
 
 /// What a table is built from.
@@ -42,6 +43,8 @@ pub struct Control {
     /// The config as loaded and the engines heartbeating in Redis: the table is built
     /// from both, whichever changed (one rebuild at a time).
     sources: Mutex<Sources>,
+    /// The client port's TLS, when it serves HTTPS: a reload renews its certificate.
+    client_tls: Option<Arc<ClientTls>>,
 }
 
 impl Control {
@@ -62,6 +65,8 @@ impl Control {
             metrics.lane_yields.with_label_values(&[&lane]);
         }
         let table = Table::build(config.clone(), &registry);
+        let client_tls =
+            (config.server.tls.as_ref()).map(|t| Arc::new(ClientTls::new(t.key.clone())));
         Arc::new(Control {
             proxy: Proxy::with_lanes(table, metrics.requests.clone(), lanes),
             registry,
@@ -73,7 +78,13 @@ impl Control {
                 members: Vec::new(),
                 addresses: Addresses::new(),
             }),
+            client_tls,
         })
+    }
+
+    /// The client port's TLS server, when `server.tls_cert_file` is set.
+    pub fn client_tls(&self) -> Option<&Arc<ClientTls>> {
+        self.client_tls.as_ref()
     }
 
     /// The data plane.
@@ -148,10 +159,20 @@ impl Control {
             ("lanes", was.lanes != now.lanes),
             ("pin_threads", was.pin_threads != now.pin_threads),
             ("yield_after", was.yield_after != now.yield_after),
+            // HTTPS turned on or off; a new certificate for it is applied below.
+            ("tls_cert_file", was.tls.is_some() != now.tls.is_some()),
         ];
         for (key, changed) in restart_only {
             if changed {
                 tracing::warn!("server.{key} changed: that takes a restart; the rest is applied");
+            }
+        }
+        if let (Some(tls), Some(new)) = (&self.client_tls, &now.tls) {
+            if tls.shown().cert != new.key.cert {
+                tls.renew(new.key.clone());
+                tracing::info!(
+                    "the client port's TLS certificate is renewed: new handshakes get it"
+                );
             }
         }
         self.install(config);

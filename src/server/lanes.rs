@@ -23,6 +23,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
 use super::listener::{self, ConnLimits};
+use super::tls::ClientTls;
 use super::{cpus, yielding};
 use crate::config::{PinThreads, ServerConfig};
 use crate::proxy::Proxy;
@@ -48,17 +49,18 @@ impl Lanes {
     }
 }
 
-/// The lanes' own series: open connections and CPU yields, by lane; and where the
-/// request heads they refuse are counted.
-pub struct LaneSeries {
+/// What the lanes share: their series (open connections and CPU yields, by lane;
+/// where the request heads they refuse are counted) and the port's TLS server.
+pub struct LaneShared {
     pub open: IntGaugeVec,
     pub yields: IntCounterVec,
     pub requests: Arc<RequestMetrics>,
+    pub tls: Option<Arc<ClientTls>>,
 }
 
 /// Serves the client port from `lanes.count` lanes until `shutdown`, then lets each
 /// lane drain its connections for up to `grace`. `first` is the port's listener (bound
-/// with `SO_REUSEPORT`); `series` counts each lane's connections and yields.
+/// with `SO_REUSEPORT`); `shared` counts each lane's connections and yields.
 pub async fn serve(
     first: TcpListener,
     proxy: &'static Proxy,
@@ -66,7 +68,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
     grace: Duration,
     limits: ConnLimits,
-    series: LaneSeries,
+    shared: LaneShared,
 ) {
     let addr = match first.local_addr() {
         Ok(a) => a,
@@ -97,9 +99,10 @@ pub async fn serve(
         let cpu = cpus::nth(lane, &allowed);
         let slots = slots.clone();
         let label = lane.to_string();
-        let open = series.open.with_label_values(&[&label]);
-        let yields = series.yields.with_label_values(&[&label]);
-        let requests = series.requests.clone();
+        let open = shared.open.with_label_values(&[&label]);
+        let yields = shared.yields.with_label_values(&[&label]);
+        let requests = shared.requests.clone();
+        let tls = shared.tls.clone();
         let yield_after = lanes.yield_after;
         let mut stop = stop_rx.clone();
         let spawned = std::thread::Builder::new()
@@ -130,6 +133,7 @@ pub async fn serve(
                         slots,
                         open: Some(open),
                         refusals: Some(requests),
+                        tls,
                     };
                     listener::serve_port(
                         port,

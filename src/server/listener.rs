@@ -1,8 +1,9 @@
 //! The HTTP accept loop shared by the balancer, the admin listener and `mock-engine`:
 //! HTTP/1.1 served by the balancer's own server ([`super::h1`]), a connection that
-//! opens with the HTTP/2 preface handed to hyper's HTTP/2 server (h2c), the limits a
-//! public port needs ([`ConnLimits`]), back-off after accept errors, and a graceful
-//! shutdown that lets open connections finish within a grace period.
+//! opens with the HTTP/2 preface handed to hyper's HTTP/2 server (h2c), HTTPS where
+//! the port has a certificate ([`super::tls`]: HTTP/2 or HTTP/1.1 by ALPN), the
+//! limits a public port needs ([`ConnLimits`]), back-off after accept errors, and a
+//! graceful shutdown that lets open connections finish within a grace period.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -29,6 +30,7 @@ use tokio::time::Sleep;
 
 use super::h1::conn::{self, Ended, Stop};
 use super::head_timer::{Activity, Answer, HeadWatch};
+use super::tls::{Accepted, ClientTls};
 use super::window_watch::Windows;
 use crate::config::ServerConfig;
 use crate::proxy::body::BoxBody;
@@ -112,6 +114,25 @@ pub async fn serve<H, F>(
     serve_port(port, handler, shutdown, grace, limits).await;
 }
 
+/// A client connection's byte stream: plain TCP, or TLS over it.
+pub trait ClientIo: AsyncRead + AsyncWrite + Unpin + Send + 'static {
+    /// Reads into `buf` what the connection can give without waiting (`WouldBlock`
+    /// when it has nothing; `Ok(0)` at its end).
+    fn try_read_buf(&mut self, buf: &mut BytesMut) -> io::Result<usize>;
+}
+
+impl ClientIo for TcpStream {
+    fn try_read_buf(&mut self, buf: &mut BytesMut) -> io::Result<usize> {
+        TcpStream::try_read_buf(self, buf)
+    }
+}
+
+impl ClientIo for tokio_rustls::server::TlsStream<TcpStream> {
+    fn try_read_buf(&mut self, buf: &mut BytesMut) -> io::Result<usize> {
+        super::tls::try_read_buf(self, buf)
+    }
+}
+
 /// A listener and what its connections count against.
 pub struct Port {
     pub listener: TcpListener,
@@ -122,6 +143,8 @@ pub struct Port {
     /// Counts the request heads it refuses (`requests_total`, pool and node `none`),
     /// where requests are counted.
     pub refusals: Option<Arc<RequestMetrics>>,
+    /// Its TLS server, when it serves HTTPS.
+    pub tls: Option<Arc<ClientTls>>,
 }
 
 /// What an open client connection holds until it closes: its slot under the port's
@@ -152,6 +175,7 @@ impl Port {
             slots: Arc::new(Semaphore::new(limits.max_connections)),
             open,
             refusals,
+            tls: None,
         }
     }
 
@@ -210,32 +234,38 @@ pub async fn serve_port<H, F>(
     H: Fn(Request<RequestBody>, SocketAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<BoxBody>> + Send + 'static,
 {
-    let h2 = limits.http2();
     let graceful = GracefulShutdown::new();
     // HTTP/1.1 connections watch this; once it says stop, each closes when idle, and
     // `closed()` resolves when the last has dropped its receiver.
     let (stop, stop_rx) = watch::channel(false);
     let mut shutdown = std::pin::pin!(shutdown);
-    let refusals = port.refusals.clone();
+    let service = Service {
+        handler,
+        h2: limits.http2(),
+        limits,
+        refusals: port.refusals.clone(),
+    };
     while let Some((stream, peer, hold)) = port.accept(&mut shutdown).await {
-        let handler = handler.clone();
-        let refusals = refusals.clone();
+        let service = service.clone();
         let stop = Stop::new(stop_rx.clone());
-        let h2 = h2.clone();
         let watcher = graceful.watcher();
+        let tls = port.tls.clone();
         tokio::spawn(async move {
             let _hold = hold;
-            match conn::serve(stream, peer, &handler, &limits, stop).await {
-                Ended::Closed => {}
-                Ended::Refused(status) => {
-                    if let Some(requests) = &refusals {
-                        let outcome = RequestOutcome::of_status(status.as_u16());
-                        requests.count_unanswered("none", outcome);
-                    }
+            let Some(tls) = tls else {
+                return service.serve(stream, peer, stop, watcher).await;
+            };
+            match tls.accept(stream, limits.header_read_timeout).await {
+                Ok(Accepted {
+                    stream,
+                    http2: true,
+                }) => {
+                    service
+                        .serve_http2(watcher, stream, BytesMut::new(), peer)
+                        .await
                 }
-                Ended::Http2(stream, read) => {
-                    serve_http2(&h2, watcher, stream, read, peer, handler, &limits).await
-                }
+                Ok(Accepted { stream, .. }) => service.serve(stream, peer, stop, watcher).await,
+                Err(e) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
             }
         });
     }
@@ -251,53 +281,85 @@ pub async fn serve_port<H, F>(
     }
 }
 
-/// An HTTP/2 connection (its preface already read into `read`), served by hyper.
-async fn serve_http2<H, F>(
-    builder: &http2::Builder<TokioExecutor>,
-    graceful: Watcher,
-    stream: TcpStream,
-    read: BytesMut,
-    peer: SocketAddr,
+/// What every connection of a port is served with.
+#[derive(Clone)]
+struct Service<H> {
     handler: H,
-    limits: &ConnLimits,
-) where
+    limits: ConnLimits,
+    /// hyper's HTTP/2 server, for connections that speak HTTP/2.
+    h2: http2::Builder<TokioExecutor>,
+    /// Where refused request heads are counted.
+    refusals: Option<Arc<RequestMetrics>>,
+}
+
+impl<H, F> Service<H>
+where
     H: Fn(Request<RequestBody>, SocketAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<BoxBody>> + Send + 'static,
 {
-    let activity = Activity::new();
-    let windows = Windows::new(limits.write_stall_timeout);
-    let service = {
-        let activity = activity.clone();
-        service_fn(move |req: Request<Incoming>| {
-            let answering = activity.answering(req.version());
-            let response = Box::pin(handler(req.map(RequestBody::from), peer));
-            let windows = windows.clone();
-            async move {
-                let response = response.await;
-                Ok::<_, Infallible>(
-                    response.map(|body| Answer::new(windows.watch(body), answering)),
-                )
+    /// One client connection: HTTP/1.1, or HTTP/2 if it opens with the preface.
+    async fn serve<IO: ClientIo>(self, stream: IO, peer: SocketAddr, stop: Stop, watcher: Watcher) {
+        match conn::serve(stream, peer, &self.handler, &self.limits, stop).await {
+            Ended::Closed => {}
+            Ended::Refused(status) => {
+                if let Some(requests) = &self.refusals {
+                    let outcome = RequestOutcome::of_status(status.as_u16());
+                    requests.count_unanswered("none", outcome);
+                }
             }
-        })
-    };
-    let head = HeadWatch::new(activity, limits.header_read_timeout);
-    let io = Replay {
-        read: read.freeze(),
-        io: stream,
-    };
-    let io = WriteWatch::new(TokioIo::new(io), head, limits.write_stall_timeout);
-    if let Err(e) = graceful.watch(builder.serve_connection(io, service)).await {
-        tracing::debug!(%peer, error = %e, "connection ended");
+            Ended::Http2(stream, read) => self.serve_http2(watcher, stream, read, peer).await,
+        }
+    }
+
+    /// An HTTP/2 connection (its preface, if already read, in `read`), served by hyper.
+    async fn serve_http2<IO: ClientIo>(
+        self,
+        graceful: Watcher,
+        stream: IO,
+        read: BytesMut,
+        peer: SocketAddr,
+    ) {
+        let Service {
+            handler,
+            limits,
+            h2,
+            ..
+        } = self;
+        let activity = Activity::new();
+        let windows = Windows::new(limits.write_stall_timeout);
+        let service = {
+            let activity = activity.clone();
+            service_fn(move |req: Request<Incoming>| {
+                let answering = activity.answering(req.version());
+                let response = Box::pin(handler(req.map(RequestBody::from), peer));
+                let windows = windows.clone();
+                async move {
+                    let response = response.await;
+                    Ok::<_, Infallible>(
+                        response.map(|body| Answer::new(windows.watch(body), answering)),
+                    )
+                }
+            })
+        };
+        let head = HeadWatch::new(activity, limits.header_read_timeout);
+        let io = Replay {
+            read: read.freeze(),
+            io: stream,
+        };
+        let io = WriteWatch::new(TokioIo::new(io), head, limits.write_stall_timeout);
+        if let Err(e) = graceful.watch(h2.serve_connection(io, service)).await {
+            tracing::debug!(%peer, error = %e, "connection ended");
+        }
     }
 }
 
 /// A stream whose first reads return bytes already read from it.
-struct Replay {
+struct Replay<IO> {
     read: Bytes,
-    io: TcpStream,
+    io: IO,
 }
 
-impl AsyncRead for Replay {
+impl<IO: ClientIo> AsyncRead for Replay<IO> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -312,7 +374,7 @@ impl AsyncRead for Replay {
     }
 }
 
-impl AsyncWrite for Replay {
+impl<IO: ClientIo> AsyncWrite for Replay<IO> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -346,16 +408,16 @@ impl AsyncWrite for Replay {
 /// `stall` while we had bytes to send: hyper then closes the connection, which drops
 /// the response body (and so the upstream exchange and the node's slot). Its reads
 /// fail once it has waited `header_read_timeout` for a request head ([`HeadWatch`]).
-struct WriteWatch {
-    inner: TokioIo<Replay>,
+struct WriteWatch<IO> {
+    inner: TokioIo<Replay<IO>>,
     head: HeadWatch,
     stall: Duration,
     /// Armed when a write first has to wait.
     waiting: Option<Pin<Box<Sleep>>>,
 }
 
-impl WriteWatch {
-    fn new(inner: TokioIo<Replay>, head: HeadWatch, stall: Duration) -> Self {
+impl<IO: ClientIo> WriteWatch<IO> {
+    fn new(inner: TokioIo<Replay<IO>>, head: HeadWatch, stall: Duration) -> Self {
         WriteWatch {
             inner,
             head,
@@ -384,7 +446,7 @@ impl WriteWatch {
     }
 }
 
-impl Read for WriteWatch {
+impl<IO: ClientIo> Read for WriteWatch<IO> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -401,7 +463,7 @@ impl Read for WriteWatch {
     }
 }
 
-impl Write for WriteWatch {
+impl<IO: ClientIo> Write for WriteWatch<IO> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,

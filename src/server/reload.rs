@@ -1,5 +1,6 @@
 //! What triggers a config reload: SIGHUP, and with `server.watch_config` a change of
-//! the file's mtime. The reload itself ([`Control::reload`]) parses, validates and swaps
+//! the file's mtime, or of the client port's certificate or key file (a renewed
+//! certificate). The reload itself ([`Control::reload`]) parses, validates and swaps
 //! the routing snapshot; these triggers only decide when, and run it off the async
 //! workers.
 
@@ -12,16 +13,24 @@ use tokio::sync::watch;
 use super::control::Control;
 
 /// Reloads the config on SIGHUP, and when `server.watch_config` is on, on a change of
-/// the file's mtime that has held for one poll (polled every second: no watcher
-/// dependency needed), so a file still being written is not applied half-way.
+/// the mtimes of the file and of the certificate and key it names that has held for
+/// one poll (polled every second: no watcher dependency needed), so a file still being
+/// written is not applied half-way.
 pub async fn run(control: Arc<Control>, mut stop: watch::Receiver<bool>) {
     let Some(path) = control.source().map(PathBuf::from) else {
         return;
     };
-    let mtime = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    // The mtime last applied, and the one seen at the previous poll.
-    let mut applied = mtime(&path);
-    let mut previous = applied;
+    let mtimes = || {
+        let table = control.table();
+        let tls = table.config.server.tls.as_ref().map(|t| t.files.as_slice());
+        std::iter::once(&path)
+            .chain(tls.unwrap_or_default())
+            .map(|p| std::fs::metadata(p).and_then(|m| m.modified()).ok())
+            .collect::<Vec<_>>()
+    };
+    // The mtimes last applied, and those seen at the previous poll.
+    let mut applied = mtimes();
+    let mut previous = applied.clone();
     #[cfg(unix)]
     let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
     loop {
@@ -41,7 +50,7 @@ pub async fn run(control: Arc<Control>, mut stop: watch::Receiver<bool>) {
             _ = tokio::time::sleep(Duration::from_secs(1)) => false,
             _ = stop.wait_for(|s| *s) => return,
         };
-        let now = mtime(&path);
+        let now = mtimes();
         if hup {
             tracing::info!("SIGHUP: reloading the config");
         } else if !(control.table().config.server.watch_config && now != applied && now == previous)
@@ -51,7 +60,7 @@ pub async fn run(control: Arc<Control>, mut stop: watch::Receiver<bool>) {
         } else {
             tracing::info!("config file changed: reloading");
         }
-        applied = now;
+        applied = now.clone();
         previous = now;
         spawn_reload(&control).await;
     }

@@ -30,7 +30,12 @@ pub async fn run(
     let admin_listener = bind(config.server.admin_listen, "admin_listen", false)?;
     let (addr, admin_addr) = (listener.local_addr()?, admin_listener.local_addr()?);
     // Tests and scripts read this line to find ports chosen by the OS.
-    println!("prefixlb listening on http://{addr} (admin http://{admin_addr})");
+    let scheme = if config.server.tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    println!("prefixlb listening on {scheme}://{addr} (admin http://{admin_addr})");
     tracing::info!(
         %addr,
         %admin_addr,
@@ -38,6 +43,7 @@ pub async fn run(
         nodes = config.pools.iter().map(|p| p.nodes.len()).sum::<usize>(),
         dns_names = crate::fleet::dns::names(&config).len(),
         lanes = config.server.lanes,
+        tls = config.server.tls.is_some(),
         "prefixlb serving"
     );
     let uncapped = |p: &&PoolConfig| p.decodes_for.is_some() && p.max_in_flight.is_none();
@@ -120,21 +126,24 @@ pub async fn run_on(
         }
     };
     let open = control.metrics().client_connections.clone();
+    let tls = control.client_tls().cloned();
     // The request handlers hold the proxy for the life of the process: a reference,
     // where an `Arc` cloned and dropped per request moved its count between the
     // serving cores twice a request.
     let handler: &'static crate::proxy::Proxy = Box::leak(Box::new(proxy.clone()));
     if lanes.count > 0 {
-        let series = super::lanes::LaneSeries {
+        let shared = super::lanes::LaneShared {
             open,
             yields: control.metrics().lane_yields.clone(),
             requests: control.metrics().requests.clone(),
+            tls,
         };
-        super::lanes::serve(listener, handler, lanes, stopping, grace, limits, series).await;
+        super::lanes::serve(listener, handler, lanes, stopping, grace, limits, shared).await;
     } else {
         let open = Some(open.with_label_values(&["0"]));
         let requests = Some(control.metrics().requests.clone());
-        let port = listener::Port::alone(listener, &limits, open, requests);
+        let mut port = listener::Port::alone(listener, &limits, open, requests);
+        port.tls = tls;
         // The shared runtime's workers start their stretches in its unpark hook
         // (src/main.rs); their yields count as lane 0's.
         let yields = control.metrics().lane_yields.with_label_values(&["0"]);

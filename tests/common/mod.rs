@@ -71,7 +71,8 @@ pub fn exit_within(child: &mut Child, limit: Duration) -> Option<std::process::E
     None
 }
 
-/// Starts a process and reads its "listening on http://ADDR [(admin http://ADDR)]" line.
+/// Starts a process and reads its "listening on http[s]://ADDR [(admin http://ADDR)]"
+/// line.
 fn spawn(args: &[&str]) -> Proc {
     spawn_with(args, "warn", Stdio::inherit(), &[])
 }
@@ -94,7 +95,7 @@ fn spawn_with(args: &[&str], log: &str, stderr: Stdio, env: &[(&str, &str)]) -> 
         .read_line(&mut line)
         .expect("reading the listening line");
     let urls: Vec<SocketAddr> = line
-        .split("http://")
+        .split("://")
         .skip(1)
         .map(|s| {
             s.trim_end_matches(|c: char| !c.is_ascii_digit())

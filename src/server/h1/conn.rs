@@ -21,8 +21,6 @@ use std::task::{ready, Context, Poll};
 use bytes::{Buf, BytesMut};
 use http::{Request, Response};
 use http_body::Body;
-use tokio::io::AsyncWrite;
-use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::time::{Instant, Sleep};
 
@@ -33,7 +31,7 @@ use super::response::{encode_head, push_chunk, Asked, Framing, CONTINUE, LAST_CH
 use crate::proxy::body::BoxBody;
 use crate::proxy::h1::{Chunked, Decoded};
 use crate::proxy::request_body::{body_pipe, BodyPipe, RequestBody};
-use crate::server::listener::ConnLimits;
+use crate::server::listener::{ClientIo, ConnLimits};
 
 /// Room made before a read.
 const READ_SIZE: usize = 32 * 1024;
@@ -47,13 +45,13 @@ const DRAIN_MAX: u64 = 64 * 1024;
 const EAGER_BODY: u64 = 256 * 1024;
 
 /// How a connection's HTTP/1.1 service ended.
-pub enum Ended {
+pub enum Ended<IO> {
     /// Done: closed, or to be closed.
     Closed,
     /// A head was refused with this status (answered, and the connection closed).
     Refused(http::StatusCode),
     /// The client opened with the HTTP/2 preface: these bytes have been read.
-    Http2(TcpStream, BytesMut),
+    Http2(IO, BytesMut),
 }
 
 /// The listener's shutdown, as one connection sees it.
@@ -120,14 +118,15 @@ impl Feed {
 }
 
 /// Serves HTTP/1.1 on `io` until either side ends it.
-pub async fn serve<H, F>(
-    io: TcpStream,
+pub async fn serve<IO, H, F>(
+    io: IO,
     peer: SocketAddr,
     handler: &H,
     limits: &ConnLimits,
     mut stop: Stop,
-) -> Ended
+) -> Ended<IO>
 where
+    IO: ClientIo,
     H: Fn(Request<RequestBody>, SocketAddr) -> F,
     F: Future<Output = Response<BoxBody>> + Send + 'static,
 {
@@ -216,8 +215,8 @@ enum HeadRead {
     Refused(HeadError),
 }
 
-struct Conn {
-    io: TcpStream,
+struct Conn<IO> {
+    io: IO,
     /// Bytes read and not yet used.
     buf: BytesMut,
     /// Bytes to write, of which `written` have been.
@@ -234,7 +233,7 @@ struct Conn {
     stall_timer: Option<Pin<Box<Sleep>>>,
 }
 
-impl Conn {
+impl<IO: ClientIo> Conn<IO> {
     async fn read_head(&mut self, first: bool, stop: &mut Stop) -> HeadRead {
         // How much of the buffer has been searched for a head's end: a head that
         // comes in pieces is parsed once it can be whole, not again at every piece

@@ -1,0 +1,150 @@
+//! HTTPS on the client port (`server.tls_cert_file`, `server.tls_key_file`): the
+//! rustls server that takes each connection's handshake, offering HTTP/2 and HTTP/1.1
+//! by ALPN, and the certificate it shows, which a reload replaces (a renewed
+//! certificate, as cert-manager writes one, is served from the next handshake on;
+//! open connections keep theirs).
+
+use std::io::{self, Read};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use bytes::BytesMut;
+use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::sign::CertifiedKey;
+use rustls::ServerConfig;
+use tokio::net::TcpStream;
+use tokio_rustls::server::TlsStream;
+use tokio_rustls::TlsAcceptor;
+
+/// The client port's TLS: its rustls server and the certificate it shows.
+pub struct ClientTls {
+    acceptor: TlsAcceptor,
+    shown: Arc<Shown>,
+}
+
+/// The certificate shown to every client, whatever name it asks for.
+#[derive(Debug)]
+struct Shown(ArcSwap<CertifiedKey>);
+
+impl ResolvesServerCert for Shown {
+    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.0.load_full())
+    }
+}
+
+/// A connection after its handshake, and the protocol the client chose by ALPN.
+pub struct Accepted {
+    pub stream: TlsStream<TcpStream>,
+    /// The client and the listener agreed on HTTP/2 (ALPN `h2`).
+    pub http2: bool,
+}
+
+impl ClientTls {
+    /// A TLS server showing `key`.
+    pub fn new(key: Arc<CertifiedKey>) -> ClientTls {
+        let shown = Arc::new(Shown(ArcSwap::new(key)));
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut config = ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .expect("ring supports the default protocol versions")
+            .with_no_client_auth()
+            .with_cert_resolver(shown.clone());
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        ClientTls {
+            acceptor: TlsAcceptor::from(Arc::new(config)),
+            shown,
+        }
+    }
+
+    /// Shows `key` from the next handshake on.
+    pub fn renew(&self, key: Arc<CertifiedKey>) {
+        self.shown.0.store(key);
+    }
+
+    /// The certificate shown now.
+    pub fn shown(&self) -> Arc<CertifiedKey> {
+        self.shown.0.load_full()
+    }
+
+    /// Takes a client's handshake, within `limit` (a client that opens a connection
+    /// and sends nothing holds it no longer than one that sends no request head). A
+    /// client that speaks plain HTTP to the port is answered 400 in plain HTTP, saying
+    /// so, where a TLS alert would reach it as a garbled response.
+    pub async fn accept(&self, stream: TcpStream, limit: Duration) -> io::Result<Accepted> {
+        let handshake = async {
+            if !opens_with_tls(&stream).await? {
+                return Err(refuse_plain_http(stream).await);
+            }
+            self.acceptor.accept(stream).await
+        };
+        let stream = tokio::time::timeout(limit, handshake)
+            .await
+            .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no TLS handshake in time"))??;
+        let http2 = stream.get_ref().1.alpn_protocol() == Some(b"h2");
+        Ok(Accepted { stream, http2 })
+    }
+}
+
+/// A TLS record of the handshake (a ClientHello) opens with this byte.
+const HANDSHAKE_RECORD: u8 = 0x16;
+
+/// Whether the client's first byte opens a TLS handshake (looked at, not read).
+async fn opens_with_tls(stream: &TcpStream) -> io::Result<bool> {
+    let mut first = [0u8; 1];
+    match stream.peek(&mut first).await? {
+        0 => Err(io::ErrorKind::UnexpectedEof.into()),
+        _ => Ok(first[0] == HANDSHAKE_RECORD),
+    }
+}
+
+/// Answers a plain-HTTP request on the HTTPS port, then closes; the error to log.
+async fn refuse_plain_http(mut stream: TcpStream) -> io::Error {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const BODY: &str = r#"{"error":{"message":"this port serves HTTPS: use https://","type":"invalid_request_error","code":"https_required"}}"#;
+    let answer = format!(
+        "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{BODY}",
+        BODY.len()
+    );
+    let _ = stream.write_all(answer.as_bytes()).await;
+    let _ = stream.shutdown().await;
+    // Read what the client still sends for a moment (a request body): closing with
+    // unread bytes would reset the connection and could lose the answer.
+    let mut sink = [0u8; 4096];
+    let linger = async { while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {} };
+    let _ = tokio::time::timeout(Duration::from_secs(1), linger).await;
+    io::Error::new(io::ErrorKind::InvalidData, "plain HTTP on the HTTPS port")
+}
+
+/// Reads into `buf` what a TLS connection can give without waiting: plaintext rustls
+/// holds decrypted, then records the socket already has (read with `try_read`, which
+/// registers no waker). `WouldBlock` when there is none; `Ok(0)` at the client's close.
+pub fn try_read_buf(stream: &mut TlsStream<TcpStream>, buf: &mut BytesMut) -> io::Result<usize> {
+    let (tcp, tls) = stream.get_mut();
+    loop {
+        let start = buf.len();
+        let room = 16 * 1024;
+        buf.resize(start + room, 0);
+        let read = tls.reader().read(&mut buf[start..]);
+        buf.truncate(start + *read.as_ref().unwrap_or(&0));
+        match read {
+            Ok(n) => return Ok(n),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+        // Nothing decrypted: take what the socket holds, without waiting for more.
+        if tls.read_tls(&mut Nonblocking(tcp))? == 0 {
+            return Ok(0);
+        }
+        tls.process_new_packets().map_err(io::Error::other)?;
+    }
+}
+
+/// A socket read as `std::io::Read` that never waits: `WouldBlock` when it has nothing.
+struct Nonblocking<'a>(&'a TcpStream);
+
+impl Read for Nonblocking<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.0.try_read(buf)
+    }
+}
