@@ -18,6 +18,8 @@
 #     as prefixlb pins its serving threads by default (server.pin_threads = "auto")
 #   ENGINE_THREADS=1 scripts/load_vs_haproxy.sh  # each mock engine on one tokio worker
 #     (TOKIO_WORKER_THREADS; unset: one per CPU), an engine with one event loop
+#   TLS=1 scripts/load_vs_haproxy.sh            # both proxies terminate HTTPS (a self-signed
+#     P-256 certificate; server.tls_cert_file, HAProxy's `ssl crt`); wrk speaks TLS
 # ENGINES=mock (the default): two zero-latency `mock-engine`s, which parse JSON and
 # build answers on the same cores (every ratio is squeezed toward 1). ENGINES=nginx:
 # two nginx servers (one worker each, no access log) answering every POST with a
@@ -38,6 +40,11 @@ ENGINES=${ENGINES:-mock}
 SGLANG=${SGLANG:-0}
 BARE=${BARE:-0}
 THIRD=""
+SCHEME=http
+if [ "${TLS:-0}" = 1 ]; then
+    if [ "$SGLANG" = 1 ] || [ "$BARE" = 1 ]; then echo "TLS=1 compares prefixlb and HAProxy alone" >&2; exit 2; fi
+    SCHEME=https
+fi
 if [ "$SGLANG" = 1 ]; then THIRD=sglang; fi
 if [ "$BARE" = 1 ]; then
     if [ -n "$THIRD" ]; then echo "SGLANG=1 and BARE=1: one third column at a time" >&2; exit 2; fi
@@ -101,7 +108,7 @@ cpu_s() { # utime + stime of a pid, in seconds
 run() { # proxy-name port pid body conns -> "rps p50_ms p99_ms cpu_per_1k"
     local before after out rps p50 p99 reqs
     before=$(cpu_s "$3")
-    out=$(wrk -t"$THREADS" -c"$5" -d"${DURATION}s" --latency -s "$WORK/$4.lua" "http://127.0.0.1:$2/v1/chat/completions")
+    out=$(wrk -t"$THREADS" -c"$5" -d"${DURATION}s" --latency -s "$WORK/$4.lua" "$SCHEME://127.0.0.1:$2/v1/chat/completions")
     after=$(cpu_s "$3")
     rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
     reqs=$(echo "$out" | awk '/requests in/ {print $1}')
@@ -121,7 +128,7 @@ EOF
 }
 
 echo
-echo "engines: $ENGINES"
+echo "engines: $ENGINES, clients over $SCHEME"
 echo "round body conns | prefixlb rps p50 p99 cpu/1k | haproxy rps p50 p99 cpu/1k$([ -n "$THIRD" ] && echo " | $THIRD rps p50 p99 cpu/1k")"
 for round in $(seq "$ROUNDS"); do
     for body in $BODIES; do

@@ -58,8 +58,19 @@ EOF
     done
 }
 
+# A self-signed certificate for 127.0.0.1 ($WORK/tls/cert.pem, key.pem, and both in
+# combined.pem for HAProxy), made with openssl.
+write_certificate() {
+    mkdir -p "$WORK/tls"
+    openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 7 \
+        -keyout "$WORK/tls/key.pem" -out "$WORK/tls/cert.pem" -subj /CN=127.0.0.1 \
+        -addext "subjectAltName=IP:127.0.0.1" 2>/dev/null
+    cat "$WORK/tls/cert.pem" "$WORK/tls/key.pem" >"$WORK/tls/combined.pem"
+}
+
 # prefixlb's configuration ($WORK/prefixlb.toml, listening on 19180, admin on 19190)
-# and HAProxy's ($WORK/haproxy.cfg, listening on 19181), over the two engines.
+# and HAProxy's ($WORK/haproxy.cfg, listening on 19181), over the two engines. With
+# TLS=1 both terminate TLS on their client port (write_certificate's pair).
 write_configs() {
     if [ "$LOAD_FACTOR" = off ]; then RELATIVE=""; else RELATIVE="load_factor = $LOAD_FACTOR"; fi
     # A count as is; "auto" (the balancer's default) as a TOML string.
@@ -67,12 +78,20 @@ write_configs() {
     # YIELD_AFTER: server.yield_after (unset: the balancer's default).
     local YIELD=""
     if [ -n "${YIELD_AFTER:-}" ]; then YIELD="yield_after = \"$YIELD_AFTER\""; fi
+    local LB_TLS="" HA_TLS=""
+    if [ "${TLS:-0}" = 1 ]; then
+        write_certificate
+        LB_TLS="tls_cert_file = \"$PWD/$WORK/tls/cert.pem\"
+tls_key_file = \"$PWD/$WORK/tls/key.pem\""
+        HA_TLS=" ssl crt $PWD/$WORK/tls/combined.pem alpn http/1.1"
+    fi
     cat >"$WORK/prefixlb.toml" <<EOF
 [server]
 listen = "127.0.0.1:19180"
 admin_listen = "127.0.0.1:19190"
 lanes = $LANES_TOML
 $YIELD
+$LB_TLS
 [routing]
 # High enough never to bind: this measures the proxy, not bounded loads.
 max_in_flight = 100000
@@ -104,7 +123,7 @@ defaults
     timeout server 60s
     option http-keep-alive
 frontend fe
-    bind 127.0.0.1:19181
+    bind 127.0.0.1:19181$HA_TLS
     option http-buffer-request
     default_backend engines
 backend engines
