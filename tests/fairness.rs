@@ -325,3 +325,96 @@ async fn a_queued_request_past_its_deadline_gets_503_and_a_leaver_leaves_at_once
     assert_eq!(requests().await, before);
     drop(held);
 }
+
+/// The usage a response reports (a stream's from its usage chunk): prompt, cached and
+/// completion tokens.
+fn usage_of(r: &Reply) -> [u64; 3] {
+    let usage = if r.text().starts_with("data:") {
+        let chunk = r
+            .text()
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+            .find(|v| v["usage"].is_object())
+            .expect("a usage chunk");
+        chunk["usage"].clone()
+    } else {
+        r.json()["usage"].clone()
+    };
+    let n = |v: &Value| v.as_u64().unwrap_or(0);
+    [
+        n(&usage["prompt_tokens"]),
+        n(&usage["prompt_tokens_details"]["cached_tokens"]),
+        n(&usage["completion_tokens"]),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_tenant_s_tokens_are_counted_from_the_engines_usage() {
+    let (engines, lb) = fleet(4, "[[tenants]]\nname = \"team-a\"\n");
+    let mut want: std::collections::BTreeMap<&str, [u64; 3]> = Default::default();
+    let long = "a long shared document about KV caches. ".repeat(60);
+    let asks: [(&str, Option<&str>, Value); 6] = [
+        ("team-a", Some("team-a"), body(&long, 5)),
+        // The same prompt again: most of it from the engine's cache.
+        ("team-a", Some("team-a"), body(&long, 7)),
+        (
+            "team-a",
+            Some("team-a"),
+            json!({"model": "mock", "messages": [{"role": "user", "content": "streamed"}],
+                   "max_tokens": 4, "stream": true, "stream_options": {"include_usage": true}}),
+        ),
+        // A name the config does not know: counted as `other`.
+        ("other", Some("someone-else"), body("who am I", 3)),
+        ("other", Some("another-one"), body("and I", 2)),
+        // No name at all: the shared `default`.
+        ("default", None, body("nobody", 6)),
+    ];
+    for (label, tenant, ask) in &asks {
+        let headers: Vec<(&str, &str)> = tenant.iter().map(|t| ("x-tenant", *t)).collect();
+        let r = post_json(&lb.url("/v1/chat/completions"), ask, &headers).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        let got = usage_of(&r);
+        let sum = want.entry(label).or_default();
+        for (s, g) in sum.iter_mut().zip(got) {
+            *s += g;
+        }
+    }
+    assert!(
+        want["team-a"][1] > 0,
+        "the repeated prompt hit the cache: {want:?}"
+    );
+    // A count of tokens prefills nothing: not counted as prompt tokens.
+    let count = json!({"model": "mock", "messages": [{"role": "user", "content": "count me"}]});
+    let r = post_json(
+        &lb.url("/v1/messages/count_tokens"),
+        &count,
+        &[("x-tenant", "team-a")],
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let page = lb.admin_url("/metrics");
+    for (tenant, sums) in &want {
+        for (kind, sum) in ["prompt", "cached", "completion"].iter().zip(sums) {
+            let name =
+                format!("prefixlb_tenant_tokens_total{{kind=\"{kind}\",tenant=\"{tenant}\"}}");
+            assert_eq!(metric(&page, &name).await, *sum as f64, "{name}");
+        }
+    }
+    drop(engines);
+
+    // A config that tells no tenants apart counts none.
+    let e = engine("plain", &["--decode-ms-per-token", "1"]);
+    let plain = balancer(&config_at(&[e.addr], ""));
+    let r = post_json(&plain.url("/v1/chat/completions"), &body("hi", 2), &[]).await;
+    assert_eq!(r.status, 200);
+    let text = call(
+        "GET",
+        &plain.admin_url("/metrics"),
+        &[],
+        bytes::Bytes::new(),
+    )
+    .await
+    .text();
+    assert!(!text.contains("prefixlb_tenant_tokens_total{"), "{text}");
+}

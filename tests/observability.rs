@@ -45,7 +45,9 @@ async fn a_scripted_run_shows_in_the_metrics_and_the_dashboard_queries_exist() {
         4,
         &["--decode-ms-per-token", "5", "--prefill-us-per-token", "10"],
     );
-    let lb = balancer(&config(&refs(&e), "", "max_in_flight = 4"));
+    // Tenants told apart by a header: their tokens are counted (tenant_tokens_total).
+    let routing = "max_in_flight = 4\ntenant_header = \"x-tenant\"";
+    let lb = balancer(&config(&refs(&e), "", routing));
     set_fault(&e[0], "error", 0).await;
 
     // A hot key: six streams at once over a cap of four spill two.

@@ -66,6 +66,9 @@ pub struct Tenancy {
     pub priority_header: Option<http::HeaderName>,
     /// The name every request without its own shares: `default`.
     pub default_tenant: std::sync::Arc<str>,
+    /// Requests are told apart by tenant (`[[tenants]]`, `tenant_header` or named API
+    /// keys): their tokens are counted per tenant (`tenant_tokens_total`).
+    pub counts_usage: bool,
 }
 
 impl Tenancy {
@@ -196,5 +199,7 @@ pub(super) fn validate(
         tenant_header: header(tenant_header, "tenant_header")?,
         priority_header: header(priority_header, "priority_header")?,
         default_tenant: "default".into(),
+        // Set once `[auth]` is read (its keys' names are tenants too).
+        counts_usage: false,
     })
 }

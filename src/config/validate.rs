@@ -75,7 +75,7 @@ pub(super) fn config(raw: FileConfig, dir: &Path) -> Result<Config, Invalid> {
         raw.routing.default_priority.clone(),
     );
     let routing = validate_routing(raw.routing)?;
-    let tenancy = super::tenancy::validate(
+    let mut tenancy = super::tenancy::validate(
         raw.priorities,
         raw.tenants,
         default_priority,
@@ -86,6 +86,9 @@ pub(super) fn config(raw: FileConfig, dir: &Path) -> Result<Config, Invalid> {
     let breaker = validate_breaker(raw.breaker)?;
     let health = validate_health(raw.health)?;
     let auth = validate_auth(raw.auth, dir)?;
+    tenancy.counts_usage = !tenancy.tenants.is_empty()
+        || tenancy.tenant_header.is_some()
+        || auth.keys.iter().any(|(name, _)| name.is_some());
     let tls = super::tls::validate(raw.tls, dir)?;
     let tracing = raw.tracing.map(validate_tracing).transpose()?;
     let redis = raw.redis.map(validate_redis).transpose()?;

@@ -721,6 +721,8 @@ impl Exchange<'_> {
                 true => None,
                 false => self.asker.charge.clone(),
             },
+            tenant_tokens: (!self.leg.prefills() && self.table.config.tenancy.counts_usage)
+                .then(|| self.metrics.tenant_tokens(self.asker.tenant_label())),
             spans: [self.span.clone(), attempt_span.clone()],
         };
         let (head, body) = match answer {

@@ -33,7 +33,7 @@ use super::sse::{Block, SseScanner};
 use super::upstream::EngineBody;
 use crate::routing::decision::{Ticket, Usage};
 use crate::routing::route::Route;
-use crate::telemetry::metrics::NodeSeries;
+use crate::telemetry::metrics::{NodeSeries, TenantTokens};
 use crate::telemetry::outcome::RequestOutcome;
 
 /// What is known of a request when its response body ends: counted and logged once,
@@ -53,6 +53,8 @@ pub struct RequestLog {
     /// Its tenant's token budget, charged an estimate at admission: corrected to what
     /// the engine reports when it ends.
     pub charge: Option<super::tenant::Charge>,
+    /// Its tenant's token counters, when the config tells tenants apart.
+    pub tenant_tokens: Option<TenantTokens>,
     /// The pool learns from it when it succeeds, and its prompt tokens are counted
     /// (not a `count_tokens`'s, nor a stored response's read again, nor an audio
     /// upload's: see [`Api::teaches`](crate::routing::facts::Api::teaches)).
@@ -78,6 +80,15 @@ impl RequestLog {
         }
         if let (Some(charge), Some(prompt)) = (&self.charge, usage.prompt_tokens()) {
             charge.settle(prompt + usage.completion.unwrap_or(0));
+        }
+        if let Some(tenant) = &self.tenant_tokens {
+            // Prompt tokens as the node's are counted: not those a count was asked of.
+            let (prompt, cached) = match self.teaches {
+                true => (usage.prompt_tokens(), usage.cached_tokens()),
+                false => (None, None),
+            };
+            let n = |v: Option<u64>| v.unwrap_or(0);
+            tenant.count(n(prompt), n(cached), n(usage.completion));
         }
         let (pool_name, node) = self.series.names();
         self.series.observe_request(outcome, duration);

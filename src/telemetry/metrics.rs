@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use prometheus::{
-    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 use super::outcome::{FailoverReason, RequestOutcome, StoredLookup};
@@ -66,9 +66,27 @@ pub struct RequestMetrics {
     queue_wait_by_tenant: HistogramVec,
     queue_sheds: IntCounterVec,
     rate_limited: IntCounterVec,
+    tenant_tokens: IntCounterVec,
     /// The per-node series the data plane updates (see [`NodeSeries`]), and their
     /// families (`requests_total`, `ttft_seconds`, …).
     series: SeriesCache,
+}
+
+/// One tenant's token counters, looked up once for a request and added to when it
+/// ends.
+pub struct TenantTokens {
+    prompt: IntCounter,
+    cached: IntCounter,
+    completion: IntCounter,
+}
+
+impl TenantTokens {
+    /// Adds a request's prompt tokens (and those served from cache) and its output.
+    pub fn count(&self, prompt: u64, cached: u64, completion: u64) {
+        self.prompt.inc_by(prompt);
+        self.cached.inc_by(cached);
+        self.completion.inc_by(completion);
+    }
 }
 
 /// What the membership watcher sees of Redis.
@@ -193,6 +211,10 @@ impl Metrics {
             rate_limited: reg!(IntCounterVec::new(
                 opts("rate_limited_total", "Requests refused with 429 for their tenant's rate limit, by limit."),
                 &["tenant", "limit"]
+            )),
+            tenant_tokens: reg!(IntCounterVec::new(
+                opts("tenant_tokens_total", "Tokens by tenant, from the engines' usage reports: `prompt`, `cached` (of the prompt, served from a prefix cache) and `completion` (output). Counted when the config tells tenants apart ([[tenants]], tenant_header or named API keys)."),
+                &["tenant", "kind"]
             )),
             series,
         };
@@ -422,6 +444,16 @@ impl RequestMetrics {
     /// A request refused for its tenant's rate limit.
     pub fn count_rate_limited(&self, tenant: &str, limit: &str) {
         self.rate_limited.with_label_values(&[tenant, limit]).inc();
+    }
+
+    /// A tenant's token counters (its metric label: a configured name, or `other`).
+    pub fn tenant_tokens(&self, tenant: &str) -> TenantTokens {
+        let kind = |k: &str| self.tenant_tokens.with_label_values(&[tenant, k]);
+        TenantTokens {
+            prompt: kind("prompt"),
+            cached: kind("cached"),
+            completion: kind("completion"),
+        }
     }
 
     pub fn observe_queue_wait(&self, pool: &str, waited: Duration) {
