@@ -47,6 +47,19 @@ fn pem_certs(path: &Path) -> Vec<CertificateDer<'static>> {
 /// A TLS connection to `addr` as `localhost`, trusting the CAs in `cas`, offering
 /// `alpn`.
 async fn connect(addr: SocketAddr, cas: &[PathBuf], alpn: &[&[u8]]) -> TlsStream<TcpStream> {
+    handshake(addr, cas, alpn).await.unwrap()
+}
+
+/// [`connect`], whose handshake may fail.
+async fn try_connect(addr: SocketAddr, cas: &[PathBuf]) -> std::io::Result<TlsStream<TcpStream>> {
+    handshake(addr, cas, &[]).await
+}
+
+async fn handshake(
+    addr: SocketAddr,
+    cas: &[PathBuf],
+    alpn: &[&[u8]],
+) -> std::io::Result<TlsStream<TcpStream>> {
     let mut roots = rustls::RootCertStore::empty();
     for ca in cas {
         for c in pem_certs(ca) {
@@ -65,7 +78,6 @@ async fn connect(addr: SocketAddr, cas: &[PathBuf], alpn: &[&[u8]]) -> TlsStream
     tokio_rustls::TlsConnector::from(Arc::new(config))
         .connect(name, tcp)
         .await
-        .unwrap()
 }
 
 /// The certificate the server showed on `tls`.
@@ -270,6 +282,23 @@ async fn plain_http_on_the_https_port_is_told_to_use_https() {
     let (status, _, text) = over_http1(&mut h1, post("/v1/chat/completions", &body)).await;
     assert_eq!(status, 200, "{text}");
     assert_eq!(engine_requests().await, 1.0);
+    // A client that does not trust the certificate ends its handshake: counted apart.
+    assert!(try_connect(lb.addr, &[pki.path("other-ca.pem")])
+        .await
+        .is_err());
+    let failures = |reason: &'static str| {
+        let page = lb.admin_url("/metrics");
+        async move {
+            let name = format!("prefixlb_tls_handshake_failures_total{{reason=\"{reason}\"}}");
+            sum_metric(&page, &name).await
+        }
+    };
+    let counted = eventually(Duration::from_secs(2), || async {
+        failures("failed").await == 1.0
+    })
+    .await;
+    assert!(counted, "{}", failures("failed").await);
+    assert_eq!(failures("plain_http").await, 1.0);
 }
 
 #[tokio::test]
@@ -341,6 +370,12 @@ async fn a_client_that_never_says_hello_is_closed_at_header_read_timeout() {
     })
     .await;
     assert!(closed, "{}", open_client_connections(&lb).await);
+    let timeouts = metric(
+        &lb.admin_url("/metrics"),
+        "prefixlb_tls_handshake_failures_total{reason=\"timeout\"}",
+    )
+    .await;
+    assert_eq!(timeouts, 1.0);
 }
 
 #[test]

@@ -265,7 +265,12 @@ pub async fn serve_port<H, F>(
                         .await
                 }
                 Ok(Accepted { stream, .. }) => service.serve(stream, peer, stop, watcher).await,
-                Err(e) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+                Err((refusal, e)) => {
+                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                    if let Some(requests) = &service.refusals {
+                        requests.count_tls_refusal(refusal.as_str());
+                    }
+                }
             }
         });
     }

@@ -33,6 +33,28 @@ impl ResolvesServerCert for Shown {
     }
 }
 
+/// Why a client's handshake did not end in a TLS connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// It spoke plain HTTP (answered 400 `https_required`).
+    PlainHttp,
+    /// No handshake within `header_read_timeout`.
+    Timeout,
+    /// The handshake failed (no protocol version or cipher in common, an alert from
+    /// the client rejecting our certificate, bytes that are not TLS) or the client left.
+    Failed,
+}
+
+impl Refusal {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Refusal::PlainHttp => "plain_http",
+            Refusal::Timeout => "timeout",
+            Refusal::Failed => "failed",
+        }
+    }
+}
+
 /// A connection after its handshake, and the protocol the client chose by ALPN.
 pub struct Accepted {
     pub stream: TlsStream<TcpStream>,
@@ -71,16 +93,30 @@ impl ClientTls {
     /// and sends nothing holds it no longer than one that sends no request head). A
     /// client that speaks plain HTTP to the port is answered 400 in plain HTTP, saying
     /// so, where a TLS alert would reach it as a garbled response.
-    pub async fn accept(&self, stream: TcpStream, limit: Duration) -> io::Result<Accepted> {
+    pub async fn accept(
+        &self,
+        stream: TcpStream,
+        limit: Duration,
+    ) -> Result<Accepted, (Refusal, io::Error)> {
         let handshake = async {
-            if !opens_with_tls(&stream).await? {
-                return Err(refuse_plain_http(stream).await);
+            if !opens_with_tls(&stream)
+                .await
+                .map_err(|e| (Refusal::Failed, e))?
+            {
+                return Err((Refusal::PlainHttp, refuse_plain_http(stream).await));
             }
-            self.acceptor.accept(stream).await
+            self.acceptor
+                .accept(stream)
+                .await
+                .map_err(|e| (Refusal::Failed, e))
+        };
+        let timed_out = || {
+            let e = io::Error::new(io::ErrorKind::TimedOut, "no TLS handshake in time");
+            (Refusal::Timeout, e)
         };
         let stream = tokio::time::timeout(limit, handshake)
             .await
-            .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no TLS handshake in time"))??;
+            .map_err(|_| timed_out())??;
         let http2 = stream.get_ref().1.alpn_protocol() == Some(b"h2");
         Ok(Accepted { stream, http2 })
     }

@@ -67,6 +67,7 @@ pub struct RequestMetrics {
     queue_sheds: IntCounterVec,
     rate_limited: IntCounterVec,
     tenant_tokens: IntCounterVec,
+    tls_refusals: IntCounterVec,
     /// The per-node series the data plane updates (see [`NodeSeries`]), and their
     /// families (`requests_total`, `ttft_seconds`, …).
     series: SeriesCache,
@@ -215,6 +216,10 @@ impl Metrics {
             tenant_tokens: reg!(IntCounterVec::new(
                 opts("tenant_tokens_total", "Tokens by tenant, from the engines' usage reports: `prompt`, `cached` (of the prompt, served from a prefix cache) and `completion` (output). Counted when the config tells tenants apart ([[tenants]], tenant_header or named API keys)."),
                 &["tenant", "kind"]
+            )),
+            tls_refusals: reg!(IntCounterVec::new(
+                opts("tls_handshake_failures_total", "Client connections to the HTTPS port that ended before a TLS session: `plain_http` (answered 400 https_required), `timeout` (no handshake within header_read_timeout), `failed` (no version or cipher in common, the client refused our certificate, not TLS, or it left)."),
+                &["reason"]
             )),
             series,
         };
@@ -444,6 +449,11 @@ impl RequestMetrics {
     /// A request refused for its tenant's rate limit.
     pub fn count_rate_limited(&self, tenant: &str, limit: &str) {
         self.rate_limited.with_label_values(&[tenant, limit]).inc();
+    }
+
+    /// A client connection to the HTTPS port that ended before a TLS session.
+    pub fn count_tls_refusal(&self, reason: &str) {
+        self.tls_refusals.with_label_values(&[reason]).inc();
     }
 
     /// A tenant's token counters (its metric label: a configured name, or `other`).
