@@ -60,6 +60,16 @@ async fn handshake(
     cas: &[PathBuf],
     alpn: &[&[u8]],
 ) -> std::io::Result<TlsStream<TcpStream>> {
+    handshake_as(addr, cas, alpn, None).await
+}
+
+/// A handshake showing the client certificate and key of `identity`, if any.
+async fn handshake_as(
+    addr: SocketAddr,
+    cas: &[PathBuf],
+    alpn: &[&[u8]],
+    identity: Option<(&Path, &Path)>,
+) -> std::io::Result<TlsStream<TcpStream>> {
     let mut roots = rustls::RootCertStore::empty();
     for ca in cas {
         for c in pem_certs(ca) {
@@ -67,11 +77,17 @@ async fn handshake(
         }
     }
     let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+    let config = rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+        .with_root_certificates(roots);
+    let mut config = match identity {
+        Some((cert, key)) => {
+            let key = rustls::pki_types::PrivateKeyDer::from_pem_file(key).unwrap();
+            config.with_client_auth_cert(pem_certs(cert), key).unwrap()
+        }
+        None => config.with_no_client_auth(),
+    };
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     let tcp = TcpStream::connect(addr).await.unwrap();
     let name = ServerName::try_from("localhost").unwrap();
@@ -378,6 +394,49 @@ async fn a_client_that_never_says_hello_is_closed_at_header_read_timeout() {
     assert_eq!(timeouts, 1.0);
 }
 
+#[tokio::test]
+async fn with_tls_client_ca_file_only_clients_with_a_certificate_it_signed_are_served() {
+    let pki = make_pki("mtls");
+    let other = make_pki("mtls-other");
+    let e = engine("e0", &FAST);
+    let ca = format!("tls_client_ca_file = {:?}", pki.path("ca.pem"));
+    let lb = https_balancer(&pki, &e, &ca);
+    let trust = [pki.path("ca.pem")];
+    let body = chat(&[("user", "who are you")], false, 2);
+    // A request over a connection; an error if the handshake or the exchange failed.
+    let ask = |identity: Option<(PathBuf, PathBuf)>| {
+        let (addr, trust, body) = (lb.addr, trust.clone(), body.clone());
+        async move {
+            let who = identity.as_ref().map(|(c, k)| (c.as_path(), k.as_path()));
+            let tls = handshake_as(addr, &trust, &[b"http/1.1"], who).await?;
+            let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+                .await
+                .map_err(std::io::Error::other)?;
+            tokio::spawn(conn);
+            let res = sender
+                .send_request(post("/v1/chat/completions", &body))
+                .await
+                .map_err(std::io::Error::other)?;
+            Ok::<u16, std::io::Error>(res.status().as_u16())
+        }
+    };
+    let signed = (pki.path("client.pem"), pki.path("client-key.pem"));
+    assert_eq!(ask(Some(signed)).await.unwrap(), 200);
+    // No certificate, or one another CA signed: the handshake fails (in TLS 1.3 the
+    // client hears of it at its first read), and no engine sees the request.
+    assert!(ask(None).await.is_err());
+    let stranger = (other.path("client.pem"), other.path("client-key.pem"));
+    assert!(ask(Some(stranger)).await.is_err());
+    let served = sum_metric(&e.url("/metrics"), "mock_engine_requests_total").await;
+    assert_eq!(served, 1.0);
+    let failed = eventually(Duration::from_secs(2), || async {
+        let name = "prefixlb_tls_handshake_failures_total{reason=\"failed\"}";
+        sum_metric(&lb.admin_url("/metrics"), name).await == 2.0
+    })
+    .await;
+    assert!(failed);
+}
+
 #[test]
 fn check_refuses_a_certificate_without_its_key_or_with_another_s() {
     let pki = make_pki("check");
@@ -409,6 +468,26 @@ fn check_refuses_a_certificate_without_its_key_or_with_another_s() {
     let said = check_refuses(&missing);
     assert!(
         said.contains(":2:17: server.tls_cert_file: cannot read"),
+        "{said}"
+    );
+    let ca_alone = format!(
+        "[server]\ntls_client_ca_file = {:?}\n{pool}",
+        pki.path("ca.pem")
+    );
+    let said = check_refuses(&ca_alone);
+    assert!(
+        said.contains(":2:22: server.tls_client_ca_file needs server.tls_cert_file"),
+        "{said}"
+    );
+    let not_a_ca = format!(
+        "[server]\ntls_cert_file = {:?}\ntls_key_file = {:?}\ntls_client_ca_file = {:?}\n{pool}",
+        pki.path("engine.pem"),
+        pki.path("engine-key.pem"),
+        pki.path("engine-key.pem")
+    );
+    let said = check_refuses(&not_a_ca);
+    assert!(
+        said.contains(":4:22: server.tls_client_ca_file: "),
         "{said}"
     );
 }

@@ -104,6 +104,10 @@ pub struct ServerSection {
     pub tls_cert_file: Option<Spanned<String>>,
     /// Its PEM private key. Default: none.
     pub tls_key_file: Option<Spanned<String>>,
+    /// PEM CA certificates: with HTTPS, every client must show a certificate one of
+    /// them signed (mTLS), or its handshake fails. Default: none (no client
+    /// certificates asked for).
+    pub tls_client_ca_file: Option<Spanned<String>>,
 }
 
 impl Default for ServerSection {
@@ -130,6 +134,7 @@ impl Default for ServerSection {
             max_buffered_bytes: unspanned(1 << 30),
             tls_cert_file: None,
             tls_key_file: None,
+            tls_client_ca_file: None,
         }
     }
 }

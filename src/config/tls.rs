@@ -12,11 +12,13 @@ use std::sync::{Arc, OnceLock};
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::danger::ClientCertVerifier;
+use rustls::server::WebPkiClientVerifier;
 use rustls::sign::CertifiedKey;
 use rustls::{ClientConfig, RootCertStore};
 use toml::Spanned;
 
-use super::file::TlsSection;
+use super::file::{ServerSection, TlsSection};
 use super::validate::Invalid;
 
 /// The validated `[tls]` section, and the rustls client built from it.
@@ -152,24 +154,32 @@ pub(super) fn validate(t: TlsSection, dir: &Path) -> Result<Arc<TlsConfig>, Inva
 }
 
 /// The client listener's certificate and key (`server.tls_cert_file`,
-/// `server.tls_key_file`), as read when the config was.
+/// `server.tls_key_file`) and the verifier of its clients' certificates
+/// (`server.tls_client_ca_file`), as read when the config was.
 #[derive(Debug, Clone)]
 pub struct ListenerTls {
     pub key: Arc<CertifiedKey>,
-    /// The two files, for a reload to notice when they change.
-    pub files: [PathBuf; 2],
+    /// Clients must show a certificate it accepts (mTLS).
+    pub clients: Option<Arc<dyn ClientCertVerifier>>,
+    /// The files read, for a reload to notice when they change.
+    pub files: Vec<PathBuf>,
 }
 
 /// The client listener's certificate chain and key (`server.tls_cert_file`,
 /// `server.tls_key_file`; both or neither): read, and the key checked against the
-/// chain's first certificate. Paths are relative to the config file's folder.
-pub(super) fn listener(
-    cert: Option<&Spanned<String>>,
-    key: Option<&Spanned<String>>,
-    dir: &Path,
-) -> Result<Option<ListenerTls>, Invalid> {
-    let (cert, key) = match (cert, key) {
-        (None, None) => return Ok(None),
+/// chain's first certificate; and the CAs of its clients' certificates
+/// (`server.tls_client_ca_file`). Paths are relative to the config file's folder.
+pub(super) fn listener(s: &ServerSection, dir: &Path) -> Result<Option<ListenerTls>, Invalid> {
+    let (cert, key) = match (&s.tls_cert_file, &s.tls_key_file) {
+        (None, None) => {
+            return match &s.tls_client_ca_file {
+                None => Ok(None),
+                Some(ca) => Err((
+                    Some(ca.span()),
+                    "server.tls_client_ca_file needs server.tls_cert_file and tls_key_file (client certificates are asked for in a TLS handshake)".into(),
+                )),
+            }
+        }
         (Some(cert), Some(key)) => (cert, key),
         (Some(only), None) | (None, Some(only)) => {
             return Err((
@@ -182,11 +192,11 @@ pub(super) fn listener(
     let at = |v: &Spanned<String>, name: &str, message: String| {
         (Some(v.span()), format!("server.{name}: {message}"))
     };
-    let files = [dir.join(cert.get_ref()), dir.join(key.get_ref())];
+    let mut files = vec![dir.join(cert.get_ref()), dir.join(key.get_ref())];
     let chain = read_certs(&files[0]).map_err(|e| at(cert, "tls_cert_file", e))?;
     let der = PrivateKeyDer::from_pem_file(&files[1])
         .map_err(|e| at(key, "tls_key_file", format!("no private key read: {e}")))?;
-    let provider = rustls::crypto::ring::default_provider();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
     let certified = CertifiedKey::from_der(chain, der, &provider).map_err(|e| {
         at(
             key,
@@ -194,8 +204,30 @@ pub(super) fn listener(
             format!("the key does not go with the certificate: {e}"),
         )
     })?;
+    let clients = match &s.tls_client_ca_file {
+        None => None,
+        Some(ca) => {
+            let path = dir.join(ca.get_ref());
+            let mut roots = RootCertStore::empty();
+            for c in read_certs(&path).map_err(|e| at(ca, "tls_client_ca_file", e))? {
+                roots.add(c).map_err(|e| {
+                    at(
+                        ca,
+                        "tls_client_ca_file",
+                        format!("a certificate is not usable: {e}"),
+                    )
+                })?;
+            }
+            files.push(path);
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                .build()
+                .map_err(|e| at(ca, "tls_client_ca_file", e.to_string()))?;
+            Some(verifier)
+        }
+    };
     Ok(Some(ListenerTls {
         key: Arc::new(certified),
+        clients,
         files,
     }))
 }

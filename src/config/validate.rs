@@ -794,6 +794,7 @@ fn validate_server(s: ServerSection, dir: &Path) -> Result<ServerConfig, Invalid
     if let Some((_, key)) = positive.iter().find(|(d, _)| d.0.is_zero()) {
         return invalid(0..0, format!("server.{key} must be longer than 0"));
     }
+    let tls = super::tls::listener(&s, dir)?;
     Ok(ServerConfig {
         listen: addr(&s.listen, "listen")?,
         admin_listen: addr(&s.admin_listen, "admin_listen")?,
@@ -826,7 +827,7 @@ fn validate_server(s: ServerSection, dir: &Path) -> Result<ServerConfig, Invalid
         },
         body_read_timeout: s.body_read_timeout.0,
         max_buffered_bytes: max_buffered_bytes as usize,
-        tls: super::tls::listener(s.tls_cert_file.as_ref(), s.tls_key_file.as_ref(), dir)?,
+        tls,
     })
 }
 

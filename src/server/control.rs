@@ -65,8 +65,11 @@ impl Control {
             metrics.lane_yields.with_label_values(&[&lane]);
         }
         let table = Table::build(config.clone(), &registry);
-        let client_tls =
-            (config.server.tls.as_ref()).map(|t| Arc::new(ClientTls::new(t.key.clone())));
+        let client_tls = config
+            .server
+            .tls
+            .as_ref()
+            .map(|t| Arc::new(ClientTls::new(t)));
         Arc::new(Control {
             proxy: Proxy::with_lanes(table, metrics.requests.clone(), lanes),
             registry,
@@ -168,8 +171,11 @@ impl Control {
             }
         }
         if let (Some(tls), Some(new)) = (&self.client_tls, &now.tls) {
-            if tls.shown().cert != new.key.cert {
-                tls.renew(new.key.clone());
+            // Rebuilt whatever changed (the certificate, the clients' CAs): new
+            // handshakes get it.
+            let renewed = tls.shown().cert != new.key.cert;
+            tls.renew(new);
+            if renewed {
                 tracing::info!(
                     "the client port's TLS certificate is renewed: new handshakes get it"
                 );

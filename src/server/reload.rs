@@ -1,6 +1,5 @@
 //! What triggers a config reload: SIGHUP, and with `server.watch_config` a change of
-//! the file's mtime, or of the client port's certificate or key file (a renewed
-//! certificate). The reload itself ([`Control::reload`]) parses, validates and swaps
+//! the file's mtime, or of the client port's TLS files (a renewed certificate). The reload itself ([`Control::reload`]) parses, validates and swaps
 //! the routing snapshot; these triggers only decide when, and run it off the async
 //! workers.
 
@@ -13,7 +12,7 @@ use tokio::sync::watch;
 use super::control::Control;
 
 /// Reloads the config on SIGHUP, and when `server.watch_config` is on, on a change of
-/// the mtimes of the file and of the certificate and key it names that has held for
+/// the mtimes of the file and of the TLS files it names that has held for
 /// one poll (polled every second: no watcher dependency needed), so a file still being
 /// written is not applied half-way.
 pub async fn run(control: Arc<Control>, mut stop: watch::Receiver<bool>) {

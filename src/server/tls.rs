@@ -1,8 +1,8 @@
-//! HTTPS on the client port (`server.tls_cert_file`, `server.tls_key_file`): the
-//! rustls server that takes each connection's handshake, offering HTTP/2 and HTTP/1.1
-//! by ALPN, and the certificate it shows, which a reload replaces (a renewed
-//! certificate, as cert-manager writes one, is served from the next handshake on;
-//! open connections keep theirs).
+//! HTTPS on the client port (`server.tls_cert_file`, `server.tls_key_file`, and
+//! `server.tls_client_ca_file` to require client certificates): the rustls server that
+//! takes each connection's handshake, offering HTTP/2 and HTTP/1.1 by ALPN, which a
+//! reload replaces (a renewed certificate, as cert-manager writes one, is served from
+//! the next handshake on; open connections keep theirs).
 
 use std::io::{self, Read};
 use std::sync::Arc;
@@ -17,20 +17,40 @@ use tokio::net::TcpStream;
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 
-/// The client port's TLS: its rustls server and the certificate it shows.
+use crate::config::ListenerTls;
+
+/// The client port's TLS: its rustls server, built from the config's
+/// [`ListenerTls`] and rebuilt by each reload.
 pub struct ClientTls {
-    acceptor: TlsAcceptor,
-    shown: Arc<Shown>,
+    server: ArcSwap<ServerConfig>,
+    /// The certificate it shows.
+    shown: ArcSwap<CertifiedKey>,
 }
 
 /// The certificate shown to every client, whatever name it asks for.
 #[derive(Debug)]
-struct Shown(ArcSwap<CertifiedKey>);
+struct Shown(Arc<CertifiedKey>);
 
 impl ResolvesServerCert for Shown {
     fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        Some(self.0.load_full())
+        Some(self.0.clone())
     }
+}
+
+/// A rustls server showing `tls`'s certificate, asking for client certificates if it
+/// says so, offering HTTP/2 and HTTP/1.1.
+fn server(tls: &ListenerTls) -> ServerConfig {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("ring supports the default protocol versions");
+    let builder = match &tls.clients {
+        Some(verifier) => builder.with_client_cert_verifier(verifier.clone()),
+        None => builder.with_no_client_auth(),
+    };
+    let mut config = builder.with_cert_resolver(Arc::new(Shown(tls.key.clone())));
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    config
 }
 
 /// Why a client's handshake did not end in a TLS connection.
@@ -63,30 +83,23 @@ pub struct Accepted {
 }
 
 impl ClientTls {
-    /// A TLS server showing `key`.
-    pub fn new(key: Arc<CertifiedKey>) -> ClientTls {
-        let shown = Arc::new(Shown(ArcSwap::new(key)));
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut config = ServerConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .expect("ring supports the default protocol versions")
-            .with_no_client_auth()
-            .with_cert_resolver(shown.clone());
-        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    /// The TLS server `tls` describes.
+    pub fn new(tls: &ListenerTls) -> ClientTls {
         ClientTls {
-            acceptor: TlsAcceptor::from(Arc::new(config)),
-            shown,
+            server: ArcSwap::from_pointee(server(tls)),
+            shown: ArcSwap::new(tls.key.clone()),
         }
     }
 
-    /// Shows `key` from the next handshake on.
-    pub fn renew(&self, key: Arc<CertifiedKey>) {
-        self.shown.0.store(key);
+    /// Serves `tls` from the next handshake on.
+    pub fn renew(&self, tls: &ListenerTls) {
+        self.server.store(Arc::new(server(tls)));
+        self.shown.store(tls.key.clone());
     }
 
     /// The certificate shown now.
     pub fn shown(&self) -> Arc<CertifiedKey> {
-        self.shown.0.load_full()
+        self.shown.load_full()
     }
 
     /// Takes a client's handshake, within `limit` (a client that opens a connection
@@ -105,7 +118,7 @@ impl ClientTls {
             {
                 return Err((Refusal::PlainHttp, refuse_plain_http(stream).await));
             }
-            self.acceptor
+            TlsAcceptor::from(self.server.load_full())
                 .accept(stream)
                 .await
                 .map_err(|e| (Refusal::Failed, e))
