@@ -10,8 +10,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use bytes::BytesMut;
-use rustls::server::{ClientHello, ResolvesServerCert};
-use rustls::sign::CertifiedKey;
+use rustls::sign::{CertifiedKey, SingleCertAndKey};
 use rustls::ServerConfig;
 use tokio::net::TcpStream;
 use tokio_rustls::server::TlsStream;
@@ -27,18 +26,8 @@ pub struct ClientTls {
     shown: ArcSwap<CertifiedKey>,
 }
 
-/// The certificate shown to every client, whatever name it asks for.
-#[derive(Debug)]
-struct Shown(Arc<CertifiedKey>);
-
-impl ResolvesServerCert for Shown {
-    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        Some(self.0.clone())
-    }
-}
-
-/// A rustls server showing `tls`'s certificate, asking for client certificates if it
-/// says so, offering HTTP/2 and HTTP/1.1.
+/// A rustls server showing `tls`'s certificate to every client, whatever name it asks
+/// for, asking for client certificates if it says so, offering HTTP/2 and HTTP/1.1.
 fn server(tls: &ListenerTls) -> ServerConfig {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder = ServerConfig::builder_with_provider(provider)
@@ -48,7 +37,8 @@ fn server(tls: &ListenerTls) -> ServerConfig {
         Some(verifier) => builder.with_client_cert_verifier(verifier.clone()),
         None => builder.with_no_client_auth(),
     };
-    let mut config = builder.with_cert_resolver(Arc::new(Shown(tls.key.clone())));
+    let shown = SingleCertAndKey::from(tls.key.clone());
+    let mut config = builder.with_cert_resolver(Arc::new(shown));
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     config
 }
