@@ -43,7 +43,8 @@ pub struct Control {
     /// The config as loaded and the engines heartbeating in Redis: the table is built
     /// from both, whichever changed (one rebuild at a time).
     sources: Mutex<Sources>,
-    /// The client port's TLS, when it serves HTTPS: a reload renews its certificate.
+    /// The client port's TLS, when it serves HTTPS: each reload rebuilds it from the
+    /// files.
     client_tls: Option<Arc<ClientTls>>,
 }
 
@@ -162,7 +163,7 @@ impl Control {
             ("lanes", was.lanes != now.lanes),
             ("pin_threads", was.pin_threads != now.pin_threads),
             ("yield_after", was.yield_after != now.yield_after),
-            // HTTPS turned on or off; a new certificate for it is applied below.
+            // HTTPS turned on or off; new files for it are applied below.
             ("tls_cert_file", was.tls.is_some() != now.tls.is_some()),
         ];
         for (key, changed) in restart_only {

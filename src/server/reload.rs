@@ -1,7 +1,7 @@
 //! What triggers a config reload: SIGHUP, and with `server.watch_config` a change of
-//! the file's mtime, or of the client port's TLS files (a renewed certificate). The reload itself ([`Control::reload`]) parses, validates and swaps
-//! the routing snapshot; these triggers only decide when, and run it off the async
-//! workers.
+//! the file's mtime, or of the client port's TLS files (a renewed certificate). The
+//! reload itself ([`Control::reload`]) parses, validates and swaps the routing
+//! snapshot; these triggers only decide when, and run it off the async workers.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -12,9 +12,9 @@ use tokio::sync::watch;
 use super::control::Control;
 
 /// Reloads the config on SIGHUP, and when `server.watch_config` is on, on a change of
-/// the mtimes of the file and of the TLS files it names that has held for
-/// one poll (polled every second: no watcher dependency needed), so a file still being
-/// written is not applied half-way.
+/// the mtimes of the file and of the TLS files it names that has held for one poll
+/// (polled every second: no watcher dependency needed), so a file still being written
+/// is not applied half-way.
 pub async fn run(control: Arc<Control>, mut stop: watch::Receiver<bool>) {
     let Some(path) = control.source().map(PathBuf::from) else {
         return;
