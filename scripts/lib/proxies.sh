@@ -1,7 +1,8 @@
 # Shared by the scripts that put prefixlb beside HAProxy (load_vs_haproxy.sh,
 # instructions_per_request.sh): the engines, both proxies' configurations and the
 # chat bodies, so that every comparison measures the same setup. Sourced; expects
-# WORK, ENGINES (nginx|mock), BIN, LANES and LOAD_FACTOR set. Every process started
+# WORK, ENGINES (nginx|mock), BIN, LANES and LOAD_FACTOR set; ROUTING_EXTRA adds lines
+# to prefixlb's [routing] (e.g. 'tenant_header = "x-tenant"'). Every process started
 # is put in PIDS and stopped on exit.
 
 PIDS=()
@@ -95,6 +96,7 @@ $LB_TLS
 [routing]
 # High enough never to bind: this measures the proxy, not bounded loads.
 max_in_flight = 100000
+${ROUTING_EXTRA:-}
 # HAProxy's hash-balance-factor 125 (unless LOAD_FACTOR=off).
 $RELATIVE
 [[pools]]
