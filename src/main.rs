@@ -402,6 +402,18 @@ fn check_report(path: &Path, config: Config) -> String {
         r.when_saturated.as_str(),
         r.max_attempts
     );
+    if let Some(https) = &config.server.tls {
+        let clients = match https.clients {
+            Some(_) => "; client certificates required (tls_client_ca_file)",
+            None => "",
+        };
+        let _ = writeln!(
+            out,
+            "listen: https://{} ({} certificates in the chain){clients}",
+            config.server.listen,
+            https.key.cert.len()
+        );
+    }
     let tls_nodes = config
         .pools
         .iter()

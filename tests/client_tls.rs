@@ -1,10 +1,11 @@
-//! HTTPS on the client port (`server.tls_cert_file`, `server.tls_key_file`), over real
-//! sockets: a rustls client against a balancer serving a certificate made at test
-//! time, in front of a mock engine. HTTP/1.1 and HTTP/2 are chosen by ALPN; a body
-//! sent in pieces after its head arrives whole; plain HTTP on the port is told to use
-//! HTTPS; a renewed certificate is served from the next handshake while open
-//! connections go on; a client that never says hello is closed; `check` refuses a
-//! certificate without its key, or with another's.
+//! HTTPS on the client port (`server.tls_cert_file`, `server.tls_key_file`,
+//! `server.tls_client_ca_file`), over real sockets: a rustls client against a balancer
+//! serving a certificate made at test time, in front of a mock engine. HTTP/1.1 and
+//! HTTP/2 are chosen by ALPN; a body sent in pieces after its head arrives whole; plain
+//! HTTP on the port is told to use HTTPS; a renewed certificate is served from the next
+//! handshake while open connections go on; a client that never says hello is closed;
+//! with a clients' CA only clients showing a certificate it signed are served; `check`
+//! reports HTTPS and refuses a certificate without its key, or with another's.
 
 mod common;
 
@@ -438,10 +439,23 @@ async fn with_tls_client_ca_file_only_clients_with_a_certificate_it_signed_are_s
 }
 
 #[test]
-fn check_refuses_a_certificate_without_its_key_or_with_another_s() {
+fn check_reports_https_and_refuses_a_certificate_without_its_key_or_with_another_s() {
     let pki = make_pki("check");
     let other = make_pki("check-other");
     let pool = "[[pools]]\nname = \"p\"\nmodels = [\"m\"]\n[[pools.nodes]]\nid = \"a\"\nurl = \"http://127.0.0.1:9\"\n";
+    // A good pair (and the clients' CA): `check` says the port serves HTTPS.
+    let good = format!(
+        "[server]\nlisten = \"127.0.0.1:8443\"\ntls_cert_file = {:?}\ntls_key_file = {:?}\ntls_client_ca_file = {:?}\n{pool}",
+        pki.path("engine.pem"),
+        pki.path("engine-key.pem"),
+        pki.path("ca.pem")
+    );
+    let path = write_config(&good);
+    let said = String::from_utf8(run_cli(&["check", "--config", path.to_str().unwrap()])).unwrap();
+    assert!(
+        said.contains("listen: https://127.0.0.1:8443 (1 certificates in the chain); client certificates required"),
+        "{said}"
+    );
     let only_cert = format!(
         "[server]\ntls_cert_file = {:?}\n{pool}",
         pki.path("engine.pem")
