@@ -176,7 +176,8 @@ pub struct ServerConfig {
     pub body_read_timeout: Duration,
     pub max_buffered_bytes: usize,
     /// The listener's certificate and key when `listen` serves HTTPS
-    /// (`tls_cert_file`, `tls_key_file`), read when the config is.
+    /// (`tls_cert_file`, `tls_key_file`), and its clients' CAs if it asks for client
+    /// certificates (`tls_client_ca_file`), read when the config is.
     pub tls: Option<ListenerTls>,
 }
 

@@ -4,7 +4,8 @@
 //! the config is (so `check` names one it cannot read at file:line:col); the rustls
 //! client is built on the first TLS connection, so a fleet of plain-HTTP engines never
 //! loads the system's roots. Also the client listener's own certificate and key
-//! (`server.tls_cert_file`, `server.tls_key_file`), read and matched the same way.
+//! (`server.tls_cert_file`, `server.tls_key_file`), read and matched the same way, and
+//! the CAs its clients' certificates must come from (`server.tls_client_ca_file`).
 
 use std::fmt;
 use std::path::{Path, PathBuf};
