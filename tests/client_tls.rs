@@ -456,52 +456,45 @@ fn check_reports_https_and_refuses_a_certificate_without_its_key_or_with_another
         said.contains("listen: https://127.0.0.1:8443 (1 certificates in the chain); client certificates required"),
         "{said}"
     );
-    let only_cert = format!(
-        "[server]\ntls_cert_file = {:?}\n{pool}",
-        pki.path("engine.pem")
-    );
-    let said = check_refuses(&only_cert);
-    assert!(
-        said.contains(":2:17: server.tls_cert_file and server.tls_key_file go together"),
-        "{said}"
-    );
-    let mismatched = format!(
-        "[server]\ntls_cert_file = {:?}\ntls_key_file = {:?}\n{pool}",
-        pki.path("engine.pem"),
-        other.path("engine-key.pem")
-    );
-    let said = check_refuses(&mismatched);
-    assert!(
-        said.contains(":3:16: server.tls_key_file: the key does not go with the certificate"),
-        "{said}"
-    );
-    let missing = format!(
-        "[server]\ntls_cert_file = \"no-such.pem\"\ntls_key_file = {:?}\n{pool}",
-        pki.path("engine-key.pem")
-    );
-    let said = check_refuses(&missing);
-    assert!(
-        said.contains(":2:17: server.tls_cert_file: cannot read"),
-        "{said}"
-    );
-    let ca_alone = format!(
-        "[server]\ntls_client_ca_file = {:?}\n{pool}",
-        pki.path("ca.pem")
-    );
-    let said = check_refuses(&ca_alone);
-    assert!(
-        said.contains(":2:22: server.tls_client_ca_file needs server.tls_cert_file"),
-        "{said}"
-    );
-    let not_a_ca = format!(
-        "[server]\ntls_cert_file = {:?}\ntls_key_file = {:?}\ntls_client_ca_file = {:?}\n{pool}",
+    // `[server]` lines (certificate, key, clients' CA; "" leaves one out), and what
+    // `check` says of them.
+    let (cert, key, ca) = (
         pki.path("engine.pem"),
         pki.path("engine-key.pem"),
-        pki.path("engine-key.pem")
+        pki.path("ca.pem"),
     );
-    let said = check_refuses(&not_a_ca);
-    assert!(
-        said.contains(":4:22: server.tls_client_ca_file: "),
-        "{said}"
-    );
+    let other_key = other.path("engine-key.pem");
+    let no_such = PathBuf::from("no-such.pem");
+    let cases: [([Option<&PathBuf>; 3], &str); 5] = [
+        (
+            [Some(&cert), None, None],
+            ":2:17: server.tls_cert_file and server.tls_key_file go together",
+        ),
+        (
+            [Some(&cert), Some(&other_key), None],
+            ":3:16: server.tls_key_file: the key does not go with the certificate",
+        ),
+        (
+            [Some(&no_such), Some(&key), None],
+            ":2:17: server.tls_cert_file: cannot read",
+        ),
+        (
+            [None, None, Some(&ca)],
+            ":2:22: server.tls_client_ca_file needs server.tls_cert_file",
+        ),
+        (
+            [Some(&cert), Some(&key), Some(&key)],
+            ":4:22: server.tls_client_ca_file: ",
+        ),
+    ];
+    for (files, want) in cases {
+        let names = ["tls_cert_file", "tls_key_file", "tls_client_ca_file"];
+        let lines: String = names
+            .iter()
+            .zip(files)
+            .filter_map(|(name, file)| Some(format!("{name} = {:?}\n", file?)))
+            .collect();
+        let said = check_refuses(&format!("[server]\n{lines}{pool}"));
+        assert!(said.contains(want), "{lines}: {said}");
+    }
 }
