@@ -525,3 +525,218 @@ async fn a_client_leaving_during_the_probe_cancels_the_engine_and_blames_nobody(
         "the client's leaving is nobody's failure"
     );
 }
+
+/// The SSE comments and events of a stream's text, in order: `:` for a keep-alive,
+/// `data` for an event.
+fn sse_lines(text: &str) -> Vec<&str> {
+    text.split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| match e {
+            ": keep-alive" => ":",
+            _ => e,
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_waiting_for_its_first_token_gets_keep_alives_then_its_tokens() {
+    let e = engines(1, FAST);
+    let lb = balancer(&config(&refs(&e), "sse_keepalive = \"200ms\"", ""));
+    set_fault(&e[0], "slow", 1200).await;
+    let url = lb.url("/v1/chat/completions");
+    let started = Instant::now();
+    let mut resp = post_stream(&url, &chat(&[("user", "hello")], true, 5)).await;
+    let head_after = started.elapsed();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    // Committed before the node answered: no node to name.
+    assert!(resp.headers().get("x-prefixlb-node").is_none());
+    let first = next_chunk(resp.body_mut()).await.unwrap();
+    assert_eq!(&first[..], b": keep-alive\n\n", "{head_after:?}");
+    let rest = http_body_util::BodyExt::collect(resp.into_body())
+        .await
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&first),
+        String::from_utf8_lossy(&rest.to_bytes())
+    );
+    let lines = sse_lines(&text);
+    let comments = lines.iter().take_while(|l| **l == ":").count();
+    assert!(comments >= 2, "a comment every 200 ms of the 1.2 s: {text}");
+    assert!(
+        !lines[comments..].contains(&":"),
+        "the tokens came without pause: {text}"
+    );
+    let waiting = "prefixlb_sse_keepalives_total{when=\"waiting\"}";
+    let counted = sum_metric(&lb.admin_url("/metrics"), waiting).await;
+    assert_eq!(counted, comments as f64);
+    assert_eq!(text.matches("\"content\":\" ").count(), 5, "{text}");
+    assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+    // A request that is not a stream waits as before, its head naming its node.
+    let reply = post_json(&url, &chat(&[("user", "hello")], false, 5), &[]).await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.header("x-prefixlb-node"), "n0");
+    assert!(reply.json()["choices"][0]["message"]["content"].is_string());
+    assert!(in_flight_settles(&lb, Duration::from_secs(2)).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_quiet_mid_way_gets_keep_alives_between_its_events() {
+    let event = |json: &str| {
+        let e = format!("data: {json}\n\n");
+        (
+            format!("{:x}\r\n{e}\r\n", e.len()).into_bytes(),
+            Duration::ZERO,
+        )
+    };
+    let mut script = vec![(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            .to_vec(),
+        Duration::ZERO,
+    )];
+    script.push(event(
+        r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":"Hi"}}]}"#,
+    ));
+    script.last_mut().unwrap().1 = Duration::from_millis(900);
+    script.push(event(
+        r#"{"choices":[{"index":0,"delta":{"content":" there"},"finish_reason":"stop"}]}"#,
+    ));
+    script.push(event("[DONE]"));
+    script.push((b"0\r\n\r\n".to_vec(), Duration::from_secs(5)));
+    let engine = scripted_engine(script).await;
+    let lb = balancer(&config_at(&[engine], "sse_keepalive = \"200ms\""));
+    let reply = stream_chat(&lb, "pause", 5).await;
+    assert_eq!(reply.status, 200);
+    // Committed by its first token, as without keep-alives.
+    assert_eq!(reply.header("x-prefixlb-node"), "n0");
+    let text = reply.text();
+    let lines = sse_lines(&text);
+    assert!(lines[0].contains("\"Hi\""), "{text}");
+    let comments = lines.iter().filter(|l| **l == ":").count();
+    assert!(comments >= 2, "a comment every 200 ms of the 900: {text}");
+    assert!(lines[1..=comments].iter().all(|l| *l == ":"), "{text}");
+    assert!(lines[comments + 1].contains("\" there\""), "{text}");
+    let streaming = "prefixlb_sse_keepalives_total{when=\"streaming\"}";
+    let counted = sum_metric(&lb.admin_url("/metrics"), streaming).await;
+    assert_eq!(counted, comments as f64);
+    assert_eq!(lines.last(), Some(&"data: [DONE]"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_begun_by_keep_alives_ends_in_an_error_event_when_it_cannot_be_served() {
+    let e = engines(1, &["--decode-ms-per-token", "50"]);
+    let lb = balancer(&config(
+        &refs(&e),
+        "sse_keepalive = \"200ms\"",
+        "max_in_flight = 1\nwhen_saturated = \"queue\"\nqueue_timeout = \"1s\"",
+    ));
+    let mut held = post_stream(
+        &lb.url("/v1/chat/completions"),
+        &chat(&[("user", "long")], true, 200),
+    )
+    .await;
+    assert!(next_chunk(held.body_mut()).await.is_some());
+    // OpenAI's shape: the balancer's own 503 as a `data:` event.
+    let reply = post_json(
+        &lb.url("/v1/chat/completions"),
+        &chat(&[("user", "queued")], true, 5),
+        &[],
+    )
+    .await;
+    assert_eq!(reply.status, 200);
+    let text = reply.text();
+    let lines = sse_lines(&text);
+    let comments = lines.iter().take_while(|l| **l == ":").count();
+    assert!(comments >= 2, "{text}");
+    assert_eq!(
+        lines.len(),
+        comments + 1,
+        "one event after the comments: {text}"
+    );
+    let error: serde_json::Value =
+        serde_json::from_str(lines[comments].strip_prefix("data: ").unwrap()).unwrap();
+    assert_eq!(error["error"]["code"], "queue_timeout", "{text}");
+    // Anthropic's: an `event: error` of its own shape.
+    let messages = json!({"model": "mock", "max_tokens": 5, "stream": true,
+        "messages": [{"role": "user", "content": "queued too"}]});
+    let reply = post_json(&lb.url("/v1/messages"), &messages, &[]).await;
+    assert_eq!(reply.status, 200);
+    let text = reply.text();
+    let last = sse_lines(&text).pop().unwrap();
+    let data = last
+        .strip_prefix("event: error\ndata: ")
+        .unwrap_or_else(|| panic!("{text}"));
+    let error: serde_json::Value = serde_json::from_str(data).unwrap();
+    assert_eq!(error["type"], "error");
+    assert_eq!(error["error"]["type"], "overloaded_error", "{text}");
+    drop(held);
+    assert!(in_flight_settles(&lb, Duration::from_secs(2)).await);
+    let served = metric(&e[0].url("/metrics"), "mock_engine_requests_total").await;
+    assert_eq!(served, 1.0, "the queued requests never reached the engine");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_error_after_keep_alives_is_the_streams_last_event() {
+    let body = r#"{"object":"error","message":"This model's maximum context length is 2048 tokens.","type":"BadRequestError","param":null,"code":400}"#;
+    let answer = format!(
+        "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let engine = scripted_engine(vec![
+        (Vec::new(), Duration::from_millis(700)),
+        (answer.into_bytes(), Duration::from_secs(5)),
+    ])
+    .await;
+    let lb = balancer(&config_at(&[engine], "sse_keepalive = \"200ms\""));
+    let reply = stream_chat(&lb, "too long", 5).await;
+    assert_eq!(reply.status, 200);
+    let text = reply.text();
+    let lines = sse_lines(&text);
+    assert_eq!(lines[0], ":", "{text}");
+    let event = lines.last().unwrap().strip_prefix("data: ").unwrap();
+    let error: serde_json::Value = serde_json::from_str(event).unwrap();
+    assert_eq!(
+        error["error"]["message"],
+        "This model's maximum context length is 2048 tokens. (HTTP 400, after the stream began)"
+    );
+    assert_eq!(error["error"]["code"], 400);
+    assert!(in_flight_settles(&lb, Duration::from_secs(2)).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_leaving_after_keep_alives_cancels_the_engine() {
+    let e = engines(1, FAST);
+    let lb = balancer(&config(&refs(&e), "sse_keepalive = \"200ms\"", ""));
+    set_fault(&e[0], "stall", 0).await;
+    let mut resp = post_stream(
+        &lb.url("/v1/chat/completions"),
+        &chat(&[("user", "hello")], true, 5),
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(
+        &next_chunk(resp.body_mut()).await.unwrap()[..],
+        b": keep-alive\n\n"
+    );
+    assert_eq!(in_flight(&lb).await[0].1, 1, "the engine has it");
+    drop(resp);
+    let engine_metrics = e[0].url("/metrics");
+    assert!(
+        eventually(Duration::from_secs(2), || async {
+            metric(&engine_metrics, "mock_engine_cancelled_total").await == 1.0
+        })
+        .await,
+        "the engine saw the cancel"
+    );
+    assert!(in_flight_settles(&lb, Duration::from_secs(2)).await);
+    let page = call("GET", &lb.admin_url("/metrics"), &[], bytes::Bytes::new())
+        .await
+        .text();
+    let cancelled = page.lines().find(|l| {
+        l.starts_with("prefixlb_requests_total{")
+            && l.contains("node=\"n0\"")
+            && l.contains("outcome=\"cancelled\"")
+    });
+    assert!(cancelled.is_some_and(|l| l.ends_with(" 1")), "{page}");
+}

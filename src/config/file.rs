@@ -62,6 +62,10 @@ pub struct ServerSection {
     pub connect_timeout: Dur,
     /// Longest silence inside a committed stream. Default `"120s"`.
     pub idle_stream_timeout: Dur,
+    /// A stream the client has had nothing of for this long (queued, a cold prefill,
+    /// a pause mid-stream) gets an SSE comment, `: keep-alive`; the first commits the
+    /// stream (a 200 head). `"0s"` never sends one. Default `"0s"`.
+    pub sse_keepalive: Dur,
     /// How long in-flight requests may run after SIGTERM. Default `"30s"`.
     pub shutdown_grace: Dur,
     /// Reload when the file's mtime changes (and then stays for a second). Default false.
@@ -120,6 +124,7 @@ impl Default for ServerSection {
             request_timeout: Dur::secs(600),
             connect_timeout: Dur::secs(2),
             idle_stream_timeout: Dur::secs(120),
+            sse_keepalive: Dur::secs(0),
             shutdown_grace: Dur::secs(30),
             watch_config: false,
             header_read_timeout: Dur::secs(10),

@@ -159,6 +159,9 @@ pub struct ServerConfig {
     pub request_timeout: Duration,
     pub connect_timeout: Duration,
     pub idle_stream_timeout: Duration,
+    /// How long a stream may send the client nothing before an SSE comment (zero:
+    /// never).
+    pub sse_keepalive: Duration,
     pub shutdown_grace: Duration,
     pub watch_config: bool,
     pub header_read_timeout: Duration,

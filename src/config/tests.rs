@@ -329,6 +329,24 @@ fn upstream_uri_keeps_base_path() {
 }
 
 #[test]
+fn sse_keepalive_is_off_by_default_and_at_least_100ms_when_on() {
+    let c = Config::parse(MIN, "t.toml").unwrap();
+    assert_eq!(c.server.sse_keepalive, Duration::ZERO);
+    let on = Config::parse(
+        &format!("[server]\nsse_keepalive = \"15s\"\n{MIN}"),
+        "t.toml",
+    )
+    .unwrap();
+    assert_eq!(on.server.sse_keepalive, Duration::from_secs(15));
+    let e = err(&format!("[server]\nsse_keepalive = \"50ms\"\n{MIN}"));
+    assert!(
+        e.to_string()
+            .contains("server.sse_keepalive must be 0s (off) or at least 100ms"),
+        "{e}"
+    );
+}
+
+#[test]
 fn yield_after_defaults_to_three_quarters_of_a_millisecond_and_is_at_most_a_second() {
     let c = Config::parse(MIN, "t.toml").unwrap();
     assert_eq!(c.server.yield_after, Duration::from_micros(750));

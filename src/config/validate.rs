@@ -803,6 +803,15 @@ fn validate_server(s: ServerSection, dir: &Path) -> Result<ServerConfig, Invalid
         request_timeout: s.request_timeout.0,
         connect_timeout: s.connect_timeout.0,
         idle_stream_timeout: s.idle_stream_timeout.0,
+        sse_keepalive: match s.sse_keepalive.0 {
+            d if d.is_zero() || d >= std::time::Duration::from_millis(100) => d,
+            _ => {
+                return invalid(
+                    0..0,
+                    "server.sse_keepalive must be 0s (off) or at least 100ms",
+                )
+            }
+        },
         shutdown_grace: s.shutdown_grace.0,
         watch_config: s.watch_config,
         header_read_timeout: s.header_read_timeout.0,

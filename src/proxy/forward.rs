@@ -20,7 +20,7 @@ use super::disaggregated::Bootstrap;
 use super::edit::{self, Edits};
 use super::kv_transfer;
 use super::probe::{self, Commit, ProbeFailure};
-use super::relay::{RelayBody, RequestLog};
+use super::relay::{Beat, RelayBody, RequestLog};
 use super::upstream::{EngineBody, Outgoing, Upstream, UpstreamError};
 use super::{headers, now, ProxyError};
 use crate::clip::clip;
@@ -202,6 +202,12 @@ impl<'t> Exchange<'t> {
 impl Exchange<'_> {
     fn routing(&self) -> &RoutingConfig {
         &self.table.config.routing
+    }
+
+    /// A committed stream's keep-alives (`server.sse_keepalive`), if it has them.
+    fn keepalive(&self) -> Option<Beat> {
+        let every = self.table.config.server.sse_keepalive;
+        (!every.is_zero()).then(|| Beat::new(every, self.metrics.sse_keepalives("streaming")))
     }
 
     /// Ask a stream for its usage chunk (to count cache hits) when the client did not,
@@ -751,7 +757,8 @@ impl Exchange<'_> {
                     committed_at,
                     self.strip_usage(),
                     self.placement.api.is_anthropic(),
-                );
+                )
+                .keep_alive(self.keepalive());
                 (head, body)
             }
             Answer::Plain {
@@ -817,7 +824,7 @@ fn route_of(placement: &Placement, queued: bool, distance: usize, shunted: bool)
     Route::walked(distance, shunted)
 }
 
-fn is_event_stream(headers: &HeaderMap) -> bool {
+pub(super) fn is_event_stream(headers: &HeaderMap) -> bool {
     headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())

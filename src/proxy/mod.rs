@@ -12,6 +12,7 @@ mod forward;
 pub(crate) mod h1;
 pub mod headers;
 pub mod ingress;
+mod keepalive;
 pub mod kv_transfer;
 mod probe;
 mod relay;
@@ -228,12 +229,31 @@ impl Proxy {
         peer: SocketAddr,
     ) -> Response<BoxBody> {
         let table = self.table();
+        let every = table.config.server.sse_keepalive;
+        if every.is_zero() {
+            return self.answer(table, req, peer, None).await;
+        }
+        let anthropic = Api::from_path(req.uri().path()).is_anthropic();
+        let seen = Arc::new(keepalive::StreamSeen::default());
+        let answer = self.answer(table, req, peer, Some(seen.clone()));
+        keepalive::answer(every, anthropic, seen, &self.metrics, answer).await
+    }
+
+    /// The answer to one request (`seen`: told when it is placed as a stream).
+    async fn answer(
+        &'static self,
+        table: Arc<Table>,
+        req: Request<RequestBody>,
+        peer: SocketAddr,
+        seen: Option<Arc<keepalive::StreamSeen>>,
+    ) -> Response<BoxBody> {
         let started = Instant::now();
         // Errors take the shape of the API asked.
         let api = Api::from_path(req.uri().path());
         let span = traces::request_span(req.method(), req.uri().path(), req.headers());
         // Counted as cancelled if this future is dropped before the answer.
         let mut request = Unanswered::new(&self.metrics, started, span);
+        request.at.stream_seen = seen;
         let routed = self
             .route(&table, req, peer, started, &mut request.at, &request.span)
             .await;
@@ -324,6 +344,11 @@ impl Proxy {
                 .map(HeaderValue::as_bytes);
             let placement = table.place(parts.uri.path(), header_key, &body, Mode::Route)?;
             at.pool = Some(&table.pools[placement.own_pool()].config.name);
+            if let Some(seen) = &at.stream_seen {
+                if placement.facts.stream && api.streams() {
+                    seen.set();
+                }
+            }
             traces::record_placement(span, &placement);
             let asker = self.ask(table, key_name, &parts.headers, &placement, started)?;
             traces::record_asker(span, asker.tenant_label(), asker.class_name);

@@ -35,6 +35,7 @@ use crate::routing::decision::{Ticket, Usage};
 use crate::routing::route::Route;
 use crate::telemetry::metrics::{NodeSeries, TenantTokens};
 use crate::telemetry::outcome::RequestOutcome;
+use prometheus::IntCounter;
 
 /// What is known of a request when its response body ends: counted and logged once,
 /// and its ticket finished (the pool learns from it when it succeeded).
@@ -124,12 +125,45 @@ impl RequestLog {
     }
 }
 
-/// The silence limit of a relayed body: `idle_stream_timeout` after the last frame.
+/// The silence limit of a relayed body: `idle_stream_timeout` after the last frame;
+/// and for a stream with `sse_keepalive`, when its next keep-alive is due.
 struct Idle {
     after: Duration,
     deadline: Instant,
+    /// Keep-alives, when the stream has them.
+    keepalive: Option<Beat>,
     /// Armed only when the engine first makes us wait.
     timer: Option<Pin<Box<Sleep>>>,
+}
+
+/// A stream's keep-alives: one after each `every` of silence, the next due at `due`,
+/// each counted in `sent`.
+pub struct Beat {
+    every: Duration,
+    due: Instant,
+    sent: IntCounter,
+}
+
+impl Beat {
+    /// Keep-alives every `every` from now, counted in `sent`.
+    pub fn new(every: Duration, sent: IntCounter) -> Beat {
+        Beat {
+            every,
+            due: Instant::now() + every,
+            sent,
+        }
+    }
+}
+
+/// What a silence of the engine calls for.
+#[derive(Debug, PartialEq, Eq)]
+enum Silence {
+    /// Nothing yet (a wake-up is registered).
+    Wait,
+    /// A keep-alive to the client.
+    KeepAlive,
+    /// The end: the engine has been silent for `idle_stream_timeout`.
+    TooLong,
 }
 
 impl Idle {
@@ -138,24 +172,44 @@ impl Idle {
         Idle {
             after,
             deadline: now + after,
+            keepalive: None,
             timer: None,
         }
     }
 
     fn progressed(&mut self) {
-        self.deadline = Instant::now() + self.after;
+        let now = Instant::now();
+        self.deadline = now + self.after;
+        if let Some(beat) = &mut self.keepalive {
+            beat.due = now + beat.every;
+        }
     }
 
-    /// Whether the silence has lasted too long (registers a wake-up if not).
-    fn expired(&mut self, cx: &mut Context<'_>) -> bool {
-        let deadline = self.deadline;
+    /// What the silence calls for now (registers a wake-up if nothing).
+    fn silence(&mut self, cx: &mut Context<'_>) -> Silence {
+        let wake = match &self.keepalive {
+            Some(beat) => beat.due.min(self.deadline),
+            None => self.deadline,
+        };
         let timer = self
             .timer
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
-        if timer.deadline() != deadline {
-            timer.as_mut().reset(deadline);
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(wake)));
+        if timer.deadline() != wake {
+            timer.as_mut().reset(wake);
         }
-        timer.as_mut().poll(cx).is_ready()
+        if timer.as_mut().poll(cx).is_pending() {
+            return Silence::Wait;
+        }
+        let now = Instant::now();
+        match &mut self.keepalive {
+            _ if now >= self.deadline => Silence::TooLong,
+            Some(beat) => {
+                beat.due = now + beat.every;
+                beat.sent.inc();
+                Silence::KeepAlive
+            }
+            None => Silence::TooLong,
+        }
     }
 }
 
@@ -266,6 +320,12 @@ impl RelayBody {
         }
     }
 
+    /// With a keep-alive comment in each silence of `beat`'s interval (a stream's).
+    pub fn keep_alive(mut self, beat: Option<Beat>) -> Self {
+        self.idle.keepalive = beat.filter(|_| self.sse.is_some());
+        self
+    }
+
     fn end(&mut self, outcome: RequestOutcome) {
         self.ended = true;
         let now = Instant::now();
@@ -363,13 +423,17 @@ impl Body for RelayBody {
                     let outcome = self.outcome();
                     self.end(outcome);
                 }
-                Poll::Pending => {
-                    if !self.idle.expired(cx) {
-                        return Poll::Pending;
+                Poll::Pending => match self.idle.silence(cx) {
+                    Silence::Wait => return Poll::Pending,
+                    Silence::KeepAlive => {
+                        let comment = Bytes::from_static(super::keepalive::COMMENT);
+                        return Poll::Ready(Some(Ok(Frame::data(comment))));
                     }
-                    let ms = self.idle.after.as_millis();
-                    return self.fail(format!("no data for {ms} ms"));
-                }
+                    Silence::TooLong => {
+                        let ms = self.idle.after.as_millis();
+                        return self.fail(format!("no data for {ms} ms"));
+                    }
+                },
             }
         }
     }

@@ -22,6 +22,9 @@ pub struct Progress<'t> {
     /// The node asked now, by its metric series (none in the queue or between
     /// attempts).
     pub asking: Option<&'static NodeSeries>,
+    /// Told once it is placed as a stream, when a keep-alive may commit it early
+    /// (`server.sse_keepalive`).
+    pub stream_seen: Option<std::sync::Arc<super::keepalive::StreamSeen>>,
 }
 
 /// A request not answered yet: counted and logged as `cancelled` if dropped so.

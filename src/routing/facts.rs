@@ -101,6 +101,19 @@ impl Api {
         matches!(self, Api::Messages | Api::CountTokens)
     }
 
+    /// Whether `stream: true` asks it for an SSE stream of generated output.
+    pub fn streams(self) -> bool {
+        matches!(
+            self,
+            Api::Chat
+                | Api::Messages
+                | Api::Completions
+                | Api::Generate
+                | Api::Responses
+                | Api::Audio
+        )
+    }
+
     /// Whether a request is load that matters: everything but `count_tokens` and
     /// `/tokenize` (`/detokenize`), which only tokenize, and a stored response's own
     /// endpoints (read, delete, cancel).

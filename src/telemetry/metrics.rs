@@ -68,6 +68,7 @@ pub struct RequestMetrics {
     rate_limited: IntCounterVec,
     tenant_tokens: IntCounterVec,
     tls_refusals: IntCounterVec,
+    sse_keepalives: IntCounterVec,
     /// The per-node series the data plane updates (see [`NodeSeries`]), and their
     /// families (`requests_total`, `ttft_seconds`, …).
     series: SeriesCache,
@@ -220,6 +221,10 @@ impl Metrics {
             tls_refusals: reg!(IntCounterVec::new(
                 opts("tls_handshake_failures_total", "Client connections to the HTTPS port that ended before a TLS session: `plain_http` (answered 400 https_required), `timeout` (no handshake within header_read_timeout), `failed` (no version or cipher in common, the client refused our certificate, not TLS, or it left)."),
                 &["reason"]
+            )),
+            sse_keepalives: reg!(IntCounterVec::new(
+                opts("sse_keepalives_total", "SSE keep-alive comments sent to clients (server.sse_keepalive): `waiting` before the stream's answer (queued, a cold prefill; the first commits the stream), `streaming` in a pause of a committed stream."),
+                &["when"]
             )),
             series,
         };
@@ -454,6 +459,11 @@ impl RequestMetrics {
     /// A client connection to the HTTPS port that ended before a TLS session.
     pub fn count_tls_refusal(&self, reason: &str) {
         self.tls_refusals.with_label_values(&[reason]).inc();
+    }
+
+    /// The counter of keep-alives sent `when` (`waiting`, `streaming`).
+    pub fn sse_keepalives(&self, when: &str) -> IntCounter {
+        self.sse_keepalives.with_label_values(&[when])
     }
 
     /// A tenant's token counters (its metric label: a configured name, or `other`).
