@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use prefixlb::config::Config;
+use prefixlb::config::{unix_now, Config};
 use prefixlb::routing::table::{Registry, Table};
 
 /// mimalloc rather than glibc's malloc: a proxied request makes about 20 small
@@ -409,9 +409,10 @@ fn check_report(path: &Path, config: Config) -> String {
         };
         let _ = writeln!(
             out,
-            "listen: https://{} ({} certificates in the chain){clients}",
+            "listen: https://{} ({} certificates in the chain; {}){clients}",
             config.server.listen,
-            https.key.cert.len()
+            https.key.cert.len(),
+            https.expires.describe(unix_now())
         );
     }
     let tls_nodes = config
@@ -426,10 +427,9 @@ fn check_report(path: &Path, config: Config) -> String {
             Some(n) => format!("ca_file ({n} certificates)"),
             None => "the system's roots".into(),
         };
-        let mutual = if tls.mutual() {
-            "; client certificate (mTLS)"
-        } else {
-            ""
+        let mutual = match tls.client_certificate_expires() {
+            Some(e) => format!("; client certificate (mTLS), {}", e.describe(unix_now())),
+            None => String::new(),
         };
         let _ = writeln!(
             out,

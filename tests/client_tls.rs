@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::tls::{make_pki, Pki};
+use common::tls::{make_pki, make_pki_until, Pki};
 use common::*;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -320,8 +320,9 @@ async fn plain_http_on_the_https_port_is_told_to_use_https() {
 
 #[tokio::test]
 async fn a_renewed_certificate_is_shown_from_the_next_handshake_and_open_connections_go_on() {
-    let pki = make_pki("renew-a");
-    let next = make_pki("renew-b");
+    let names = ["localhost", "127.0.0.1"];
+    let pki = make_pki_until("renew-a", &names, Some((2031, 5, 17)));
+    let next = make_pki_until("renew-b", &names, Some((2032, 6, 1)));
     // The balancer's own copies of the files, which the renewal overwrites.
     let dir = pki.path("served");
     std::fs::create_dir_all(&dir).unwrap();
@@ -337,6 +338,12 @@ async fn a_renewed_certificate_is_shown_from_the_next_handshake_and_open_connect
 
     let tls = connect(lb.addr, &cas, &[b"http/1.1"]).await;
     assert_eq!(shown(&tls), first);
+    let expiry = || async {
+        let name = "prefixlb_tls_certificate_expiry_timestamp_seconds{certificate=\"listener\"}";
+        metric(&lb.admin_url("/metrics"), name).await as i64
+    };
+    let day = |y, m, d| rcgen::date_time_ymd(y, m, d).unix_timestamp();
+    assert_eq!(expiry().await, day(2031, 5, 17));
     let mut open = http1(tls).await;
     let body = chat(&[("user", "before")], false, 2);
     assert_eq!(
@@ -354,6 +361,11 @@ async fn a_renewed_certificate_is_shown_from_the_next_handshake_and_open_connect
     })
     .await;
     assert!(renewed_shown, "the renewed certificate was not served");
+    assert_eq!(
+        expiry().await,
+        day(2032, 6, 1),
+        "the gauge follows the renewal"
+    );
     // The connection opened before goes on with its own session.
     let body = chat(&[("user", "after")], false, 2);
     assert_eq!(
@@ -453,7 +465,24 @@ fn check_reports_https_and_refuses_a_certificate_without_its_key_or_with_another
     let path = write_config(&good);
     let said = String::from_utf8(run_cli(&["check", "--config", path.to_str().unwrap()])).unwrap();
     assert!(
-        said.contains("listen: https://127.0.0.1:8443 (1 certificates in the chain); client certificates required"),
+        said.contains("listen: https://127.0.0.1:8443 (1 certificates in the chain; expires Jan  1 00:00:00 4096 +00:00 (in "),
+        "{said}"
+    );
+    assert!(
+        said.contains(" days)); client certificates required"),
+        "{said}"
+    );
+    // An expired certificate is served (its renewal may be on the way), and said so.
+    let old = make_pki_until("check-expired", &["localhost"], Some((2020, 1, 1)));
+    let expired = format!(
+        "[server]\nlisten = \"127.0.0.1:8443\"\ntls_cert_file = {:?}\ntls_key_file = {:?}\n{pool}",
+        old.path("engine.pem"),
+        old.path("engine-key.pem"),
+    );
+    let path = write_config(&expired);
+    let said = String::from_utf8(run_cli(&["check", "--config", path.to_str().unwrap()])).unwrap();
+    assert!(
+        said.contains("(1 certificates in the chain; EXPIRED Jan  1 00:00:00 2020 +00:00 ("),
         "{said}"
     );
     // `[server]` lines (certificate, key, clients' CA; "" leaves one out), and what

@@ -177,8 +177,9 @@ async fn a_scripted_run_shows_in_the_metrics_and_the_dashboard_queries_exist() {
     }
 
     // And every metric the alerting rules read (`prefixlb_dns_up` only comes with a
-    // DNS name, `prefixlb_redis_up` with a `[redis]` section: tests/discovery.rs and
-    // tests/fleet.rs read them).
+    // DNS name, `prefixlb_redis_up` with a `[redis]` section, the certificates' expiry
+    // with a certificate: tests/discovery.rs, tests/fleet.rs and tests/client_tls.rs
+    // read them).
     let rules =
         yaml_rust2::YamlLoader::load_from_str(include_str!("../deploy/prometheus/alerts.yaml"))
             .unwrap();
@@ -189,10 +190,14 @@ async fn a_scripted_run_shows_in_the_metrics_and_the_dashboard_queries_exist() {
         }
     }
     assert!(read.len() >= 10, "{read:?}");
-    for name in read
-        .iter()
-        .filter(|n| !["prefixlb_dns_up", "prefixlb_redis_up"].contains(&n.as_str()))
-    {
+    for name in read.iter().filter(|n| {
+        ![
+            "prefixlb_dns_up",
+            "prefixlb_redis_up",
+            "prefixlb_tls_certificate_expiry_timestamp_seconds",
+        ]
+        .contains(&n.as_str())
+    }) {
         assert!(
             page.contains(&format!("# TYPE {name} ")),
             "an alerting rule reads {name}, which is not exported"

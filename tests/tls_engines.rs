@@ -126,8 +126,13 @@ async fn mtls_works_with_a_client_certificate_and_fails_without_one() {
     let r = ask(&lb, true).await;
     assert_eq!(r.status, 200, "{}", r.text());
     assert!(r.text().ends_with("data: [DONE]\n\n"));
+    // Its expiry is exported (rcgen's default: 4096-01-01).
+    let expiry = "prefixlb_tls_certificate_expiry_timestamp_seconds{certificate=\"engine_client\"}";
+    let shown = sum_metric(&lb.admin_url("/metrics"), expiry).await as i64;
+    assert_eq!(shown, rcgen::date_time_ymd(4096, 1, 1).unix_timestamp());
     // Without the certificate the engine refuses us: the node fails, and says why.
     let lb = balancer(&https_config(front, &tls_lines(&pki, "ca.pem", false)));
+    assert_eq!(sum_metric(&lb.admin_url("/metrics"), expiry).await, 0.0);
     let r = ask(&lb, false).await;
     assert!(r.status.is_server_error(), "{} {}", r.status, r.text());
     let failed = eventually(Duration::from_secs(5), || async {

@@ -20,7 +20,7 @@ use serde::Deserialize;
 pub use duration::{parse_duration, Dur, MAX_DURATION};
 pub use file::{FileConfig, KeyMode, PinThreads, WhenSaturated};
 pub use tenancy::{ClassConfig, Tenancy, TenantConfig};
-pub use tls::{ListenerTls, TlsConfig};
+pub use tls::{unix_now, Expiry, ListenerTls, TlsConfig};
 pub use validate::parse_node_url;
 
 /// `[tracing]`, validated: where spans go, which share of new traces is kept, and

@@ -28,6 +28,8 @@ pub struct TlsConfig {
     roots: Option<Arc<RootCertStore>>,
     /// The client certificate chain and its key (mTLS).
     identity: Option<(Vec<CertificateDer<'static>>, Arc<PrivateKeyDer<'static>>)>,
+    /// When the first certificate of that chain to expire does.
+    identity_expires: Option<Expiry>,
     client: OnceLock<Result<Arc<ClientConfig>, String>>,
 }
 
@@ -45,6 +47,7 @@ impl Default for TlsConfig {
         TlsConfig {
             roots: None,
             identity: None,
+            identity_expires: None,
             client: OnceLock::new(),
         }
     }
@@ -67,6 +70,11 @@ impl TlsConfig {
     /// Whether a client certificate is shown (mTLS).
     pub fn mutual(&self) -> bool {
         self.identity.is_some()
+    }
+
+    /// When the client certificate shown to engines expires (its chain's first to).
+    pub fn client_certificate_expires(&self) -> Option<Expiry> {
+        self.identity_expires
     }
 
     /// Certificates trusted from `ca_file` (none: the system's roots are).
@@ -133,12 +141,13 @@ pub(super) fn validate(t: TlsSection, dir: &Path) -> Result<Arc<TlsConfig>, Inva
             let chain = read_certs(&path(cert)).map_err(|e| at(cert, "client_cert_file", e))?;
             let der = PrivateKeyDer::from_pem_file(path(key))
                 .map_err(|e| at(key, "client_key_file", format!("no private key read: {e}")))?;
+            let expires = expiry(&chain).map_err(|e| at(cert, "client_cert_file", e))?;
             let identity = (chain, Arc::new(der));
             // The key must sign for the certificate: found now, not at the first
             // connection.
             build(Arc::new(RootCertStore::empty()), Some(&identity))
                 .map_err(|e| at(key, "client_key_file", e))?;
-            Some(identity)
+            Some((identity, expires))
         }
         (Some(only), None) | (None, Some(only)) => {
             return Err((
@@ -147,9 +156,11 @@ pub(super) fn validate(t: TlsSection, dir: &Path) -> Result<Arc<TlsConfig>, Inva
             ))
         }
     };
+    let (identity, identity_expires) = identity.unzip();
     Ok(Arc::new(TlsConfig {
         roots,
         identity,
+        identity_expires,
         client: OnceLock::new(),
     }))
 }
@@ -164,6 +175,8 @@ pub struct ListenerTls {
     pub clients: Option<Arc<dyn ClientCertVerifier>>,
     /// The files read, for a reload to notice when they change.
     pub files: Vec<PathBuf>,
+    /// When the first certificate of the chain to expire does.
+    pub expires: Expiry,
 }
 
 /// The client listener's certificate chain and key (`server.tls_cert_file`,
@@ -195,6 +208,7 @@ pub(super) fn listener(s: &ServerSection, dir: &Path) -> Result<Option<ListenerT
     };
     let mut files = vec![dir.join(cert.get_ref()), dir.join(key.get_ref())];
     let chain = read_certs(&files[0]).map_err(|e| at(cert, "tls_cert_file", e))?;
+    let expires = expiry(&chain).map_err(|e| at(cert, "tls_cert_file", e))?;
     let der = PrivateKeyDer::from_pem_file(&files[1])
         .map_err(|e| at(key, "tls_key_file", format!("no private key read: {e}")))?;
     let provider = Arc::new(rustls::crypto::ring::default_provider());
@@ -230,7 +244,72 @@ pub(super) fn listener(s: &ServerSection, dir: &Path) -> Result<Option<ListenerT
         key: Arc::new(certified),
         clients,
         files,
+        expires,
     }))
+}
+
+/// When a certificate chain stops being valid: the earliest `notAfter` of its
+/// certificates (a chain is only as valid as its shortest-lived link).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Expiry {
+    /// Unix seconds.
+    pub not_after: i64,
+}
+
+impl Expiry {
+    /// Whole days from `now` (unix seconds) to the expiry; negative once past it.
+    pub fn days_left(self, now: i64) -> i64 {
+        (self.not_after - now).div_euclid(86_400)
+    }
+
+    /// When it expires, and how far off that is from `now` (unix seconds).
+    pub fn describe(self, now: i64) -> String {
+        if self.not_after <= now {
+            return match (now - self.not_after) / 86_400 {
+                0 => format!("EXPIRED {self} (today)"),
+                1 => format!("EXPIRED {self} (1 day ago)"),
+                d => format!("EXPIRED {self} ({d} days ago)"),
+            };
+        }
+        match self.days_left(now) {
+            1 => format!("expires {self} (in 1 day)"),
+            d => format!("expires {self} (in {d} days)"),
+        }
+    }
+
+    /// Whether it is worth a warning at `now`: expired, or within 14 days.
+    pub fn is_near(self, now: i64) -> bool {
+        self.days_left(now) < 14
+    }
+}
+
+/// Unix seconds now.
+pub fn unix_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
+}
+
+impl fmt::Display for Expiry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match x509_parser::time::ASN1Time::from_timestamp(self.not_after) {
+            Ok(t) => write!(f, "{t}"),
+            Err(_) => write!(f, "{} (unix seconds)", self.not_after),
+        }
+    }
+}
+
+/// The expiry of a chain, or why a certificate of it cannot be read.
+fn expiry(chain: &[CertificateDer<'_>]) -> Result<Expiry, String> {
+    let mut earliest = i64::MAX;
+    for (i, der) in chain.iter().enumerate() {
+        let (_, cert) = x509_parser::parse_x509_certificate(der)
+            .map_err(|e| format!("certificate {} of the chain is not X.509: {e}", i + 1))?;
+        earliest = earliest.min(cert.validity().not_after.timestamp());
+    }
+    Ok(Expiry {
+        not_after: earliest,
+    })
 }
 
 /// The PEM certificates of a file (at least one).
@@ -251,4 +330,59 @@ fn at(
     message: String,
 ) -> (Option<std::ops::Range<usize>>, String) {
     (Some(value.span()), format!("[tls] {key}: {message}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_expiry_is_told_in_days_left_and_past_ones_are_shouted() {
+        // 2031-05-17 00:00:00 UTC.
+        let e = Expiry {
+            not_after: 1_936_742_400,
+        };
+        assert_eq!(e.to_string(), "May 17 00:00:00 2031 +00:00");
+        let day = 86_400;
+        assert_eq!(e.days_left(e.not_after - 30 * day), 30);
+        assert_eq!(e.days_left(e.not_after - 30 * day + 1), 29);
+        assert_eq!(
+            e.describe(e.not_after - day),
+            "expires May 17 00:00:00 2031 +00:00 (in 1 day)"
+        );
+        assert!(!e.is_near(e.not_after - 14 * day));
+        assert!(e.is_near(e.not_after - 14 * day + 1));
+        assert_eq!(
+            e.describe(e.not_after),
+            "EXPIRED May 17 00:00:00 2031 +00:00 (today)"
+        );
+        assert_eq!(
+            e.describe(e.not_after + 3 * day),
+            "EXPIRED May 17 00:00:00 2031 +00:00 (3 days ago)"
+        );
+        assert!(e.is_near(e.not_after + 3 * day));
+    }
+
+    #[test]
+    fn a_chain_expires_with_its_first_certificate_to() {
+        let make = |y, m, d| {
+            let key = rcgen::KeyPair::generate().unwrap();
+            let mut params = rcgen::CertificateParams::new(vec!["a".to_string()]).unwrap();
+            params.not_after = rcgen::date_time_ymd(y, m, d);
+            params.self_signed(&key).unwrap().der().clone()
+        };
+        let (late, early) = (make(2040, 1, 1), make(2030, 6, 1));
+        let want = rcgen::date_time_ymd(2030, 6, 1).unix_timestamp();
+        assert_eq!(
+            expiry(&[late.clone(), early.clone()]).unwrap().not_after,
+            want
+        );
+        assert_eq!(expiry(&[early, late]).unwrap().not_after, want);
+        let junk = CertificateDer::from(vec![0x30, 0x03, 1, 2, 3]);
+        let e = expiry(&[junk]).unwrap_err();
+        assert!(
+            e.starts_with("certificate 1 of the chain is not X.509"),
+            "{e}"
+        );
+    }
 }

@@ -25,6 +25,7 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use prometheus::IntCounter;
 use serde_json::{json, Value};
+use tokio::sync::Notify;
 use tokio::time::{Instant, Sleep};
 
 use super::body::{BodyError, BoxBody};
@@ -38,23 +39,32 @@ pub const COMMENT: &[u8] = b": keep-alive\n\n";
 /// The most of an answer that is not a stream read into its error event.
 const MAX_ERROR_BYTES: usize = 64 * 1024;
 
-/// Set once a request is placed as a stream: only a stream may be committed early.
+/// Told once a request is placed as a stream: only a stream may be committed early.
 #[derive(Debug, Default)]
-pub struct StreamSeen(AtomicBool);
+pub struct StreamSeen {
+    seen: AtomicBool,
+    told: Notify,
+}
 
 impl StreamSeen {
     pub fn set(&self) {
-        self.0.store(true, Ordering::Relaxed);
+        self.seen.store(true, Ordering::Release);
+        // One waiter at most; its permit is kept if it is not waiting yet.
+        self.told.notify_one();
     }
 
-    fn is_set(&self) -> bool {
-        self.0.load(Ordering::Relaxed)
+    /// Returns once the request is known to be a stream.
+    async fn wait(&self) {
+        while !self.seen.load(Ordering::Acquire) {
+            self.told.notified().await;
+        }
     }
 }
 
 /// The response to a request whose answer is `answer`: the answer itself if it comes
-/// within `every`, or before the request is known to be a stream; else a stream
-/// committed at once with a keep-alive, then one every `every` until the answer.
+/// within `every` (or never turns out to be a stream); else a stream committed with a
+/// keep-alive once `every` has passed and the request is placed as a stream, then one
+/// every `every` until the answer.
 pub async fn answer<F>(
     every: Duration,
     anthropic: bool,
@@ -66,18 +76,18 @@ where
     F: Future<Output = Response<BoxBody>> + Send + 'static,
 {
     let mut answer = Box::pin(answer);
-    loop {
-        tokio::select! {
-            biased;
-            resp = &mut answer => return resp,
-            () = tokio::time::sleep(every) => {
-                if seen.is_set() {
-                    let sent = metrics.sse_keepalives("waiting");
-                    return committed(every, sent, Box::pin(then(answer, anthropic)));
-                }
-            }
-        }
+    let due = Instant::now() + every;
+    let quiet_stream = async {
+        tokio::time::sleep_until(due).await;
+        seen.wait().await;
+    };
+    tokio::select! {
+        biased;
+        resp = &mut answer => return resp,
+        () = quiet_stream => {}
     }
+    let sent = metrics.sse_keepalives("waiting");
+    committed(every, sent, Box::pin(then(answer, anthropic)))
 }
 
 fn committed(

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::config::{Config, ConfigError, DiscoveryConfig, NodeConfig, RedisConfig};
+use crate::config::{unix_now, Config, ConfigError, DiscoveryConfig, NodeConfig, RedisConfig};
 use crate::fleet::dns::{self, Addresses, Discovered};
 use crate::fleet::record::{self, Membership, NodeRecord};
 use crate::fleet::watcher::Members;
@@ -56,6 +56,7 @@ impl Control {
 
     /// A control plane whose data plane serves from `lanes` runtimes.
     pub fn with_lanes(config: Config, source: Option<PathBuf>, lanes: usize) -> Arc<Control> {
+        warn_of_expiry(&config);
         let registry = Registry::default();
         let metrics = Arc::new(Metrics::new());
         // Every lane's series are on the page from the first scrape: the admin
@@ -138,6 +139,7 @@ impl Control {
             });
         };
         let config = Config::load(path)?;
+        warn_of_expiry(&config);
         let old = self.table();
         let (was, now) = (&old.config.server, &config.server);
         let restart_only = [
@@ -284,6 +286,27 @@ impl Members for Control {
             sources.members = members;
             tracing::info!(nodes_before = was, nodes_now = now, "membership changed");
             self.rebuild(&sources);
+        }
+    }
+}
+
+/// Logs a warning for each certificate of the config that has expired or expires
+/// within 14 days (`prefixlb_tls_certificate_expiry_timestamp_seconds` has them all).
+fn warn_of_expiry(config: &Config) {
+    let now = unix_now();
+    let certificates = [
+        (
+            "server.tls_cert_file",
+            config.server.tls.as_ref().map(|t| t.expires),
+        ),
+        (
+            "[tls] client_cert_file",
+            config.tls.client_certificate_expires(),
+        ),
+    ];
+    for (file, expires) in certificates {
+        if let Some(e) = expires.filter(|e| e.is_near(now)) {
+            tracing::warn!("the certificate of {file} {}: renew it", e.describe(now));
         }
     }
 }

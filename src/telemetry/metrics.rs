@@ -120,6 +120,7 @@ struct SnapshotGauges {
     engine_running: GaugeVec,
     engine_waiting: GaugeVec,
     engine_kv_cache_usage: GaugeVec,
+    tls_certificate_expiry: IntGaugeVec,
     /// Breaker transitions already exported, per (node, state).
     transitions_seen: Mutex<HashMap<(String, BreakerState), u64>>,
 }
@@ -249,6 +250,7 @@ impl Metrics {
             engine_running: reg!(GaugeVec::new(opts("engine_requests_running", "Sequences the engine reports running (vLLM/SGLang/llama.cpp metrics, read by the health checks or relayed by its agent; a rank of a data-parallel server: its rank's)."), &["pool", "node"])),
             engine_waiting: reg!(GaugeVec::new(opts("engine_requests_waiting", "Requests waiting in the engine's own queue, as it reports."), &["pool", "node"])),
             engine_kv_cache_usage: reg!(GaugeVec::new(opts("engine_kv_cache_usage", "Share of the engine's KV cache in use, 0-1, as it reports."), &["pool", "node"])),
+            tls_certificate_expiry: reg!(IntGaugeVec::new(opts("tls_certificate_expiry_timestamp_seconds", "When a certificate of the config expires (unix seconds, the earliest notAfter of its chain): `listener` (server.tls_cert_file, shown to clients), `engine_client` ([tls] client_cert_file, shown to engines)."), &["certificate"])),
             transitions_seen: Mutex::new(HashMap::new()),
         };
         let fleet = FleetMetrics {
@@ -311,6 +313,24 @@ impl Metrics {
             &g.engine_kv_cache_usage,
         ] {
             g.reset();
+        }
+        g.tls_certificate_expiry.reset();
+        let certificates = [
+            (
+                "listener",
+                table.config.server.tls.as_ref().map(|t| t.expires),
+            ),
+            (
+                "engine_client",
+                table.config.tls.client_certificate_expires(),
+            ),
+        ];
+        for (certificate, expires) in certificates {
+            if let Some(e) = expires {
+                g.tls_certificate_expiry
+                    .with_label_values(&[certificate])
+                    .set(e.not_after);
+            }
         }
         for result in ["ok", "error"] {
             self.config_reloads.with_label_values(&[result]);

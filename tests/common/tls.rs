@@ -48,6 +48,12 @@ pub fn make_pki(tag: &str) -> Pki {
 
 /// [`make_pki`] with an engine certificate for `names` alone.
 pub fn make_pki_for(tag: &str, names: &[&str]) -> Pki {
+    make_pki_until(tag, names, None)
+}
+
+/// [`make_pki_for`] with an engine certificate valid until 00:00 UTC of `not_after`
+/// (year, month, day; without, rcgen's default: 4096-01-01).
+pub fn make_pki_until(tag: &str, names: &[&str], not_after: Option<(i32, u8, u8)>) -> Pki {
     let dir = std::env::temp_dir().join(format!("prefixlb-pki-{}-{tag}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let write = |name: &str, text: &str| std::fs::write(dir.join(name), text).unwrap();
@@ -59,7 +65,10 @@ pub fn make_pki_for(tag: &str, names: &[&str]) -> Pki {
         &other_params.self_signed(&other_key).unwrap().pem(),
     );
     let issuer = Issuer::new(ca_params, ca_key);
-    let (server, server_key) = leaf(names, ExtendedKeyUsagePurpose::ServerAuth);
+    let (mut server, server_key) = leaf(names, ExtendedKeyUsagePurpose::ServerAuth);
+    if let Some((y, m, d)) = not_after {
+        server.not_after = rcgen::date_time_ymd(y, m, d);
+    }
     write(
         "engine.pem",
         &server.signed_by(&server_key, &issuer).unwrap().pem(),
