@@ -1,8 +1,8 @@
 //! Faults and load together (issue 13): a real balancer and four `mock-engine`s, 16
 //! clients sending streaming and plain chat requests without pause, while every 1.5 s
 //! one engine is put into a fault (stall, error, slow, empty stream, connection reset
-//! mid-stream, process killed and restarted) or the config is reloaded, and some
-//! clients walk away mid-stream. Asserted: every request ends in a complete response or
+//! mid-stream, process killed and restarted) or the config is reloaded (turning SSE
+//! keep-alives on, then off again), and some clients walk away mid-stream. Asserted: every request ends in a complete response or
 //! an explicit error (an HTTP error with a JSON body, or a final SSE error event),
 //! never a silent truncation or a hang; nearly all succeed (three engines are always
 //! healthy); every in-flight count returns to 0; memory and file descriptors are flat.
@@ -26,12 +26,17 @@ async fn soak(duration: Duration, clients: usize) {
         .collect();
     let addrs: Vec<_> = engines.iter().map(|e| e.as_ref().unwrap().addr).collect();
     let refs: Vec<&Proc> = engines.iter().flatten().collect();
-    let config_text = config_ext(
-        &refs,
-        "idle_stream_timeout = \"1s\"\nrequest_timeout = \"4s\"\n[breaker]\nopen_for = \"1s\"\ncanary_step = \"200ms\"\n[health]\ninterval = \"300ms\"\n",
-        "first_token_timeout = \"1s\"",
-    );
-    let config_path = write_config(&config_text);
+    // Each reload turns SSE keep-alives on or off: streams committed early by one
+    // (their errors then SSE events) run through the same faults as the rest.
+    let config_text = |keepalive: &str| {
+        config_ext(
+            &refs,
+            &format!("idle_stream_timeout = \"1s\"\nrequest_timeout = \"4s\"\nsse_keepalive = \"{keepalive}\"\n[breaker]\nopen_for = \"1s\"\ncanary_step = \"200ms\"\n[health]\ninterval = \"300ms\"\n"),
+            "first_token_timeout = \"1s\"",
+        )
+    };
+    let configs = [config_text("0s"), config_text("250ms")];
+    let config_path = write_config(&configs[0]);
     let lb = Arc::new(balancer_from_file(&config_path));
     // Warm up, then take the baseline.
     for i in 0..50 {
@@ -73,7 +78,8 @@ async fn soak(duration: Duration, clients: usize) {
             // Dropping the process kills it (SIGKILL).
             "kill" => engines[i] = None,
             "reload" => {
-                std::fs::write(&config_path, &config_text).unwrap();
+                let next = &configs[(tick / faults.len() + 1) % 2];
+                std::fs::write(&config_path, next).unwrap();
                 let r = call("POST", &lb.admin_url("/admin/reload"), &[], Vec::new()).await;
                 assert_eq!(r.status, 200, "{}", r.text());
             }
@@ -106,6 +112,11 @@ async fn soak(duration: Duration, clients: usize) {
         tally.summary()
     );
     tally.assert_kept(90);
+    let keepalives = sum_metric(&lb.admin_url("/metrics"), "prefixlb_sse_keepalives_total").await;
+    assert!(
+        keepalives > 0.0,
+        "no stream was kept alive while keep-alives were on"
+    );
     assert!(
         rss1 <= rss0 + rss0 / 2 + 20_000,
         "RSS grew: {rss0} -> {rss1} kB"
