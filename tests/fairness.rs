@@ -188,10 +188,27 @@ async fn a_tenant_over_its_rate_gets_429_and_never_reaches_an_engine() {
         }
         n
     };
-    for k in 0..3 {
+    // Each answer tells what is left (OpenAI's headers), a stream's too.
+    for k in 0..3u64 {
+        let mut b = body(&format!("q{k}"), 2);
+        b["stream"] = json!(k == 1);
+        let r = post_json(
+            &lb.url("/v1/chat/completions"),
+            &b,
+            &[("x-tenant", "metered")],
+        )
+        .await;
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("x-ratelimit-limit-requests"), "3");
         assert_eq!(
-            send_as(&lb, "metered", &format!("q{k}"), 2, &[]).await.0,
-            200
+            r.header("x-ratelimit-remaining-requests"),
+            (2 - k).to_string()
+        );
+        let reset = r.header("x-ratelimit-reset-requests");
+        assert!(reset.ends_with('s') && reset.len() <= 8, "{reset}");
+        assert!(
+            r.headers.get("x-ratelimit-limit-tokens").is_none(),
+            "no token limit"
         );
     }
     let before = served().await;
@@ -239,18 +256,35 @@ async fn a_tenant_over_its_rate_gets_429_and_never_reaches_an_engine() {
     )
     .await;
     assert_eq!(r.status, 200);
-    assert_eq!(send_as(&lb, "corrected", "second", 480, &[]).await.0, 200);
+    // 600 a minute, less 256 + 480 charged at admission (the prompt is a few tokens).
+    let r = post_json(
+        &lb.url("/v1/chat/completions"),
+        &body("second", 480),
+        &[("x-tenant", "corrected")],
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-ratelimit-limit-tokens"), "600");
+    let remaining: u64 = r.header("x-ratelimit-remaining-tokens").parse().unwrap();
+    assert!((50..=600 - 480).contains(&remaining), "{remaining}");
     assert_eq!(
         send_as(&lb, "corrected", "third", 40, &[]).await.0,
         200,
         "charged 256 + 480 > 600 without the correction"
     );
-    // Other tenants are not affected.
+    // Other tenants are not affected, and have no limits to be told.
     for k in 0..5 {
-        assert_eq!(
-            send_as(&lb, "someone", &format!("o{k}"), 2, &[]).await.0,
-            200
-        );
+        let r = post_json(
+            &lb.url("/v1/chat/completions"),
+            &body(&format!("o{k}"), 2),
+            &[("x-tenant", "someone")],
+        )
+        .await;
+        assert_eq!(r.status, 200);
+        assert!(!r
+            .headers
+            .keys()
+            .any(|n| n.as_str().starts_with("x-ratelimit")));
     }
     let page = lb.admin_url("/metrics");
     let text = call("GET", &page, &[], bytes::Bytes::new()).await.text();

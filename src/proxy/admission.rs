@@ -36,6 +36,9 @@ pub(super) struct Asker<'t> {
     pub known_tenant: bool,
     /// Its charge to its tenant's token budget, settled when it ends.
     pub charge: Option<super::tenant::Charge>,
+    /// What its tenant has left of its rate limits, if it has any (boxed: most
+    /// requests have none, and every request's future would carry its size).
+    pub standing: Option<Box<super::tenant::Standing>>,
 }
 
 impl Asker<'_> {

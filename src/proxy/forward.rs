@@ -204,6 +204,13 @@ impl Exchange<'_> {
         &self.table.config.routing
     }
 
+    /// Its tenant's rate limits, in the answer's head (OpenAI's `x-ratelimit-*`).
+    fn tell_rate_limits(&self, head: &mut http::response::Parts) {
+        if let Some(standing) = &self.asker.standing {
+            head.headers.extend(standing.headers());
+        }
+    }
+
     /// A committed stream's keep-alives (`server.sse_keepalive`), if it has them.
     fn keepalive(&self) -> Option<Beat> {
         let every = self.table.config.server.sse_keepalive;
@@ -745,6 +752,7 @@ impl Exchange<'_> {
                 }
                 head.headers.remove(header::CONTENT_LENGTH);
                 label(&mut head, ticket.node(), &route, attempts);
+                self.tell_rate_limits(&mut head);
                 let mut log = log(head.status, ttft, ticket);
                 if client_error {
                     log.outcome = RequestOutcome::ClientError;
@@ -768,6 +776,7 @@ impl Exchange<'_> {
                 took,
             } => {
                 label(&mut head, ticket.node(), &route, attempts);
+                self.tell_rate_limits(&mut head);
                 // A prefill leg's one token is its first: the time it took is the
                 // prefill's, which the breaker and the pool's prefill rate learn from.
                 let ttft = took.filter(|_| head.status.is_success());

@@ -399,6 +399,7 @@ impl Proxy {
         let tokens =
             u64::from(facts.tokens.prompt) + u64::from(facts.max_tokens.unwrap_or(DEFAULT_OUTPUT));
         let mut charge = None;
+        let mut standing = None;
         if placement.api.is_load() {
             if who.config.tokens_per_minute.is_some() {
                 charge = Some(tenant::Charge {
@@ -407,13 +408,16 @@ impl Proxy {
                     estimate: tokens,
                 });
             }
-            if let Err((limit, wait)) = self.limits.charge(&who, tokens, started.into_std()) {
-                self.metrics.count_rate_limited(who.label(), limit.as_str());
-                return Err(ProxyError::RateLimited {
-                    tenant: clip(&who.tenant),
-                    limit: limit.as_str(),
-                    retry_after_secs: wait.as_secs_f64().ceil().max(1.0) as u32,
-                });
+            match self.limits.charge(&who, tokens, started.into_std()) {
+                Ok(left) => standing = left.map(Box::new),
+                Err((limit, wait)) => {
+                    self.metrics.count_rate_limited(who.label(), limit.as_str());
+                    return Err(ProxyError::RateLimited {
+                        tenant: clip(&who.tenant),
+                        limit: limit.as_str(),
+                        retry_after_secs: wait.as_secs_f64().ceil().max(1.0) as u32,
+                    });
+                }
             }
         }
         let routing = &table.config.routing;
@@ -422,6 +426,7 @@ impl Proxy {
             class_max: tenancy.classes[who.class].max_queue,
             class_name: &tenancy.classes[who.class].name,
             charge,
+            standing,
             known_tenant: who.known,
             who: crate::routing::fair::Waiting {
                 weight: who.config.weight,

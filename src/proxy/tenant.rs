@@ -142,6 +142,77 @@ impl Bucket {
     fn wait(&self, per_minute: u64) -> Option<Duration> {
         (self.level < 0.0).then(|| Duration::from_secs_f64(-self.level * 60.0 / per_minute as f64))
     }
+
+    /// What is left of it, and how long until it is full.
+    fn left(&self, per_minute: u64) -> Left {
+        let missing = (per_minute as f64 - self.level).max(0.0);
+        Left {
+            limit: per_minute,
+            remaining: self.level.max(0.0).floor() as u64,
+            reset: Duration::from_secs_f64(missing * 60.0 / per_minute.max(1) as f64),
+        }
+    }
+}
+
+/// What a tenant has left of one allowance once a request is charged.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Left {
+    /// The allowance per minute.
+    pub limit: u64,
+    /// What is left of it now (never below zero).
+    pub remaining: u64,
+    /// How long until it is whole again.
+    pub reset: Duration,
+}
+
+/// What a tenant with rate limits has left once a request is charged: told to its
+/// client in OpenAI's `x-ratelimit-*` headers, so it can pace itself.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Standing {
+    pub requests: Option<Left>,
+    pub tokens: Option<Left>,
+}
+
+impl Standing {
+    /// OpenAI's headers for it: `x-ratelimit-{limit,remaining,reset}-{requests,tokens}`,
+    /// the reset as a Go duration (`"1s"`, `"6m0s"`, `"17ms"`).
+    pub fn headers(&self) -> Vec<(HeaderName, http::HeaderValue)> {
+        let mut out = Vec::with_capacity(6);
+        for (kind, left) in [("requests", self.requests), ("tokens", self.tokens)] {
+            let Some(left) = left else { continue };
+            let values = [
+                ("limit", left.limit.to_string()),
+                ("remaining", left.remaining.to_string()),
+                ("reset", go_duration(left.reset)),
+            ];
+            for (what, value) in values {
+                let name = format!("x-ratelimit-{what}-{kind}");
+                if let (Ok(n), Ok(v)) = (
+                    HeaderName::from_bytes(name.as_bytes()),
+                    http::HeaderValue::from_str(&value),
+                ) {
+                    out.push((n, v));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// A duration as Go prints one, as OpenAI's reset headers are: `"17ms"`, `"1.5s"`,
+/// `"6m0s"`.
+fn go_duration(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms < 1000 {
+        return format!("{ms}ms");
+    }
+    let (minutes, rest_ms) = (ms / 60_000, ms % 60_000);
+    let seconds = format!("{}.{:03}", rest_ms / 1000, rest_ms % 1000);
+    let seconds = seconds.trim_end_matches('0').trim_end_matches('.');
+    match minutes {
+        0 => format!("{seconds}s"),
+        m => format!("{m}m{seconds}s"),
+    }
 }
 
 /// A tenant's request and token buckets (none where it has no such limit).
@@ -179,16 +250,17 @@ const MAX_TENANTS: usize = 10_000;
 
 impl Limiter {
     /// Charges one request of `tokens` to its tenant's buckets if neither is below
-    /// zero; else which limit, and how long until it would pass.
+    /// zero, and says what is left (nothing for a tenant without limits); else which
+    /// limit, and how long until it would pass.
     pub fn charge(
         &self,
         who: &Identity,
         tokens: u64,
         now: Instant,
-    ) -> Result<(), (Limit, Duration)> {
+    ) -> Result<Option<Standing>, (Limit, Duration)> {
         let (rpm, tpm) = (who.config.requests_per_minute, who.config.tokens_per_minute);
         if rpm.is_none() && tpm.is_none() {
-            return Ok(());
+            return Ok(None);
         }
         let mut all = self.buckets.lock();
         if all.len() >= MAX_TENANTS && !all.contains_key(&who.tenant) {
@@ -222,7 +294,10 @@ impl Limiter {
         if let Some(b) = t.as_mut() {
             b.level -= tokens as f64;
         }
-        Ok(())
+        Ok(Some(Standing {
+            requests: r.as_ref().zip(rpm).map(|(b, per)| b.left(per)),
+            tokens: t.as_ref().zip(tpm).map(|(b, per)| b.left(per)),
+        }))
     }
 }
 
@@ -303,8 +378,22 @@ mod tests {
         let free = identify(&t, None, &HeaderMap::new());
         let l = Limiter::default();
         let t0 = Instant::now();
-        assert!(l.charge(&etl, 100, t0).is_ok());
-        assert!(l.charge(&etl, 100, t0).is_ok());
+        // Each charge says what is left: etl has 2 requests and 600 tokens a minute.
+        let first = l.charge(&etl, 100, t0).unwrap().unwrap();
+        let secs = Duration::from_secs;
+        let requests = first.requests.unwrap();
+        assert_eq!(
+            (requests.limit, requests.remaining, requests.reset),
+            (2, 1, secs(30))
+        );
+        let tokens = first.tokens.unwrap();
+        assert_eq!(
+            (tokens.limit, tokens.remaining, tokens.reset),
+            (600, 500, secs(10))
+        );
+        let second = l.charge(&etl, 100, t0).unwrap().unwrap();
+        assert_eq!(second.requests.unwrap().remaining, 0);
+        assert_eq!(second.tokens.unwrap().remaining, 400);
         // Two requests a minute: the third waits 30 s for its request.
         let (limit, wait) = l.charge(&etl, 100, t0).unwrap_err();
         assert_eq!(limit, Limit::Requests);
@@ -316,9 +405,57 @@ mod tests {
         let (limit, wait) = l.charge(&etl, 1, t1).unwrap_err();
         assert_eq!(limit, Limit::Tokens);
         assert_eq!(wait.as_secs(), 40, "400 tokens of debt at 10 a second");
-        // A tenant without limits is never refused.
+        // A tenant without limits is never refused, and has nothing to be told.
         for _ in 0..100 {
-            assert!(l.charge(&free, 1_000_000, t0).is_ok());
+            assert_eq!(l.charge(&free, 1_000_000, t0), Ok(None));
+        }
+    }
+
+    #[test]
+    fn what_is_left_is_told_in_openais_headers() {
+        let standing = Standing {
+            requests: Some(Left {
+                limit: 60,
+                remaining: 59,
+                reset: Duration::from_secs(1),
+            }),
+            tokens: Some(Left {
+                limit: 150_000,
+                remaining: 149_984,
+                reset: Duration::from_millis(6),
+            }),
+        };
+        let got: Vec<(String, String)> = standing
+            .headers()
+            .into_iter()
+            .map(|(n, v)| (n.to_string(), v.to_str().unwrap().to_string()))
+            .collect();
+        let want = [
+            ("x-ratelimit-limit-requests", "60"),
+            ("x-ratelimit-remaining-requests", "59"),
+            ("x-ratelimit-reset-requests", "1s"),
+            ("x-ratelimit-limit-tokens", "150000"),
+            ("x-ratelimit-remaining-tokens", "149984"),
+            ("x-ratelimit-reset-tokens", "6ms"),
+        ];
+        let want: Vec<(String, String)> = want
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.to_string()))
+            .collect();
+        assert_eq!(got, want);
+        let only_tokens = Standing {
+            requests: None,
+            ..standing
+        };
+        assert_eq!(only_tokens.headers().len(), 3);
+        for (ms, text) in [
+            (0, "0ms"),
+            (999, "999ms"),
+            (1500, "1.5s"),
+            (60_000, "1m0s"),
+            (361_250, "6m1.25s"),
+        ] {
+            assert_eq!(go_duration(Duration::from_millis(ms)), text);
         }
     }
 }
