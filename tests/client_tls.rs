@@ -527,3 +527,72 @@ fn check_reports_https_and_refuses_a_certificate_without_its_key_or_with_another
         assert!(said.contains(want), "{lines}: {said}");
     }
 }
+
+#[tokio::test]
+async fn a_client_certificate_names_its_tenant_over_http1_and_http2() {
+    let pki = make_pki("tenant");
+    let e = engine("e0", &FAST);
+    let server = format!(
+        "tls_cert_file = {:?}\ntls_key_file = {:?}\ntls_client_ca_file = {:?}",
+        pki.path("engine.pem"),
+        pki.path("engine-key.pem"),
+        pki.path("ca.pem")
+    );
+    // The client certificate's common name is `prefixlb`: a tenant with a limit.
+    let routing = "tenant_from_client_certificate = true\ntenant_header = \"x-tenant\"\n\
+                   [[tenants]]\nname = \"prefixlb\"\nrequests_per_minute = 3\n";
+    let lb = balancer(&config(&[&e], &server, routing));
+    let trust = [pki.path("ca.pem")];
+    let me = Some((pki.path("client.pem"), pki.path("client-key.pem")));
+    let me = me.as_ref().map(|(c, k)| (c.as_path(), k.as_path()));
+    let body = chat(&[("user", "who am i")], false, 2);
+    // The certificate wins over the header; its tenant's limit is told in the answer.
+    let remaining = |res: &hyper::Response<hyper::body::Incoming>| {
+        let h = res.headers();
+        assert_eq!(h["x-ratelimit-limit-requests"], "3", "{h:?}");
+        h["x-ratelimit-remaining-requests"]
+            .to_str()
+            .unwrap()
+            .to_string()
+    };
+    let tls = handshake_as(lb.addr, &trust, &[b"http/1.1"], me)
+        .await
+        .unwrap();
+    let mut h1 = http1(tls).await;
+    let mut req = post("/v1/chat/completions", &body);
+    req.headers_mut()
+        .insert("x-tenant", "someone-else".parse().unwrap());
+    let res = h1.send_request(req).await.unwrap();
+    assert_eq!((res.status().as_u16(), remaining(&res)), (200, "2".into()));
+    let tls = handshake_as(lb.addr, &trust, &[b"h2"], me).await.unwrap();
+    let (mut h2, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let res = h2
+        .send_request(post("https://localhost/v1/chat/completions", &body))
+        .await
+        .unwrap();
+    assert_eq!(res.version(), hyper::Version::HTTP_2);
+    assert_eq!((res.status().as_u16(), remaining(&res)), (200, "1".into()));
+    res.into_body().collect().await.unwrap();
+    let tokens = "prefixlb_tenant_tokens_total{kind=\"prompt\",tenant=\"prefixlb\"}";
+    let counted = eventually(Duration::from_secs(2), || async {
+        sum_metric(&lb.admin_url("/metrics"), tokens).await > 0.0
+    })
+    .await;
+    assert!(counted, "its tokens are counted under its name");
+    // Without client certificates there is no name to take.
+    let refused = check_refuses(&format!(
+        "[server]\ntls_cert_file = {:?}\ntls_key_file = {:?}\n[routing]\ntenant_from_client_certificate = true\n[[pools]]\nname = \"p\"\nmodels = [\"m\"]\n[[pools.nodes]]\nid = \"a\"\nurl = \"http://127.0.0.1:9\"\n",
+        pki.path("engine.pem"),
+        pki.path("engine-key.pem"),
+    ));
+    assert!(
+        refused.contains(
+            ":5:34: routing.tenant_from_client_certificate needs server.tls_client_ca_file"
+        ),
+        "{refused}"
+    );
+}

@@ -188,6 +188,10 @@ pub struct RoutingSection {
     /// A header naming a request's tenant when its API key has no name. Default:
     /// none (such requests are tenant `default`).
     pub tenant_header: Option<String>,
+    /// The name in a client's TLS certificate (its subject's common name, else its
+    /// first DNS name or URI) is its requests' tenant, when their API key has no name
+    /// (before `tenant_header`). Needs `server.tls_client_ca_file`. Default false.
+    pub tenant_from_client_certificate: Spanned<bool>,
     /// A header by which a request may ask for a priority class at or below its
     /// tenant's. Default: none.
     pub priority_header: Option<String>,
@@ -214,6 +218,7 @@ impl Default for RoutingSection {
             extra_paths: unspanned(Vec::new()),
             split_cap_across_replicas: false,
             tenant_header: None,
+            tenant_from_client_certificate: unspanned(false),
             priority_header: None,
             default_priority: None,
         }

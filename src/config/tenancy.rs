@@ -62,12 +62,15 @@ pub struct Tenancy {
     pub tenants: HashMap<String, TenantConfig>,
     /// A header naming the tenant of a request whose API key has no name.
     pub tenant_header: Option<http::HeaderName>,
+    /// The name in a client's certificate names its tenant (before the header).
+    pub tenant_from_certificate: bool,
     /// A header by which a request may ask for a class at or below its tenant's.
     pub priority_header: Option<http::HeaderName>,
     /// The name every request without its own shares: `default`.
     pub default_tenant: std::sync::Arc<str>,
-    /// Requests are told apart by tenant (`[[tenants]]`, `tenant_header` or named API
-    /// keys): their tokens are counted per tenant (`tenant_tokens_total`).
+    /// Requests are told apart by tenant (`[[tenants]]`, `tenant_header`, client
+    /// certificates or named API keys): their tokens are counted per tenant
+    /// (`tenant_tokens_total`).
     pub counts_usage: bool,
 }
 
@@ -197,6 +200,8 @@ pub(super) fn validate(
         default_class,
         tenants: by_name,
         tenant_header: header(tenant_header, "tenant_header")?,
+        // Set once `[server]` is read (it takes client certificates).
+        tenant_from_certificate: false,
         priority_header: header(priority_header, "priority_header")?,
         default_tenant: "default".into(),
         // Set once `[auth]` is read (its keys' names are tenants too).

@@ -74,6 +74,14 @@ pub(super) fn config(raw: FileConfig, dir: &Path) -> Result<Config, Invalid> {
         raw.routing.priority_header.clone(),
         raw.routing.default_priority.clone(),
     );
+    let from_certificate = raw.routing.tenant_from_client_certificate.clone();
+    let asks_certificates = server.tls.as_ref().is_some_and(|t| t.clients.is_some());
+    if *from_certificate.get_ref() && !asks_certificates {
+        return Err((
+            Some(from_certificate.span()),
+            "routing.tenant_from_client_certificate needs server.tls_client_ca_file (only then do clients show certificates)".into(),
+        ));
+    }
     let routing = validate_routing(raw.routing)?;
     let mut tenancy = super::tenancy::validate(
         raw.priorities,
@@ -86,8 +94,10 @@ pub(super) fn config(raw: FileConfig, dir: &Path) -> Result<Config, Invalid> {
     let breaker = validate_breaker(raw.breaker)?;
     let health = validate_health(raw.health)?;
     let auth = validate_auth(raw.auth, dir)?;
+    tenancy.tenant_from_certificate = *from_certificate.get_ref();
     tenancy.counts_usage = !tenancy.tenants.is_empty()
         || tenancy.tenant_header.is_some()
+        || tenancy.tenant_from_certificate
         || auth.keys.iter().any(|(name, _)| name.is_some());
     let tls = super::tls::validate(raw.tls, dir)?;
     let tracing = raw.tracing.map(validate_tracing).transpose()?;

@@ -350,7 +350,11 @@ impl Proxy {
                 }
             }
             traces::record_placement(span, &placement);
-            let asker = self.ask(table, key_name, &parts.headers, &placement, started)?;
+            let caller = tenant::Caller {
+                key_name,
+                certified: parts.extensions.get::<tenant::CertifiedName>(),
+            };
+            let asker = self.ask(table, caller, &parts.headers, &placement, started)?;
             traces::record_asker(span, asker.tenant_label(), asker.class_name);
             let lane = LANE.with(std::cell::Cell::get) % self.upstreams.len();
             forward::Exchange {
@@ -388,13 +392,13 @@ impl Proxy {
     fn ask<'t>(
         &self,
         table: &'t Table,
-        key_name: Option<&str>,
+        caller: tenant::Caller<'_>,
         headers: &http::HeaderMap,
         placement: &crate::routing::decision::Placement,
         started: Instant,
     ) -> Result<admission::Asker<'t>, ProxyError> {
         let tenancy = &table.config.tenancy;
-        let who = tenant::identify(tenancy, key_name, headers);
+        let who = tenant::identify(tenancy, caller, headers);
         let facts = &placement.facts;
         let tokens =
             u64::from(facts.tokens.prompt) + u64::from(facts.max_tokens.unwrap_or(DEFAULT_OUTPUT));

@@ -21,6 +21,20 @@ pub static REQUEST_TIMEOUT: HeaderName = HeaderName::from_static("x-request-time
 /// Longest tenant name taken from a header.
 const MAX_TENANT_CHARS: usize = 64;
 
+/// The name in the TLS certificate a client showed (its subject's common name, else
+/// its first DNS name, else its first URI, such as a SPIFFE ID), on each request of
+/// its connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CertifiedName(pub Arc<str>);
+
+/// What names the caller beside its headers: its API key's name, and the name in its
+/// client certificate.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Caller<'a> {
+    pub key_name: Option<&'a str>,
+    pub certified: Option<&'a CertifiedName>,
+}
+
 /// A request's tenant and class.
 #[derive(Debug, Clone)]
 pub struct Identity {
@@ -48,8 +62,15 @@ pub fn label(tenant: &str, known: bool) -> &str {
     }
 }
 
-/// Who a request is, from its API key's name and its headers.
-pub fn identify(tenancy: &Tenancy, key_name: Option<&str>, headers: &HeaderMap) -> Identity {
+/// Who a request is: its API key's name, else (with
+/// `routing.tenant_from_client_certificate`) the name in its client certificate, else
+/// `routing.tenant_header`'s value, else `default`.
+pub fn identify(tenancy: &Tenancy, caller: Caller<'_>, headers: &HeaderMap) -> Identity {
+    let key_name = caller.key_name;
+    let certified = caller
+        .certified
+        .filter(|_| tenancy.tenant_from_certificate)
+        .map(|c| &*c.0);
     let from_header = || {
         let h = tenancy.tenant_header.as_ref()?;
         let v = headers.get(h)?.to_str().ok()?.trim();
@@ -57,7 +78,7 @@ pub fn identify(tenancy: &Tenancy, key_name: Option<&str>, headers: &HeaderMap) 
             !v.is_empty() && v.len() <= MAX_TENANT_CHARS && v.bytes().all(|b| b.is_ascii_graphic());
         ok.then_some(v)
     };
-    let named = key_name.or_else(from_header);
+    let named = key_name.or(certified).or_else(from_header);
     let tenant = named.unwrap_or("default");
     let config = tenancy.tenant(tenant);
     let known = key_name.is_some() || tenancy.tenants.contains_key(tenant) || named.is_none();
@@ -315,6 +336,13 @@ mod tests {
         crate::config::Config::parse(&text, "t").unwrap().tenancy
     }
 
+    fn key(name: &str) -> Caller<'_> {
+        Caller {
+            key_name: Some(name),
+            certified: None,
+        }
+    }
+
     fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();
         for (k, v) in pairs {
@@ -330,23 +358,55 @@ mod tests {
     fn the_key_names_the_tenant_else_the_header_and_a_class_can_only_be_lowered() {
         let t = tenancy("");
         assert_eq!(t.classes[1].max_queue, 7);
-        let who = identify(&t, Some("etl"), &headers(&[("x-tenant", "someone")]));
+        let who = identify(&t, key("etl"), &headers(&[("x-tenant", "someone")]));
         assert_eq!((&*who.tenant, who.class, who.label()), ("etl", 1, "etl"));
-        let who = identify(&t, None, &headers(&[("x-tenant", "team-a")]));
+        let who = identify(&t, Caller::default(), &headers(&[("x-tenant", "team-a")]));
         assert_eq!(
             (&*who.tenant, who.class, who.label()),
             ("team-a", 0, "other")
         );
-        let who = identify(&t, None, &headers(&[]));
+        let who = identify(&t, Caller::default(), &headers(&[]));
         assert_eq!((&*who.tenant, who.class), ("default", 0));
         // Asking for batch lowers; etl asking for interactive stays batch.
-        let who = identify(&t, None, &headers(&[("x-priority", "batch")]));
+        let who = identify(&t, Caller::default(), &headers(&[("x-priority", "batch")]));
         assert_eq!(who.class, 1);
-        let who = identify(&t, Some("etl"), &headers(&[("x-priority", "interactive")]));
+        let who = identify(&t, key("etl"), &headers(&[("x-priority", "interactive")]));
         assert_eq!(who.class, 1);
         // A header that is no tenant name is ignored.
-        let who = identify(&t, None, &headers(&[("x-tenant", &"x".repeat(65))]));
+        let who = identify(
+            &t,
+            Caller::default(),
+            &headers(&[("x-tenant", &"x".repeat(65))]),
+        );
         assert_eq!(&*who.tenant, "default");
+    }
+
+    #[test]
+    fn a_client_certificate_names_the_tenant_after_the_key_before_the_header() {
+        let certified = CertifiedName("etl".into());
+        let shown = |key_name| Caller {
+            key_name,
+            certified: Some(&certified),
+        };
+        let team = headers(&[("x-tenant", "team-a")]);
+        // Off (the default): the certificate says nothing.
+        let t = tenancy("");
+        assert_eq!(&*identify(&t, shown(None), &team).tenant, "team-a");
+        let mut t = tenancy("");
+        t.tenant_from_certificate = true;
+        let who = identify(&t, shown(None), &team);
+        assert_eq!((&*who.tenant, who.class, who.label()), ("etl", 1, "etl"));
+        let other = CertifiedName("svc-x".into());
+        let who = identify(
+            &t,
+            Caller {
+                key_name: None,
+                certified: Some(&other),
+            },
+            &team,
+        );
+        assert_eq!((&*who.tenant, who.label()), ("svc-x", "other"));
+        assert_eq!(&*identify(&t, shown(Some("ops")), &team).tenant, "ops");
     }
 
     #[test]
@@ -374,8 +434,8 @@ mod tests {
     #[test]
     fn buckets_refuse_past_the_rate_say_when_and_refill() {
         let t = tenancy("");
-        let etl = identify(&t, Some("etl"), &HeaderMap::new());
-        let free = identify(&t, None, &HeaderMap::new());
+        let etl = identify(&t, key("etl"), &HeaderMap::new());
+        let free = identify(&t, Caller::default(), &HeaderMap::new());
         let l = Limiter::default();
         let t0 = Instant::now();
         // Each charge says what is left: etl has 2 requests and 600 tokens a minute.

@@ -192,7 +192,7 @@ pub fn explanation_json(
     let pool = x.pool.clone();
     let mut v = serde_json::to_value(x).unwrap_or(Value::Null);
     let tenancy = &table.config.tenancy;
-    let who = crate::proxy::tenant::identify(tenancy, None, headers);
+    let who = crate::proxy::tenant::identify(tenancy, Default::default(), headers);
     let waiting = crate::routing::fair::Waiting {
         weight: who.config.weight,
         class: who.class,

@@ -35,6 +35,7 @@ use super::window_watch::Windows;
 use crate::config::ServerConfig;
 use crate::proxy::body::BoxBody;
 use crate::proxy::request_body::RequestBody;
+use crate::proxy::tenant::CertifiedName;
 use crate::telemetry::metrics::RequestMetrics;
 use crate::telemetry::outcome::RequestOutcome;
 
@@ -119,6 +120,11 @@ pub trait ClientIo: AsyncRead + AsyncWrite + Unpin + Send + 'static {
     /// Reads into `buf` what the connection can give without waiting (`WouldBlock`
     /// when it has nothing; `Ok(0)` at its end).
     fn try_read_buf(&mut self, buf: &mut BytesMut) -> io::Result<usize>;
+
+    /// The name in the certificate the client showed (TLS with client certificates).
+    fn certified_name(&self) -> Option<CertifiedName> {
+        None
+    }
 }
 
 impl ClientIo for TcpStream {
@@ -130,6 +136,10 @@ impl ClientIo for TcpStream {
 impl ClientIo for tokio_rustls::server::TlsStream<TcpStream> {
     fn try_read_buf(&mut self, buf: &mut BytesMut) -> io::Result<usize> {
         super::tls::try_read_buf(self, buf)
+    }
+
+    fn certified_name(&self) -> Option<CertifiedName> {
+        super::tls::certified_name(self)
     }
 }
 
@@ -332,9 +342,13 @@ where
         } = self;
         let activity = Activity::new();
         let windows = Windows::new(limits.write_stall_timeout);
+        let certified = stream.certified_name();
         let service = {
             let activity = activity.clone();
-            service_fn(move |req: Request<Incoming>| {
+            service_fn(move |mut req: Request<Incoming>| {
+                if let Some(name) = &certified {
+                    req.extensions_mut().insert(name.clone());
+                }
                 let answering = activity.answering(req.version());
                 let response = Box::pin(handler(req.map(RequestBody::from), peer));
                 let windows = windows.clone();

@@ -16,7 +16,10 @@ use tokio::net::TcpStream;
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 
+use x509_parser::extensions::GeneralName;
+
 use crate::config::ListenerTls;
+use crate::proxy::tenant::CertifiedName;
 
 /// The client port's TLS: its rustls server, built from the config's
 /// [`ListenerTls`] and rebuilt by each reload.
@@ -179,11 +182,95 @@ pub fn try_read_buf(stream: &mut TlsStream<TcpStream>, buf: &mut BytesMut) -> io
     }
 }
 
+/// The name in the certificate a client showed, if it showed one (mTLS).
+pub fn certified_name(stream: &TlsStream<TcpStream>) -> Option<CertifiedName> {
+    let leaf = stream.get_ref().1.peer_certificates()?.first()?;
+    name_in(leaf).map(|n| CertifiedName(n.into()))
+}
+
+/// Longest name taken from a certificate (a SPIFFE ID fits).
+const MAX_NAME_CHARS: usize = 128;
+
+/// A certificate's name: its subject's common name, else its first DNS name, else its
+/// first URI (a SPIFFE ID); printable ASCII, at most [`MAX_NAME_CHARS`].
+fn name_in(der: &[u8]) -> Option<String> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
+    let common = cert
+        .subject()
+        .iter_common_name()
+        .find_map(|cn| cn.as_str().ok().map(str::to_string));
+    let alternative = || {
+        let san = cert.subject_alternative_name().ok()??;
+        let names = &san.value.general_names;
+        let dns = names.iter().find_map(|n| match n {
+            GeneralName::DNSName(d) => Some(*d),
+            _ => None,
+        });
+        let uri = || {
+            names.iter().find_map(|n| match n {
+                GeneralName::URI(u) => Some(*u),
+                _ => None,
+            })
+        };
+        dns.or_else(uri).map(str::to_string)
+    };
+    let name = common.or_else(alternative)?;
+    let name = name.trim();
+    let fits = !name.is_empty()
+        && name.len() <= MAX_NAME_CHARS
+        && name.bytes().all(|b| b.is_ascii_graphic() || b == b' ');
+    fits.then(|| name.to_string())
+}
+
 /// A socket read as `std::io::Read` that never waits: `WouldBlock` when it has nothing.
 struct Nonblocking<'a>(&'a TcpStream);
 
 impl Read for Nonblocking<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         self.0.try_read(buf)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rcgen::{CertificateParams, DistinguishedName, DnType, KeyPair, SanType};
+
+    use super::*;
+
+    fn cert(common_name: Option<&str>, names: Vec<SanType>) -> Vec<u8> {
+        let mut params = CertificateParams::default();
+        params.distinguished_name = DistinguishedName::new();
+        if let Some(cn) = common_name {
+            params.distinguished_name.push(DnType::CommonName, cn);
+        }
+        params.subject_alt_names = names;
+        let key = KeyPair::generate().unwrap();
+        params.self_signed(&key).unwrap().der().to_vec()
+    }
+
+    #[test]
+    fn a_certificate_is_named_by_its_common_name_else_its_dns_name_else_its_uri() {
+        let dns = || SanType::DnsName("svc.llm.internal".try_into().unwrap());
+        let spiffe = || SanType::URI("spiffe://cluster.local/ns/llm/sa/rag".try_into().unwrap());
+        let named = |cn, names| name_in(&cert(cn, names));
+        assert_eq!(
+            named(Some("team-a"), vec![dns(), spiffe()]).as_deref(),
+            Some("team-a")
+        );
+        assert_eq!(
+            named(None, vec![spiffe(), dns()]).as_deref(),
+            Some("svc.llm.internal")
+        );
+        assert_eq!(
+            named(None, vec![spiffe()]).as_deref(),
+            Some("spiffe://cluster.local/ns/llm/sa/rag")
+        );
+        assert_eq!(named(Some("Team B"), vec![]).as_deref(), Some("Team B"));
+        // No name, one too long, or one that is not printable: none.
+        assert_eq!(named(None, vec![]), None);
+        let long = "x".repeat(129);
+        assert_eq!(named(Some(&long), vec![]), None);
+        assert_eq!(named(Some("tab\there"), vec![]), None);
+        assert_eq!(name_in(b"not a certificate"), None);
     }
 }

@@ -216,7 +216,7 @@ impl Metrics {
                 &["tenant", "limit"]
             )),
             tenant_tokens: reg!(IntCounterVec::new(
-                opts("tenant_tokens_total", "Tokens by tenant, from the engines' usage reports: `prompt`, `cached` (of the prompt, served from a prefix cache) and `completion` (output). Counted when the config tells tenants apart ([[tenants]], tenant_header or named API keys)."),
+                opts("tenant_tokens_total", "Tokens by tenant, from the engines' usage reports: `prompt`, `cached` (of the prompt, served from a prefix cache) and `completion` (output). Counted when the config tells tenants apart ([[tenants]], tenant_header, client certificates or named API keys)."),
                 &["tenant", "kind"]
             )),
             tls_refusals: reg!(IntCounterVec::new(

@@ -145,6 +145,7 @@ where
         stall_timeout: limits.write_stall_timeout,
         stall_timer: None,
     };
+    let certified = conn.io.certified_name();
     let mut first = true;
     loop {
         if conn.buf.is_empty() {
@@ -164,7 +165,7 @@ where
         };
         first = false;
         let RequestHead {
-            parts,
+            mut parts,
             body,
             keep_alive,
             mut expect_continue,
@@ -172,6 +173,9 @@ where
         let (body, mut feed) = conn.body(body);
         if matches!(feed, Feed::Done) {
             expect_continue = false;
+        }
+        if let Some(name) = &certified {
+            parts.extensions.insert(name.clone());
         }
         let method = parts.method.clone();
         let version = parts.version;
