@@ -414,6 +414,13 @@ fn check_report(path: &Path, config: Config) -> String {
             https.key.cert.len(),
             https.expires.describe(unix_now())
         );
+        if config.server.admin_tls {
+            let _ = writeln!(
+                out,
+                "admin: https://{} (the same certificate; no client certificates asked for)",
+                config.server.admin_listen
+            );
+        }
     }
     let tls_nodes = config
         .pools

@@ -330,7 +330,9 @@ async fn a_renewed_certificate_is_shown_from_the_next_handshake_and_open_connect
     std::fs::copy(pki.path("engine.pem"), &cert).unwrap();
     std::fs::copy(pki.path("engine-key.pem"), &key).unwrap();
     let e = engine("e0", &FAST);
-    let lines = format!("watch_config = true\ntls_cert_file = {cert:?}\ntls_key_file = {key:?}");
+    let lines = format!(
+        "watch_config = true\nadmin_tls = true\ntls_cert_file = {cert:?}\ntls_key_file = {key:?}"
+    );
     let lb = balancer(&config(&[&e], &lines, ""));
     let cas = [pki.path("ca.pem"), next.path("ca.pem")];
     let first = pem_certs(&pki.path("engine.pem"))[0].clone();
@@ -338,10 +340,27 @@ async fn a_renewed_certificate_is_shown_from_the_next_handshake_and_open_connect
 
     let tls = connect(lb.addr, &cas, &[b"http/1.1"]).await;
     assert_eq!(shown(&tls), first);
-    let expiry = || async {
-        let name = "prefixlb_tls_certificate_expiry_timestamp_seconds{certificate=\"listener\"}";
-        metric(&lb.admin_url("/metrics"), name).await as i64
+    // The admin port serves HTTPS too (`admin_tls`): the gauge is read over it.
+    let read = |name: &'static str| {
+        let cas = cas.clone();
+        let admin = lb.admin.unwrap();
+        async move {
+            let tls = connect(admin, &cas, &[b"http/1.1"]).await;
+            let req = hyper::Request::get("/metrics")
+                .header("host", "localhost")
+                .body(Full::new(Bytes::new()))
+                .unwrap();
+            let (_, _, page) = over_http1(&mut http1(tls).await, req).await;
+            let line = page
+                .lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '));
+            line.unwrap_or_else(|| panic!("{name}: {page}"))
+                .parse::<i64>()
+                .unwrap()
+        }
     };
+    let expiry =
+        || read("prefixlb_tls_certificate_expiry_timestamp_seconds{certificate=\"listener\"}");
     let day = |y, m, d| rcgen::date_time_ymd(y, m, d).unix_timestamp();
     assert_eq!(expiry().await, day(2031, 5, 17));
     let mut open = http1(tls).await;
@@ -361,6 +380,12 @@ async fn a_renewed_certificate_is_shown_from_the_next_handshake_and_open_connect
     })
     .await;
     assert!(renewed_shown, "the renewed certificate was not served");
+    let admin = lb.admin.unwrap();
+    assert_eq!(
+        shown(&connect(admin, &cas, &[]).await),
+        renewed,
+        "the admin port's too"
+    );
     assert_eq!(
         expiry().await,
         day(2032, 6, 1),
@@ -374,12 +399,8 @@ async fn a_renewed_certificate_is_shown_from_the_next_handshake_and_open_connect
             .0,
         200
     );
-    let reloads = metric(
-        &lb.admin_url("/metrics"),
-        "prefixlb_config_reloads_total{result=\"ok\"}",
-    )
-    .await;
-    assert!(reloads >= 1.0, "{reloads}");
+    let reloads = read("prefixlb_config_reloads_total{result=\"ok\"}").await;
+    assert!(reloads >= 1, "{reloads}");
 }
 
 #[tokio::test]
@@ -593,6 +614,70 @@ async fn a_client_certificate_names_its_tenant_over_http1_and_http2() {
         refused.contains(
             ":5:34: routing.tenant_from_client_certificate needs server.tls_client_ca_file"
         ),
+        "{refused}"
+    );
+}
+
+#[tokio::test]
+async fn with_admin_tls_the_admin_port_serves_https_and_asks_no_client_certificate() {
+    let pki = make_pki("admin");
+    let e = engine("e0", &FAST);
+    // Clients of the client port must show a certificate; the admin port's need not.
+    let lines = format!(
+        "admin_tls = true\nadmin_token = \"secret\"\ntls_client_ca_file = {:?}",
+        pki.path("ca.pem")
+    );
+    let lb = https_balancer(&pki, &e, &lines);
+    let admin = lb.admin.unwrap();
+    let trust = [pki.path("ca.pem")];
+    let tls = connect(admin, &trust, &[b"http/1.1"]).await;
+    assert_eq!(shown(&tls), pem_certs(&pki.path("engine.pem"))[0]);
+    let mut h1 = http1(tls).await;
+    let get = |path: &str, token: Option<&str>| {
+        let mut req = hyper::Request::get(path).header("host", "localhost");
+        if let Some(t) = token {
+            req = req.header("authorization", format!("Bearer {t}"));
+        }
+        req.body(Full::new(Bytes::new())).unwrap()
+    };
+    let (status, _, _) = over_http1(&mut h1, get("/healthz", None)).await;
+    assert_eq!(status, 200);
+    let (status, _, _) = over_http1(&mut h1, get("/metrics", None)).await;
+    assert_eq!(status, 401, "the token still guards it");
+    let (status, _, page) = over_http1(&mut h1, get("/metrics", Some("secret"))).await;
+    assert_eq!(status, 200);
+    assert!(
+        page.contains(
+            "prefixlb_tls_certificate_expiry_timestamp_seconds{certificate=\"listener\"}"
+        ),
+        "{page}"
+    );
+    // Plain HTTP on the admin port is told to use HTTPS.
+    let mut plain = TcpStream::connect(admin).await.unwrap();
+    plain
+        .write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    let _ = plain.read_to_end(&mut answer).await;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.starts_with("HTTP/1.1 400") && answer.contains("https_required"),
+        "{answer}"
+    );
+    // `check` says so, and refuses it without a certificate.
+    let pool = "[[pools]]\nname = \"p\"\nmodels = [\"m\"]\n[[pools.nodes]]\nid = \"a\"\nurl = \"http://127.0.0.1:9\"\n";
+    let text = format!(
+        "[server]\nadmin_listen = \"127.0.0.1:9443\"\nadmin_tls = true\ntls_cert_file = {:?}\ntls_key_file = {:?}\n{pool}",
+        pki.path("engine.pem"),
+        pki.path("engine-key.pem")
+    );
+    let path = write_config(&text);
+    let said = String::from_utf8(run_cli(&["check", "--config", path.to_str().unwrap()])).unwrap();
+    assert!(said.contains("admin: https://127.0.0.1:9443 (the same certificate; no client certificates asked for)"), "{said}");
+    let refused = check_refuses(&format!("[server]\nadmin_tls = true\n{pool}"));
+    assert!(
+        refused.contains(":2:13: server.admin_tls needs server.tls_cert_file"),
         "{refused}"
     );
 }

@@ -108,6 +108,9 @@ pub struct ServerSection {
     pub tls_cert_file: Option<Spanned<String>>,
     /// Its PEM private key. Default: none.
     pub tls_key_file: Option<Spanned<String>>,
+    /// The admin listener serves HTTPS too, with the same certificate, asking no
+    /// client for one (probes and scrapers show `admin_token`). Default false.
+    pub admin_tls: Spanned<bool>,
     /// PEM CA certificates: with HTTPS, every client must show a certificate one of
     /// them signed (mTLS), or its handshake fails. Default: none (no client
     /// certificates asked for).
@@ -139,6 +142,7 @@ impl Default for ServerSection {
             max_buffered_bytes: unspanned(1 << 30),
             tls_cert_file: None,
             tls_key_file: None,
+            admin_tls: unspanned(false),
             tls_client_ca_file: None,
         }
     }

@@ -182,6 +182,8 @@ pub struct ServerConfig {
     /// (`tls_cert_file`, `tls_key_file`), and its clients' CAs if it asks for client
     /// certificates (`tls_client_ca_file`), read when the config is.
     pub tls: Option<ListenerTls>,
+    /// The admin listener serves HTTPS with `tls`'s certificate (`admin_tls`).
+    pub admin_tls: bool,
 }
 
 #[derive(Debug, Clone)]

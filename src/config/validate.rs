@@ -805,6 +805,12 @@ fn validate_server(s: ServerSection, dir: &Path) -> Result<ServerConfig, Invalid
         return invalid(0..0, format!("server.{key} must be longer than 0"));
     }
     let tls = super::tls::listener(&s, dir)?;
+    if *s.admin_tls.get_ref() && tls.is_none() {
+        return Err((
+            Some(s.admin_tls.span()),
+            "server.admin_tls needs server.tls_cert_file and tls_key_file (the admin port shows the client port's certificate)".into(),
+        ));
+    }
     Ok(ServerConfig {
         listen: addr(&s.listen, "listen")?,
         admin_listen: addr(&s.admin_listen, "admin_listen")?,
@@ -847,6 +853,7 @@ fn validate_server(s: ServerSection, dir: &Path) -> Result<ServerConfig, Invalid
         body_read_timeout: s.body_read_timeout.0,
         max_buffered_bytes: max_buffered_bytes as usize,
         tls,
+        admin_tls: *s.admin_tls.get_ref(),
     })
 }
 

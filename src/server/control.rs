@@ -46,6 +46,8 @@ pub struct Control {
     /// The client port's TLS, when it serves HTTPS: each reload rebuilds it from the
     /// files.
     client_tls: Option<Arc<ClientTls>>,
+    /// The admin port's, when it serves HTTPS too (`server.admin_tls`).
+    admin_tls: Option<Arc<ClientTls>>,
 }
 
 impl Control {
@@ -72,6 +74,12 @@ impl Control {
             .tls
             .as_ref()
             .map(|t| Arc::new(ClientTls::new(t)));
+        let admin_tls = config
+            .server
+            .tls
+            .as_ref()
+            .filter(|_| config.server.admin_tls)
+            .map(|t| Arc::new(ClientTls::for_admin(t)));
         Arc::new(Control {
             proxy: Proxy::with_lanes(table, metrics.requests.clone(), lanes),
             registry,
@@ -84,12 +92,18 @@ impl Control {
                 addresses: Addresses::new(),
             }),
             client_tls,
+            admin_tls,
         })
     }
 
     /// The client port's TLS server, when `server.tls_cert_file` is set.
     pub fn client_tls(&self) -> Option<&Arc<ClientTls>> {
         self.client_tls.as_ref()
+    }
+
+    /// The admin port's TLS server, when `server.admin_tls` is set.
+    pub fn admin_tls(&self) -> Option<&Arc<ClientTls>> {
+        self.admin_tls.as_ref()
     }
 
     /// The data plane.
@@ -167,6 +181,7 @@ impl Control {
             ("yield_after", was.yield_after != now.yield_after),
             // HTTPS turned on or off; new files for it are applied below.
             ("tls_cert_file", was.tls.is_some() != now.tls.is_some()),
+            ("admin_tls", was.admin_tls != now.admin_tls),
         ];
         for (key, changed) in restart_only {
             if changed {
@@ -178,6 +193,9 @@ impl Control {
             // handshakes get it.
             let renewed = tls.shown().cert != new.key.cert;
             tls.renew(new);
+            if let Some(admin) = &self.admin_tls {
+                admin.renew(&crate::server::tls::admin(new));
+            }
             if renewed {
                 tracing::info!(
                     "the client port's TLS certificate is renewed: new handshakes get it"

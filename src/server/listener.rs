@@ -103,6 +103,7 @@ impl ConnLimits {
 /// for open connections (and their streams) to finish.
 pub async fn serve<H, F>(
     listener: TcpListener,
+    tls: Option<Arc<ClientTls>>,
     handler: H,
     shutdown: impl Future<Output = ()>,
     grace: Duration,
@@ -111,7 +112,8 @@ pub async fn serve<H, F>(
     H: Fn(Request<RequestBody>, SocketAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<BoxBody>> + Send + 'static,
 {
-    let port = Port::alone(listener, &limits, None, None);
+    let mut port = Port::alone(listener, &limits, None, None);
+    port.tls = tls;
     serve_port(port, handler, shutdown, grace, limits).await;
 }
 

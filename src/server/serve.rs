@@ -35,7 +35,12 @@ pub async fn run(
     } else {
         "http"
     };
-    println!("prefixlb listening on {scheme}://{addr} (admin http://{admin_addr})");
+    let admin_scheme = if config.server.admin_tls {
+        "https"
+    } else {
+        "http"
+    };
+    println!("prefixlb listening on {scheme}://{addr} (admin {admin_scheme}://{admin_addr})");
     tracing::info!(
         %addr,
         %admin_addr,
@@ -106,8 +111,10 @@ pub async fn run_on(
     let health_task = tokio::spawn(health::run(proxy.clone(), admin_stop.clone()));
     let admin_task = {
         let control = control.clone();
+        let tls = control.admin_tls().cloned();
         tokio::spawn(listener::serve(
             admin_listener,
+            tls,
             move |req, peer| admin::handle(control.clone(), req, peer),
             async move {
                 let _ = admin_stop.wait_for(|stop| *stop).await;

@@ -46,6 +46,14 @@ fn server(tls: &ListenerTls) -> ServerConfig {
     config
 }
 
+/// `tls` without its clients' CAs.
+pub fn admin(tls: &ListenerTls) -> ListenerTls {
+    ListenerTls {
+        clients: None,
+        ..tls.clone()
+    }
+}
+
 /// Why a client's handshake did not end in a TLS connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refusal {
@@ -82,6 +90,12 @@ impl ClientTls {
             server: ArcSwap::from_pointee(server(tls)),
             shown: ArcSwap::new(tls.key.clone()),
         }
+    }
+
+    /// The admin port's: `tls`'s certificate, asking no client for one (probes and
+    /// scrapers cannot show one; `admin_token` guards the port).
+    pub fn for_admin(tls: &ListenerTls) -> ClientTls {
+        ClientTls::new(&admin(tls))
     }
 
     /// Serves `tls` from the next handshake on.

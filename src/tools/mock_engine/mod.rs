@@ -249,6 +249,7 @@ impl MockEngine {
         let engine = self;
         crate::server::listener::serve(
             listener,
+            None,
             move |req, _peer: SocketAddr| {
                 let engine = engine.clone();
                 async move { engine.handle(req).await }
