@@ -180,6 +180,17 @@ async fn https_serves_http1_and_http2_as_the_client_chooses_by_alpn() {
         "{:?}",
         in_flight(&lb).await
     );
+    // The status page's summary says when the certificate expires (rcgen's: 4096).
+    let tls = &get_json(&lb.admin_url("/admin/summary")).await["tls"];
+    assert_eq!(
+        tls["listener"]["expires"], "Jan  1 00:00:00 4096 +00:00",
+        "{tls}"
+    );
+    assert!(
+        tls["listener"]["days_left"].as_i64().unwrap() > 700_000,
+        "{tls}"
+    );
+    assert!(tls["engine_client"].is_null(), "{tls}");
 }
 
 /// Awaits every future, in order.

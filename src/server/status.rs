@@ -6,8 +6,8 @@
 //!
 //! `/admin/summary` is what the page needs beyond the nodes: each pool's queue and
 //! load, the realized cache hit rate per node (the engines' own usage counts), the
-//! hottest learned prefix groups (hash tags and widths, never text), Redis, and the
-//! DNS names of `discover` entries.
+//! hottest learned prefix groups (hash tags and widths, never text), Redis, the
+//! DNS names of `discover` entries, and when the config's TLS certificates expire.
 
 use serde_json::{json, Value};
 
@@ -112,8 +112,18 @@ pub fn summary(control: &Control) -> Value {
             })
         })
         .collect();
+    // Each certificate of the config: when it expires, and in how many days.
+    let now = crate::config::unix_now();
+    let certificate = |e: Option<crate::config::Expiry>| {
+        e.map(|e| json!({"expires": e.to_string(), "days_left": e.days_left(now)}))
+    };
+    let tls = json!({
+        "listener": certificate(table.config.server.tls.as_ref().map(|t| t.expires)),
+        "engine_client": certificate(table.config.tls.client_certificate_expires()),
+    });
     json!({
         "dns": dns,
+        "tls": tls,
         "version": env!("CARGO_PKG_VERSION"),
         "redis": {
             "configured": table.config.redis.is_some(),
