@@ -541,16 +541,21 @@ fn sse_lines(text: &str) -> Vec<&str> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_waiting_for_its_first_token_gets_keep_alives_then_its_tokens() {
     let e = engines(1, FAST);
-    let lb = balancer(&config(&refs(&e), "sse_keepalive = \"200ms\"", ""));
+    let tenant =
+        "tenant_header = \"x-tenant\"\n[[tenants]]\nname = \"t\"\nrequests_per_minute = 100";
+    let lb = balancer(&config(&refs(&e), "sse_keepalive = \"200ms\"", tenant));
     set_fault(&e[0], "slow", 1200).await;
     let url = lb.url("/v1/chat/completions");
     let started = Instant::now();
-    let mut resp = post_stream(&url, &chat(&[("user", "hello")], true, 5)).await;
+    let body = serde_json::to_vec(&chat(&[("user", "hello")], true, 5)).unwrap();
+    let headers = [("content-type", "application/json"), ("x-tenant", "t")];
+    let mut resp = send("POST", &url, &headers, body).await;
     let head_after = started.elapsed();
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["content-type"], "text/event-stream");
-    // Committed before the node answered: no node to name.
+    // Committed before the node answered: no node to name; its tenant's limits told.
     assert!(resp.headers().get("x-prefixlb-node").is_none());
+    assert_eq!(resp.headers()["x-ratelimit-remaining-requests"], "99");
     let first = next_chunk(resp.body_mut()).await.unwrap();
     assert_eq!(&first[..], b": keep-alive\n\n", "{head_after:?}");
     let rest = http_body_util::BodyExt::collect(resp.into_body())

@@ -20,9 +20,10 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use http::{header, HeaderValue, Response, StatusCode};
+use http::{header, HeaderName, HeaderValue, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
+use parking_lot::Mutex;
 use prometheus::IntCounter;
 use serde_json::{json, Value};
 use tokio::sync::Notify;
@@ -39,15 +40,19 @@ pub const COMMENT: &[u8] = b": keep-alive\n\n";
 /// The most of an answer that is not a stream read into its error event.
 const MAX_ERROR_BYTES: usize = 64 * 1024;
 
-/// Told once a request is placed as a stream: only a stream may be committed early.
+/// Told once a request is placed as a stream and admitted by its tenant's rate limits
+/// (only a stream may be committed early), with the headers an early head carries.
 #[derive(Debug, Default)]
 pub struct StreamSeen {
     seen: AtomicBool,
     told: Notify,
+    headers: Mutex<Vec<(HeaderName, HeaderValue)>>,
 }
 
 impl StreamSeen {
-    pub fn set(&self) {
+    /// The request is a stream; `headers` go into its head if it is committed early.
+    pub fn set(&self, headers: Vec<(HeaderName, HeaderValue)>) {
+        *self.headers.lock() = headers;
         self.seen.store(true, Ordering::Release);
         // One waiter at most; its permit is kept if it is not waiting yet.
         self.told.notify_one();
@@ -87,7 +92,10 @@ where
         () = quiet_stream => {}
     }
     let sent = metrics.sse_keepalives("waiting");
-    committed(every, sent, Box::pin(then(answer, anthropic)))
+    let mut resp = committed(every, sent, Box::pin(then(answer, anthropic)));
+    resp.headers_mut()
+        .extend(std::mem::take(&mut *seen.headers.lock()));
+    resp
 }
 
 fn committed(

@@ -344,17 +344,19 @@ impl Proxy {
                 .map(HeaderValue::as_bytes);
             let placement = table.place(parts.uri.path(), header_key, &body, Mode::Route)?;
             at.pool = Some(&table.pools[placement.own_pool()].config.name);
-            if let Some(seen) = &at.stream_seen {
-                if placement.facts.stream && api.streams() {
-                    seen.set();
-                }
-            }
             traces::record_placement(span, &placement);
             let caller = tenant::Caller {
                 key_name,
                 certified: parts.extensions.get::<tenant::CertifiedName>(),
             };
             let asker = self.ask(table, caller, &parts.headers, &placement, started)?;
+            if let Some(seen) = &at.stream_seen {
+                if placement.facts.stream && api.streams() {
+                    // A head sent early carries what its tenant has left.
+                    let limits = asker.standing.as_ref().map(|s| s.headers());
+                    seen.set(limits.unwrap_or_default());
+                }
+            }
             traces::record_asker(span, asker.tenant_label(), asker.class_name);
             let lane = LANE.with(std::cell::Cell::get) % self.upstreams.len();
             forward::Exchange {
