@@ -68,8 +68,8 @@ impl StreamSeen {
 
 /// The response to a request whose answer is `answer`: the answer itself if it comes
 /// within `every` (or never turns out to be a stream); else a stream committed with a
-/// keep-alive once `every` has passed and the request is placed as a stream, then one
-/// every `every` until the answer.
+/// keep-alive once `every` has passed and the request is placed as a stream and
+/// admitted by its tenant's rate limits, then one every `every` until the answer.
 pub async fn answer<F>(
     every: Duration,
     anthropic: bool,
