@@ -199,26 +199,31 @@ impl Standing {
     /// the reset as a Go duration (`"1s"`, `"6m0s"`, `"17ms"`).
     pub fn headers(&self) -> Vec<(HeaderName, http::HeaderValue)> {
         let mut out = Vec::with_capacity(6);
-        for (kind, left) in [("requests", self.requests), ("tokens", self.tokens)] {
+        for (names, left) in [(&REQUESTS, self.requests), (&TOKENS, self.tokens)] {
             let Some(left) = left else { continue };
-            let values = [
-                ("limit", left.limit.to_string()),
-                ("remaining", left.remaining.to_string()),
-                ("reset", go_duration(left.reset)),
-            ];
-            for (what, value) in values {
-                let name = format!("x-ratelimit-{what}-{kind}");
-                if let (Ok(n), Ok(v)) = (
-                    HeaderName::from_bytes(name.as_bytes()),
-                    http::HeaderValue::from_str(&value),
-                ) {
-                    out.push((n, v));
-                }
+            let [limit, remaining, reset] = names;
+            out.push((limit.clone(), left.limit.into()));
+            out.push((remaining.clone(), left.remaining.into()));
+            if let Ok(v) = http::HeaderValue::from_str(&go_duration(left.reset)) {
+                out.push((reset.clone(), v));
             }
         }
         out
     }
 }
+
+/// OpenAI's rate-limit header names: limit, remaining and reset, of requests and of
+/// tokens.
+static REQUESTS: [HeaderName; 3] = [
+    HeaderName::from_static("x-ratelimit-limit-requests"),
+    HeaderName::from_static("x-ratelimit-remaining-requests"),
+    HeaderName::from_static("x-ratelimit-reset-requests"),
+];
+static TOKENS: [HeaderName; 3] = [
+    HeaderName::from_static("x-ratelimit-limit-tokens"),
+    HeaderName::from_static("x-ratelimit-remaining-tokens"),
+    HeaderName::from_static("x-ratelimit-reset-tokens"),
+];
 
 /// A duration as Go prints one, as OpenAI's reset headers are: `"17ms"`, `"1.5s"`,
 /// `"6m0s"`.
