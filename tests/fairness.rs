@@ -173,13 +173,29 @@ async fn two_tenants_of_a_class_get_the_same_token_throughput() {
     );
 }
 
+/// Seconds since the epoch of an RFC 3339 moment to the second in UTC
+/// (`2026-12-07T23:01:05Z`), by the days-from-civil algorithm.
+fn unix_seconds_of(text: &str) -> u64 {
+    let n = |r: std::ops::Range<usize>| text[r].parse::<i64>().unwrap();
+    assert_eq!((text.len(), &text[19..]), (20, "Z"), "{text}");
+    let (y, m, d) = (n(0..4), n(5..7), n(8..10));
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * (m + if m > 2 { -3 } else { 9 }) + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    (days * 86_400 + n(11..13) * 3_600 + n(14..16) * 60 + n(17..19)) as u64
+}
+
 #[tokio::test]
 async fn a_tenant_over_its_rate_gets_429_and_never_reaches_an_engine() {
     let (engines, lb) = fleet(
         4,
         "[[tenants]]\nname = \"metered\"\nrequests_per_minute = 3\n\
          [[tenants]]\nname = \"tokens\"\ntokens_per_minute = 100\n\
-         [[tenants]]\nname = \"corrected\"\ntokens_per_minute = 600\n",
+         [[tenants]]\nname = \"corrected\"\ntokens_per_minute = 600\n\
+         [[tenants]]\nname = \"claude\"\nrequests_per_minute = 5\ntokens_per_minute = 9000\n",
     );
     let served = || async {
         let mut n = 0.0;
@@ -209,6 +225,39 @@ async fn a_tenant_over_its_rate_gets_429_and_never_reaches_an_engine() {
         assert!(
             r.headers.get("x-ratelimit-limit-tokens").is_none(),
             "no token limit"
+        );
+    }
+    // On Anthropic's API, what is left is told in its headers (which its SDK reads),
+    // the reset as the RFC 3339 moment the allowance is whole again; a stream's too.
+    for k in 0..2u64 {
+        let m = json!({"model": "mock", "max_tokens": 2, "stream": k == 1,
+                       "messages": [{"role": "user", "content": format!("c{k}")}]});
+        let r = post_json(&lb.url("/v1/messages"), &m, &[("x-tenant", "claude")]).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.header("anthropic-ratelimit-requests-limit"), "5");
+        assert_eq!(
+            r.header("anthropic-ratelimit-requests-remaining"),
+            (4 - k).to_string()
+        );
+        assert_eq!(r.header("anthropic-ratelimit-tokens-limit"), "9000");
+        let left: u64 = r
+            .header("anthropic-ratelimit-tokens-remaining")
+            .parse()
+            .unwrap();
+        assert!((8_900..9_000).contains(&left), "{left}");
+        let reset = r.header("anthropic-ratelimit-requests-reset");
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        let (soonest, latest) = (unix_seconds_of(reset), now + 30);
+        assert!(now - 5 <= soonest && soonest <= latest, "{reset} at {now}");
+        assert!(
+            !r.headers
+                .keys()
+                .any(|n| n.as_str().starts_with("x-ratelimit")),
+            "OpenAI's names are not on Anthropic's API: {:?}",
+            r.headers
         );
     }
     let before = served().await;
@@ -296,12 +345,66 @@ async fn a_tenant_over_its_rate_gets_429_and_never_reaches_an_engine() {
     );
 }
 
+/// Three requests of ~2,500 tokens each to a tenant allowed 3,000 a minute: charged
+/// and kept, the third would be refused (429).
+async fn three_big_ones(lb: &Proc) -> Vec<u16> {
+    let mut statuses = Vec::new();
+    for k in 0..3 {
+        let r = post_json(
+            &lb.url("/v1/chat/completions"),
+            &body(&format!("big {k}"), 2_500),
+            &[("x-tenant", "small")],
+        )
+        .await;
+        statuses.push(r.status.as_u16());
+    }
+    statuses
+}
+
+/// A request answered with an error is charged no tokens (the chargeback counts none
+/// for it): its estimate is given back whether the engine refused it or no engine
+/// answered at all. It still counts as a request.
+#[tokio::test]
+async fn a_request_answered_with_an_error_gives_its_tokens_back() {
+    let small =
+        "[[tenants]]\nname = \"small\"\ntokens_per_minute = 3000\nrequests_per_minute = 4\n";
+    // The engine's own 400: each asks for more than its 1,000-token context window.
+    let engine = engine("e0", &["--max-model-len", "1000"]);
+    let lb = balancer(&config_at(
+        &[engine.addr],
+        &format!("[routing]\ntenant_header = \"x-tenant\"\n{small}"),
+    ));
+    assert_eq!(three_big_ones(&lb).await, [400, 400, 400]);
+    // The requests were counted: the fourth of four a minute leaves none.
+    let r = post_json(
+        &lb.url("/v1/chat/completions"),
+        &body("fourth", 2),
+        &[("x-tenant", "small")],
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-ratelimit-remaining-requests"), "0");
+    let left: u64 = r.header("x-ratelimit-remaining-tokens").parse().unwrap();
+    assert!(left > 2_900, "every 400's estimate given back: {left}");
+    // No engine answers: every attempt fails, or no node is left.
+    let dead = balancer(&config_at(
+        &["127.0.0.1:1".parse().unwrap()],
+        &format!("[routing]\ntenant_header = \"x-tenant\"\n{small}"),
+    ));
+    let statuses = three_big_ones(&dead).await;
+    assert!(
+        statuses.iter().all(|s| [502, 503].contains(s)),
+        "{statuses:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_queued_request_past_its_deadline_gets_503_and_a_leaver_leaves_at_once() {
     let e = engine("e0", &["--decode-ms-per-token", "50"]);
     let lb = balancer(&config_at(
         &[e.addr],
-        "[routing]\nmax_in_flight = 1\nqueue_timeout = \"30s\"",
+        "[routing]\nmax_in_flight = 1\nqueue_timeout = \"30s\"\ntenant_header = \"x-tenant\"\n\
+         [[tenants]]\nname = \"small\"\ntokens_per_minute = 3000\n",
     ));
     // One long stream holds the only slot.
     let mut held = post_stream(
@@ -330,7 +433,9 @@ async fn a_queued_request_past_its_deadline_gets_503_and_a_leaver_leaves_at_once
     // A client that leaves while queued: the queue is empty again at once.
     let depth = || async { metric(&lb.admin_url("/metrics"), "prefixlb_queue_depth").await };
     let url = lb.url("/v1/chat/completions");
-    let waiting = tokio::spawn(async move { post_json(&url, &body("patient", 2), &[]).await });
+    let waiting = tokio::spawn(async move {
+        post_json(&url, &body("patient", 2_500), &[("x-tenant", "small")]).await
+    });
     assert!(eventually(Duration::from_secs(5), || async { depth().await == 1.0 }).await);
     // `/admin/explain` says who a request would be and how many would go before it.
     let x = post_json(
@@ -346,10 +451,11 @@ async fn a_queued_request_past_its_deadline_gets_503_and_a_leaver_leaves_at_once
             x["priority"].clone(),
             x["queue_ahead"].clone()
         ),
-        (json!("default"), json!("default"), json!(1)),
+        (json!("t1"), json!("default"), json!(1)),
         "{x}"
     );
     waiting.abort();
+    // ...and its tokens are given back: it was never answered.
     let left = Instant::now();
     assert!(eventually(Duration::from_secs(5), || async { depth().await == 0.0 }).await);
     assert!(
@@ -358,6 +464,15 @@ async fn a_queued_request_past_its_deadline_gets_503_and_a_leaver_leaves_at_once
     );
     assert_eq!(requests().await, before);
     drop(held);
+    let r = post_json(
+        &lb.url("/v1/chat/completions"),
+        &body("after", 2),
+        &[("x-tenant", "small")],
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let left: u64 = r.header("x-ratelimit-remaining-tokens").parse().unwrap();
+    assert!(left > 2_900, "the leaver's 2,500 given back: {left}");
 }
 
 /// The usage a response reports (a stream's from its usage chunk): prompt, cached and

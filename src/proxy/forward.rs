@@ -204,11 +204,30 @@ impl Exchange<'_> {
         &self.table.config.routing
     }
 
-    /// Its tenant's rate limits, in the answer's head (OpenAI's `x-ratelimit-*`).
+    /// Its tenant's rate limits, in the answer's head (its API's rate-limit headers).
     fn tell_rate_limits(&self, head: &mut http::response::Parts) {
         if let Some(standing) = &self.asker.standing {
-            head.headers.extend(standing.headers());
+            head.headers
+                .extend(standing.headers_for(self.placement.api));
         }
+    }
+
+    /// Its charge to its tenant's tokens, for the relayed body to settle from the
+    /// engine's usage. None for a prefill leg: a disaggregated request's tokens are
+    /// settled once, by its decode leg. None for an answer of an error status either:
+    /// its estimate is given back now, as the chargeback counts no tokens for it (it
+    /// still counts as a request).
+    fn charge_for(&self, status: StatusCode) -> Option<super::tenant::Charge> {
+        let charge = self
+            .asker
+            .charge
+            .as_ref()
+            .filter(|_| !self.leg.prefills())?;
+        if !status.is_success() {
+            charge.settle(0);
+            return None;
+        }
+        Some(charge.clone())
     }
 
     /// A committed stream's keep-alives (`server.sse_keepalive`), if it has them.
@@ -729,11 +748,7 @@ impl Exchange<'_> {
             ttft,
             ticket,
             teaches: self.placement.api.teaches(),
-            // A disaggregated request's tokens are settled once, by its decode leg.
-            charge: match self.leg.prefills() {
-                true => None,
-                false => self.asker.charge.clone(),
-            },
+            charge: self.charge_for(status),
             tenant_tokens: (!self.leg.prefills() && self.table.config.tenancy.counts_usage)
                 .then(|| self.metrics.tenant_tokens(self.asker.tenant_label())),
             spans: [self.span.clone(), attempt_span.clone()],

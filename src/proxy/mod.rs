@@ -372,7 +372,7 @@ impl Proxy {
             if let Some(seen) = &at.stream_seen {
                 if placement.facts.stream && api.streams() {
                     // A head sent early carries what its tenant has left.
-                    let limits = asker.standing.as_ref().map(|s| s.headers());
+                    let limits = asker.standing.as_ref().map(|s| s.headers_for(api));
                     seen.set(limits.unwrap_or_default());
                 }
             }
@@ -398,12 +398,21 @@ impl Proxy {
                 leg: forward::Leg::Whole,
             }
         };
-        if exchange.placement.splits() {
+        // Its tokens are given back unless it is answered (an answer settles them from
+        // the engine's usage): refused after admission (the queue, no node, every
+        // attempt failed), or its client left while it waited. It still counts as a
+        // request.
+        let mut unanswered = tenant::Unanswered(exchange.asker.charge.clone());
+        let answer = match exchange.placement.splits() {
             // Boxed: its future holds two legs' at once, and every request's future
             // would be as large (and copied as often) if it were held in place.
-            return Box::pin(disaggregated::run(&mut exchange, &mut at.asking)).await;
+            true => Box::pin(disaggregated::run(&mut exchange, &mut at.asking)).await,
+            false => exchange.run(&mut at.asking).await,
+        };
+        if answer.is_ok() {
+            unanswered.0 = None;
         }
-        exchange.run(&mut at.asking).await
+        answer
     }
 }
 

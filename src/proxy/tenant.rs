@@ -7,12 +7,14 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use http::{HeaderMap, HeaderName};
 use parking_lot::Mutex;
 
 use crate::config::{Tenancy, TenantConfig};
+use crate::routing::facts::Api;
+use crate::telemetry::log_time::utc_seconds;
 
 /// The header by which a client bounds its wait in the queue (seconds, or a duration
 /// such as `"2500ms"`); it can shorten `routing.queue_timeout`, never lengthen it.
@@ -187,7 +189,8 @@ pub struct Left {
 }
 
 /// What a tenant with rate limits has left once a request is charged: told to its
-/// client in OpenAI's `x-ratelimit-*` headers, so it can pace itself.
+/// client in the rate-limit headers of its API (OpenAI's `x-ratelimit-*`, Anthropic's
+/// `anthropic-ratelimit-*`), so it can pace itself.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Standing {
     pub requests: Option<Left>,
@@ -195,9 +198,20 @@ pub struct Standing {
 }
 
 impl Standing {
+    /// Its headers in the vocabulary of the request's API: Anthropic's on the Messages
+    /// API (which its SDK reads), OpenAI's on every other.
+    pub fn headers_for(&self, api: Api) -> Vec<(HeaderName, http::HeaderValue)> {
+        if api.is_anthropic() {
+            let now = SystemTime::now().duration_since(UNIX_EPOCH);
+            self.anthropic_headers(now.map_or(0, |d| d.as_secs()))
+        } else {
+            self.openai_headers()
+        }
+    }
+
     /// OpenAI's headers for it: `x-ratelimit-{limit,remaining,reset}-{requests,tokens}`,
     /// the reset as a Go duration (`"1s"`, `"6m0s"`, `"17ms"`).
-    pub fn headers(&self) -> Vec<(HeaderName, http::HeaderValue)> {
+    pub fn openai_headers(&self) -> Vec<(HeaderName, http::HeaderValue)> {
         let mut out = Vec::with_capacity(6);
         for (names, left) in [(&REQUESTS, self.requests), (&TOKENS, self.tokens)] {
             let Some(left) = left else { continue };
@@ -205,6 +219,29 @@ impl Standing {
             out.push((limit.clone(), left.limit.into()));
             out.push((remaining.clone(), left.remaining.into()));
             if let Ok(v) = http::HeaderValue::from_str(&go_duration(left.reset)) {
+                out.push((reset.clone(), v));
+            }
+        }
+        out
+    }
+
+    /// Anthropic's headers for it, at `now` (seconds since the epoch):
+    /// `anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}`, the reset as the
+    /// moment the allowance is whole again (RFC 3339, to the second, rounded up).
+    /// Anthropic's `tokens` is the most restrictive of its token limits; ours counts
+    /// prompt and output tokens together, so it is that one.
+    pub fn anthropic_headers(&self, now: u64) -> Vec<(HeaderName, http::HeaderValue)> {
+        let mut out = Vec::with_capacity(6);
+        for (names, left) in [
+            (&ANTHROPIC_REQUESTS, self.requests),
+            (&ANTHROPIC_TOKENS, self.tokens),
+        ] {
+            let Some(left) = left else { continue };
+            let [limit, remaining, reset] = names;
+            out.push((limit.clone(), left.limit.into()));
+            out.push((remaining.clone(), left.remaining.into()));
+            let whole_at = now.saturating_add(left.reset.as_secs_f64().ceil() as u64);
+            if let Ok(v) = http::HeaderValue::from_str(&utc_seconds(whole_at)) {
                 out.push((reset.clone(), v));
             }
         }
@@ -223,6 +260,18 @@ static TOKENS: [HeaderName; 3] = [
     HeaderName::from_static("x-ratelimit-limit-tokens"),
     HeaderName::from_static("x-ratelimit-remaining-tokens"),
     HeaderName::from_static("x-ratelimit-reset-tokens"),
+];
+
+/// Anthropic's: limit, remaining and reset, of requests and of tokens.
+static ANTHROPIC_REQUESTS: [HeaderName; 3] = [
+    HeaderName::from_static("anthropic-ratelimit-requests-limit"),
+    HeaderName::from_static("anthropic-ratelimit-requests-remaining"),
+    HeaderName::from_static("anthropic-ratelimit-requests-reset"),
+];
+static ANTHROPIC_TOKENS: [HeaderName; 3] = [
+    HeaderName::from_static("anthropic-ratelimit-tokens-limit"),
+    HeaderName::from_static("anthropic-ratelimit-tokens-remaining"),
+    HeaderName::from_static("anthropic-ratelimit-tokens-reset"),
 ];
 
 /// A duration as Go prints one, as OpenAI's reset headers are: `"17ms"`, `"1.5s"`,
@@ -261,6 +310,19 @@ impl Charge {
         let mut all = self.limiter.buckets.lock();
         if let Some((_, Some(tokens))) = all.get_mut(&self.tenant) {
             tokens.level += delta;
+        }
+    }
+}
+
+/// A request's charge while it has no answer: given back in full if it ends so (the
+/// request refused after admission, or its client gone while it waited).
+#[derive(Debug)]
+pub struct Unanswered(pub Option<Charge>);
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        if let Some(charge) = self.0.take() {
+            charge.settle(0);
         }
     }
 }
@@ -476,6 +538,66 @@ mod tests {
         }
     }
 
+    fn texts(headers: Vec<(HeaderName, http::HeaderValue)>) -> Vec<(String, String)> {
+        headers
+            .into_iter()
+            .map(|(n, v)| (n.to_string(), v.to_str().unwrap().to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn what_is_left_is_told_in_anthropics_headers_on_its_api() {
+        let standing = Standing {
+            requests: Some(Left {
+                limit: 60,
+                remaining: 59,
+                reset: Duration::from_secs(1),
+            }),
+            tokens: Some(Left {
+                limit: 150_000,
+                remaining: 149_984,
+                reset: Duration::from_millis(6),
+            }),
+        };
+        // 2026-12-05T06:35:54Z; a reset part of a second away is the next second.
+        let got = texts(standing.anthropic_headers(1_796_452_554));
+        let want = [
+            ("anthropic-ratelimit-requests-limit", "60"),
+            ("anthropic-ratelimit-requests-remaining", "59"),
+            ("anthropic-ratelimit-requests-reset", "2026-12-05T06:35:55Z"),
+            ("anthropic-ratelimit-tokens-limit", "150000"),
+            ("anthropic-ratelimit-tokens-remaining", "149984"),
+            ("anthropic-ratelimit-tokens-reset", "2026-12-05T06:35:55Z"),
+        ];
+        let want: Vec<(String, String)> = want
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.to_string()))
+            .collect();
+        assert_eq!(got, want);
+        let whole = Standing {
+            requests: Some(Left {
+                reset: Duration::ZERO,
+                ..standing.requests.unwrap()
+            }),
+            tokens: None,
+        };
+        assert_eq!(
+            texts(whole.anthropic_headers(1_796_452_554))[2].1,
+            "2026-12-05T06:35:54Z"
+        );
+        // The API chooses the vocabulary.
+        let names = |api| -> Vec<String> {
+            let h = standing.headers_for(api);
+            h.iter().map(|(n, _)| n.to_string()).collect()
+        };
+        assert!(names(Api::Messages)
+            .iter()
+            .all(|n| n.starts_with("anthropic-ratelimit-")));
+        assert!(names(Api::Chat)
+            .iter()
+            .all(|n| n.starts_with("x-ratelimit-")));
+    }
+
     #[test]
     fn what_is_left_is_told_in_openais_headers() {
         let standing = Standing {
@@ -490,11 +612,7 @@ mod tests {
                 reset: Duration::from_millis(6),
             }),
         };
-        let got: Vec<(String, String)> = standing
-            .headers()
-            .into_iter()
-            .map(|(n, v)| (n.to_string(), v.to_str().unwrap().to_string()))
-            .collect();
+        let got = texts(standing.openai_headers());
         let want = [
             ("x-ratelimit-limit-requests", "60"),
             ("x-ratelimit-remaining-requests", "59"),
@@ -512,7 +630,7 @@ mod tests {
             requests: None,
             ..standing
         };
-        assert_eq!(only_tokens.headers().len(), 3);
+        assert_eq!(only_tokens.openai_headers().len(), 3);
         for (ms, text) in [
             (0, "0ms"),
             (999, "999ms"),

@@ -4,6 +4,8 @@
 //! field of the date through `core::fmt` for each line, about 2,400 instructions at a
 //! line per request; a line in the same second as the thread's last now writes the
 //! kept text and its microseconds.
+//! [`utc_seconds`] writes a moment to the second in the same form (RFC 3339), for the
+//! times the balancer tells clients.
 
 use std::cell::Cell;
 use std::fmt;
@@ -47,6 +49,16 @@ impl FormatTime for SecondsKept {
         }
         Ok(())
     }
+}
+
+/// `YYYY-MM-DDTHH:MM:SSZ`: `seconds` since the epoch (UTC, RFC 3339), up to the end
+/// of 9999 (a later moment is written as its last second).
+pub fn utc_seconds(seconds: u64) -> String {
+    let mut text = String::with_capacity(20);
+    let date = date_and_time(seconds.min(LAST_SECOND));
+    text.push_str(std::str::from_utf8(&date).unwrap_or_default());
+    text.push('Z');
+    text
 }
 
 /// Writes `n` as `width` decimal digits (zero-padded) at `out[at..]`.
@@ -111,6 +123,12 @@ mod tests {
                 "{seconds}"
             );
         }
+    }
+
+    #[test]
+    fn moments_to_the_second() {
+        assert_eq!(utc_seconds(1_796_452_554), "2026-12-05T06:35:54Z");
+        assert_eq!(utc_seconds(u64::MAX), "9999-12-31T23:59:59Z");
     }
 
     /// The same text as the stock timer, read at the same moment (again if a second
