@@ -389,6 +389,12 @@ async fn bad_inputs_get_clear_errors_and_the_balancer_keeps_serving() {
             "missing_required_parameter",
         ),
         (
+            "messages of the wrong type",
+            post_json(&url, &json!({"model": "mock", "messages": "hi"}), &[]).await,
+            400,
+            "invalid_parameter",
+        ),
+        (
             "unknown model",
             post_json(
                 &url,
@@ -449,6 +455,16 @@ async fn bad_inputs_get_clear_errors_and_the_balancer_keeps_serving() {
         );
         assert_eq!(reply.header("content-type"), "application/json", "{name}");
     }
+    // Valid JSON of the wrong shape is not called invalid JSON.
+    let wrong = post_json(&url, &json!({"model": "mock", "messages": "hi"}), &[]).await;
+    let message = wrong.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        message.starts_with("invalid request body: 'messages' must be an array"),
+        "{message}"
+    );
     assert!(
         call("POST", &url, &json_ct, "{}").await.json()["error"]["message"]
             .as_str()

@@ -160,7 +160,7 @@ async fn sglang(
     let batch = answers.batch();
     if batch.is_some_and(|b| b > MAX_ROOMS) {
         let e = format!("it asks for more than {MAX_ROOMS} answers, the most a disaggregated pool takes in one request");
-        return Err(ProxyError::Place(PlaceError::Key(KeyError::Json(e))));
+        return Err(ProxyError::Place(PlaceError::Key(KeyError::Invalid(e))));
     }
     // The prefill leg asks what the client asked, as SGLang's router sends it: a
     // stream (usage asked for, to count its prompt tokens) is probed for its first

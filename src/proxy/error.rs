@@ -120,7 +120,9 @@ impl ProxyError {
             ProxyError::Place(PlaceError::Key(KeyError::Empty)) => "empty_body",
             ProxyError::Place(PlaceError::Key(KeyError::Json(_))) => "invalid_json",
             ProxyError::Place(PlaceError::Key(KeyError::Form(_))) => "invalid_form",
-            ProxyError::Place(PlaceError::Key(KeyError::NotText(_))) => "invalid_parameter",
+            ProxyError::Place(PlaceError::Key(KeyError::NotText(_) | KeyError::Invalid(_))) => {
+                "invalid_parameter"
+            }
             ProxyError::Place(PlaceError::Key(KeyError::Missing(_))) => {
                 "missing_required_parameter"
             }

@@ -294,6 +294,9 @@ pub enum KeyError {
     Empty,
     #[error("request body is not valid JSON: {0}")]
     Json(String),
+    /// Valid JSON, but a field the balancer reads has the wrong type.
+    #[error("invalid request body: {0}")]
+    Invalid(String),
     #[error("'{0}' is a required property")]
     Missing(&'static str),
     #[error("request body is not a valid multipart/form-data form: {0}")]
@@ -367,6 +370,18 @@ fn read_form(body: &[u8]) -> Result<Envelope<'_>, KeyError> {
         return Err(KeyError::Missing("file"));
     }
     Ok(env)
+}
+
+/// Why a body could not be read (`e`, where the envelope's reading stopped): its
+/// syntax, as a scan of the whole text finds it first, else the type of a field the
+/// balancer reads (`'messages' must be an array of message objects`).
+#[cold]
+fn why_unread(text: &str, e: ScanError) -> KeyError {
+    let mut whole = Scanner::new(text);
+    match whole.value().and_then(|_| whole.end()) {
+        Err(syntax) => KeyError::Json(syntax.to_string()),
+        Ok(()) => KeyError::Invalid(e.to_string()),
+    }
 }
 
 fn read_envelope(text: &str) -> Result<Envelope<'_>, ScanError> {
@@ -597,7 +612,7 @@ pub fn read(api: Api, body: &[u8]) -> Result<Option<Envelope<'_>>, KeyError> {
     }
     let text =
         text.map_err(|e| KeyError::Json(format!("invalid UTF-8 at byte {}", e.valid_up_to())))?;
-    let env = read_envelope(text).map_err(|e| KeyError::Json(e.to_string()))?;
+    let env = read_envelope(text).map_err(|e| why_unread(text, e))?;
     match api {
         Api::Chat | Api::Messages | Api::CountTokens if env.messages.is_none() => {
             Err(KeyError::Missing("messages"))

@@ -18,7 +18,7 @@ use wide::{u8x16, u8x32};
 /// Deepest nesting accepted (tool schemas nest a handful of levels).
 const MAX_DEPTH: usize = 128;
 
-/// A syntax error at a byte offset.
+/// An error at a byte offset: the text's syntax, or a field's type.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ScanError {
     pub msg: &'static str,

@@ -555,6 +555,25 @@ fn bad_bodies_are_errors_not_panics() {
         extract(Api::Chat, b"{", None, CONV),
         Err(KeyError::Json(_))
     ));
+    // Bad syntax where a field's value should be is bad JSON; valid JSON of the wrong
+    // type is an invalid field, said as such.
+    for (body, syntax) in [
+        (&b"{\"messages\": ["[..], true),
+        (b"{\"model\": }", true),
+        (b"{\"stream\": tru}", true),
+        (b"{\"messages\": [1]", true),
+        (b"{\"messages\": \"hi\"}", false),
+        (b"{\"messages\": [1]}", false),
+        (b"{\"model\": 7, \"messages\": []}", false),
+        (b"{\"stream\": \"yes\"}", false),
+    ] {
+        let got = extract(Api::Chat, body, None, CONV);
+        let shown = String::from_utf8_lossy(body);
+        match syntax {
+            true => assert!(matches!(got, Err(KeyError::Json(_))), "{shown}: {got:?}"),
+            false => assert!(matches!(got, Err(KeyError::Invalid(_))), "{shown}: {got:?}"),
+        }
+    }
     assert_eq!(
         extract(Api::Chat, b"{\"model\":\"m\"}", None, CONV),
         Err(KeyError::Missing("messages"))
