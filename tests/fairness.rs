@@ -271,6 +271,14 @@ async fn a_tenant_over_its_rate_gets_429_and_never_reaches_an_engine() {
     let retry: u64 = r.header("retry-after").parse().unwrap();
     assert!((1..=20).contains(&retry), "{retry}");
     assert_eq!(r.json()["error"]["code"], "rate_limit_exceeded");
+    // The 429 tells what is left, as OpenAI's own do (it was not charged).
+    assert_eq!(
+        (
+            r.header("x-ratelimit-limit-requests"),
+            r.header("x-ratelimit-remaining-requests")
+        ),
+        ("3", "0")
+    );
     // The same on Anthropic's API, in its shape.
     let m =
         json!({"model": "mock", "max_tokens": 2, "messages": [{"role": "user", "content": "q4"}]});
@@ -279,6 +287,8 @@ async fn a_tenant_over_its_rate_gets_429_and_never_reaches_an_engine() {
         (r.status.as_u16(), r.json()["error"]["type"].clone()),
         (429, json!("rate_limit_error"))
     );
+    assert_eq!(r.header("anthropic-ratelimit-requests-remaining"), "0");
+    assert!(r.headers.get("x-ratelimit-remaining-requests").is_none());
     // Tokens: one request of 1,000 passes (the bucket was not empty), the next waits.
     assert_eq!(send_as(&lb, "tokens", "big one", 1000, &[]).await.0, 200);
     let r = post_json(

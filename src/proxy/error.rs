@@ -31,6 +31,8 @@ pub enum ProxyError {
         tenant: String,
         limit: &'static str,
         retry_after_secs: u32,
+        /// What is left, for the rate-limit headers (boxed: the error stays small).
+        standing: Box<super::tenant::Standing>,
     },
     #[error("missing or invalid API key (send Authorization: Bearer <key>, or x-api-key: <key> to /v1/messages)")]
     Unauthorized,
@@ -169,12 +171,22 @@ impl ProxyError {
     /// The error as a response in the API's own shape: Anthropic's
     /// `{"type": "error", "error": {"type", "message"}}` on its paths, OpenAI's
     /// `{"error": {"message", "type", "code"}}` everywhere else.
+    /// A 429 for a rate limit tells what is left in the API's rate-limit headers, as
+    /// OpenAI's and Anthropic's own 429s do.
     pub fn into_response(self, api: Api) -> Response<BoxBody> {
-        if !api.is_anthropic() {
-            return self.into();
-        }
-        let body = json!({"type": "error", "error": {"type": self.anthropic_kind(), "message": self.to_string()}});
-        respond(&self, body)
+        let limits = match &self {
+            ProxyError::RateLimited { standing, .. } => standing.headers_for(api),
+            _ => Vec::new(),
+        };
+        let mut resp = match api.is_anthropic() {
+            false => self.into(),
+            true => {
+                let body = json!({"type": "error", "error": {"type": self.anthropic_kind(), "message": self.to_string()}});
+                respond(&self, body)
+            }
+        };
+        resp.headers_mut().extend(limits);
+        resp
     }
 }
 

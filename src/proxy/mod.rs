@@ -444,12 +444,14 @@ impl Proxy {
             }
             match self.limits.charge(&who, tokens, started.into_std()) {
                 Ok(left) => standing = left.map(Box::new),
-                Err((limit, wait)) => {
-                    self.metrics.count_rate_limited(who.label(), limit.as_str());
+                Err(refusal) => {
+                    let limit = refusal.limit.as_str();
+                    self.metrics.count_rate_limited(who.label(), limit);
                     return Err(ProxyError::RateLimited {
                         tenant: clip(&who.tenant),
-                        limit: limit.as_str(),
-                        retry_after_secs: wait.as_secs_f64().ceil().max(1.0) as u32,
+                        limit,
+                        retry_after_secs: refusal.wait.as_secs_f64().ceil().max(1.0) as u32,
+                        standing: Box::new(refusal.standing),
                     });
                 }
             }

@@ -135,6 +135,15 @@ impl Limit {
     }
 }
 
+/// A request over its tenant's rate: which limit, how long until it would pass, and
+/// what is left (told in the 429's rate-limit headers, as the APIs' own 429s do).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refusal {
+    pub limit: Limit,
+    pub wait: Duration,
+    pub standing: Standing,
+}
+
 /// One bucket: what is left of a per-minute allowance, refilled continuously. It may
 /// go below zero (a request larger than what is left passes while anything is left,
 /// and the debt is paid before the next).
@@ -178,7 +187,7 @@ impl Bucket {
 }
 
 /// What a tenant has left of one allowance once a request is charged.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Left {
     /// The allowance per minute.
     pub limit: u64,
@@ -191,7 +200,7 @@ pub struct Left {
 /// What a tenant with rate limits has left once a request is charged: told to its
 /// client in the rate-limit headers of its API (OpenAI's `x-ratelimit-*`, Anthropic's
 /// `anthropic-ratelimit-*`), so it can pace itself.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Standing {
     pub requests: Option<Left>,
     pub tokens: Option<Left>,
@@ -339,13 +348,13 @@ const MAX_TENANTS: usize = 10_000;
 impl Limiter {
     /// Charges one request of `tokens` to its tenant's buckets if neither is below
     /// zero, and says what is left (nothing for a tenant without limits); else which
-    /// limit, and how long until it would pass.
+    /// limit, how long until it would pass, and what is left (nothing charged).
     pub fn charge(
         &self,
         who: &Identity,
         tokens: u64,
         now: Instant,
-    ) -> Result<Option<Standing>, (Limit, Duration)> {
+    ) -> Result<Option<Standing>, Refusal> {
         let (rpm, tpm) = (who.config.requests_per_minute, who.config.tokens_per_minute);
         if rpm.is_none() && tpm.is_none() {
             return Ok(None);
@@ -374,18 +383,29 @@ impl Limiter {
                 None => Ok(()),
             }
         };
-        check(r, rpm, Limit::Requests)?;
-        check(t, tpm, Limit::Tokens)?;
-        if let Some(b) = r.as_mut() {
-            b.level -= 1.0;
+        // Both refilled (the standing tells both), the first refusal told.
+        let passes = [check(r, rpm, Limit::Requests), check(t, tpm, Limit::Tokens)];
+        let refused = passes.into_iter().find_map(Result::err);
+        if refused.is_none() {
+            if let Some(b) = r.as_mut() {
+                b.level -= 1.0;
+            }
+            if let Some(b) = t.as_mut() {
+                b.level -= tokens as f64;
+            }
         }
-        if let Some(b) = t.as_mut() {
-            b.level -= tokens as f64;
-        }
-        Ok(Some(Standing {
+        let standing = Standing {
             requests: r.as_ref().zip(rpm).map(|(b, per)| b.left(per)),
             tokens: t.as_ref().zip(tpm).map(|(b, per)| b.left(per)),
-        }))
+        };
+        match refused {
+            None => Ok(Some(standing)),
+            Some((limit, wait)) => Err(Refusal {
+                limit,
+                wait,
+                standing,
+            }),
+        }
     }
 }
 
@@ -522,14 +542,24 @@ mod tests {
         assert_eq!(second.requests.unwrap().remaining, 0);
         assert_eq!(second.tokens.unwrap().remaining, 400);
         // Two requests a minute: the third waits 30 s for its request.
-        let (limit, wait) = l.charge(&etl, 100, t0).unwrap_err();
+        let Refusal {
+            limit,
+            wait,
+            standing,
+        } = l.charge(&etl, 100, t0).unwrap_err();
+        let requests = standing.requests.unwrap();
+        assert_eq!(
+            (requests.limit, requests.remaining),
+            (2, 0),
+            "told, not charged"
+        );
         assert_eq!(limit, Limit::Requests);
         assert!((29..=30).contains(&wait.as_secs()), "{wait:?}");
         // A minute on both refilled; a request bigger than what is left passes once,
         // then the debt is paid first.
         let t1 = t0 + Duration::from_secs(60);
         assert!(l.charge(&etl, 1000, t1).is_ok());
-        let (limit, wait) = l.charge(&etl, 1, t1).unwrap_err();
+        let Refusal { limit, wait, .. } = l.charge(&etl, 1, t1).unwrap_err();
         assert_eq!(limit, Limit::Tokens);
         assert_eq!(wait.as_secs(), 40, "400 tokens of debt at 10 a second");
         // A tenant without limits is never refused, and has nothing to be told.
