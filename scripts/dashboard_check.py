@@ -4,7 +4,8 @@
     python3 scripts/dashboard_check.py [target/debug/prefixlb]
 
 Starts four mock engines, a balancer in front of them (hybrid keys, caps of 2, a queue,
-two priority classes, a rate-limited tenant) and a Prometheus server (Debian's
+two priority classes, a rate-limited tenant, SSE keep-alives on, a client certificate
+for the engines) and a Prometheus server (Debian's
 `prometheus`) scraping the balancer's /metrics every second. Drives demo-like traffic
 through it for about 30 s: `prefixlb bench` (multi-turn, streaming, more requests than
 the caps hold, so some spill and some queue), a tenant over its rate limit, Responses
@@ -96,11 +97,24 @@ def main():
         for i in range(4)
     ]
     tmp = tempfile.mkdtemp(prefix="prefixlb-dashboard-")
+    # A client certificate for the engines (they are plain HTTP, which does not
+    # matter): its expiry is what the certificate panel shows, 90 days out.
+    if not shutil.which("openssl"):
+        raise SystemExit("no openssl on this machine (Debian's package: openssl)")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+         "-nodes", "-keyout", os.path.join(tmp, "client-key.pem"),
+         "-out", os.path.join(tmp, "client.pem"), "-days", "90",
+         "-subj", "/CN=prefixlb-dashboard-check"],
+        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
     nodes = "".join(f'[[pools.nodes]]\nid = "n{i}"\nurl = "http://{a}"\n' for i, a in enumerate(engines))
     config = os.path.join(tmp, "prefixlb.toml")
     with open(config, "w") as f:
         f.write(
             '[server]\nlisten = "127.0.0.1:0"\nadmin_listen = "127.0.0.1:0"\n'
+            'sse_keepalive = "100ms"\n'
+            '[tls]\nclient_cert_file = "client.pem"\nclient_key_file = "client-key.pem"\n'
             '[routing]\nkey = "hybrid"\nmax_in_flight = 2\nwhen_saturated = "queue"\n'
             'tenant_header = "x-tenant"\n'
             '[health]\ninterval = "1s"\nunhealthy_after = 1\nhealthy_after = 1\n'
@@ -213,6 +227,19 @@ def main():
                 failed.append(f"panel {pid} {title}: no series for {expr}")
         if finite_in_panel == 0:
             failed.append(f"panel {pid} {title}: no finite value in any target")
+    # Two panels whose values the traffic above fixes: queued streams were kept alive,
+    # and the certificate expires in 90 days.
+    for what, q, low, high in [
+        ("keep-alives while waiting", 'sum(prefixlb_sse_keepalives_total{when="waiting"})', 1, math.inf),
+        ("days until the client certificate expires",
+         'min by (certificate) (prefixlb_tls_certificate_expiry_timestamp_seconds - time()) / 86400',
+         89, 90.01),
+    ]:
+        series = json.loads(http("GET", f"{prom}/api/v1/query?" + urllib.parse.urlencode({"query": q}))[1])["data"]["result"]
+        value = float(series[0]["value"][1]) if series else math.nan
+        print(f"{what}: {value:.2f}")
+        if not low <= value <= high:
+            failed.append(f"{what}: {value} (want {low}..{high}) from {q}")
     stop.set()
     print(f"\n{'alerting rule':<44} {'health':>6}  state")
     groups = json.loads(http("GET", f"{prom}/api/v1/rules")[1])["data"]["groups"]

@@ -335,6 +335,10 @@ impl Metrics {
         for result in ["ok", "error"] {
             self.config_reloads.with_label_values(&[result]);
         }
+        // At zero while keep-alives are off (a panel reads 0, not "no data").
+        for when in ["waiting", "streaming"] {
+            r.sse_keepalives.with_label_values(&[when]);
+        }
         // Rate limits: the default tenant and every configured one, at zero until hit.
         let tenants = table.config.tenancy.tenants.keys().map(String::as_str);
         for tenant in std::iter::once("default").chain(tenants) {
