@@ -229,6 +229,68 @@ fn metrics_read_by(expr: &str) -> Vec<String> {
 /// A client who leaves before the answer's head (waiting in the queue, waiting on an
 /// engine, or halfway through sending the body) is counted and logged as cancelled,
 /// with the pool and node it had reached, and its slot comes back.
+/// Every request has one id (`x-request-id`), which the engine, the client's answer
+/// and the log line share: the client's, else one the balancer makes (one the client
+/// sent that is not an id is replaced); refusals and cancelled requests have theirs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_request_has_one_id_the_engine_the_answer_and_the_log_share() {
+    let e = engines(1, &["--decode-ms-per-token", "1"]);
+    let (lb, log) = balancer_logged(&config(&refs(&e), "", ""), "info", &[]);
+    let url = lb.url("/v1/chat/completions");
+    let body = chat(&[("user", "hello")], false, 3);
+    fn ids(r: &Reply) -> (&str, &str) {
+        (r.header("x-request-id"), r.header("x-mock-request-id"))
+    }
+    // The client's.
+    let r = post_json(&url, &body, &[("x-request-id", "req_client-7")]).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(ids(&r), ("req_client-7", "req_client-7"));
+    // None sent, or not an id: a new one, the same at the engine.
+    let mut made = Vec::new();
+    for sent in [None, Some("has a space")] {
+        let headers: Vec<(&str, &str)> = sent.iter().map(|v| ("x-request-id", *v)).collect();
+        let stream = chat(&[("user", "hello")], true, 3);
+        let r = post_json(&url, &stream, &headers).await;
+        assert_eq!(r.status, 200);
+        let (answered, engine) = ids(&r);
+        assert!(
+            answered.starts_with("prefixlb-") && answered.len() == 41,
+            "{answered}"
+        );
+        assert_eq!(answered, engine);
+        made.push(answered.to_string());
+    }
+    assert_ne!(made[0], made[1]);
+    // A refusal has one too.
+    let unknown = json!({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]});
+    let r = post_json(&url, &unknown, &[("x-request-id", "req_refused")]).await;
+    assert_eq!(
+        (r.status.as_u16(), r.header("x-request-id")),
+        (404, "req_refused")
+    );
+    let line_of = |id: String| {
+        let log = log.clone();
+        move || {
+            let text = std::fs::read_to_string(&log).unwrap();
+            let id = format!("request_id=\"{id}\"");
+            text.lines().find(|l| l.contains(&id)).map(str::to_string)
+        }
+    };
+    for (id, kind) in [
+        ("req_client-7".to_string(), " request"),
+        (made[0].clone(), " request"),
+        ("req_refused".to_string(), "request refused"),
+    ] {
+        let line = line_of(id.clone());
+        assert!(
+            eventually(Duration::from_secs(5), || async { line().is_some() }).await,
+            "no log line names {id}"
+        );
+        let line = line().unwrap();
+        assert!(line.contains(kind), "{line}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_who_leaves_before_the_answer_is_counted_and_logged_as_cancelled() {
     use tokio::io::AsyncWriteExt;
@@ -309,6 +371,10 @@ async fn a_client_who_leaves_before_the_answer_is_counted_and_logged_as_cancelle
         lines()
     );
     let lines = lines();
+    assert!(
+        lines.iter().all(|l| l.contains("request_id=\"prefixlb-")),
+        "each names its request: {lines:?}"
+    );
     for (pool, node) in [("mock", "n0"), ("mock", "none"), ("none", "none")] {
         let named = format!("pool=\"{pool}\" node=\"{node}\"");
         assert!(

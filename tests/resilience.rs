@@ -556,6 +556,8 @@ async fn a_stream_waiting_for_its_first_token_gets_keep_alives_then_its_tokens()
     // Committed before the node answered: no node to name; its tenant's limits told.
     assert!(resp.headers().get("x-prefixlb-node").is_none());
     assert_eq!(resp.headers()["x-ratelimit-remaining-requests"], "99");
+    let id = resp.headers()["x-request-id"].to_str().unwrap();
+    assert!(id.starts_with("prefixlb-"), "its id: {id}");
     let first = next_chunk(resp.body_mut()).await.unwrap();
     assert_eq!(&first[..], b": keep-alive\n\n", "{head_after:?}");
     let rest = http_body_util::BodyExt::collect(resp.into_body())

@@ -93,12 +93,9 @@ async fn vllm(
         );
         return exchange.sibling(decode, Leg::Whole).run(asking).await;
     }
-    // Both legs carry one request id, as vLLM asks (its KV connectors may match the
-    // decode engine's pull to the prefill by it): the client's, else a new one.
-    let map = &mut exchange.headers.map;
-    if !map.contains_key(&headers::X_REQUEST_ID) {
-        map.insert(headers::X_REQUEST_ID.clone(), request_id());
-    }
+    // Both legs carry the request's id (`x-request-id`: the client's, else one the
+    // balancer made), as vLLM asks: its KV connectors may match the decode engine's
+    // pull to the prefill by it.
     exchange.placement.facts.stream = false;
     exchange.leg = Leg::Prefill;
     let prefill = exchange.run(asking).await?;
@@ -139,14 +136,6 @@ async fn vllm(
             .insert(headers::PREFILL_NODE.clone(), node);
     }
     Ok(response)
-}
-
-/// A new request id: 128 random bits in hex (`RandomState` is seeded at random, and
-/// each one made afresh is new).
-fn request_id() -> HeaderValue {
-    let half = || RandomState::new().hash_one(0u8);
-    let id = format!("prefixlb-{:016x}{:016x}", half(), half());
-    HeaderValue::from_str(&id).expect("hex digits are a header value")
 }
 
 /// SGLang's: both legs at once, the decode leg sent once the prefill leg's engine is

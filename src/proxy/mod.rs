@@ -17,6 +17,7 @@ pub mod kv_transfer;
 mod probe;
 mod relay;
 pub mod request_body;
+mod request_id;
 pub mod sse;
 pub mod tenant;
 mod unanswered;
@@ -239,13 +240,15 @@ impl Proxy {
         let started = Instant::now();
         let api = Api::from_path(req.uri().path());
         let span = traces::request_span(req.method(), req.uri().path(), req.headers());
+        let mut req = req;
+        let id = request_id::settle(req.headers_mut());
         // Counted as cancelled if this future is dropped before the answer.
-        let mut request = Unanswered::new(&self.metrics, started, span);
+        let mut request = Unanswered::new(&self.metrics, started, span, id);
         let routed = self
             .route(&table, req, peer, started, &mut request.at, &request.span)
             .await;
         request.answered();
-        routed.unwrap_or_else(|e| self.refused(&request, e, api, started))
+        self.answer(routed, &request, api, started)
     }
 
     /// [`handle`](Self::handle) with `server.sse_keepalive` (`every`): the request's
@@ -263,15 +266,33 @@ impl Proxy {
         let answer = async move {
             let started = Instant::now();
             let span = traces::request_span(req.method(), req.uri().path(), req.headers());
-            let mut request = Unanswered::new(&self.metrics, started, span);
+            let mut req = req;
+            let id = request_id::settle(req.headers_mut());
+            let mut request = Unanswered::new(&self.metrics, started, span, id);
             request.at.stream_seen = Some(told);
             let routed = self
                 .route(&table, req, peer, started, &mut request.at, &request.span)
                 .await;
             request.answered();
-            routed.unwrap_or_else(|e| self.refused(&request, e, api, started))
+            self.answer(routed, &request, api, started)
         };
         keepalive::answer(every, api.is_anthropic(), seen, &self.metrics, answer).await
+    }
+
+    /// The client's answer: the routed one or the refusal, with the request's id.
+    fn answer(
+        &self,
+        routed: Result<Response<BoxBody>, ProxyError>,
+        request: &Unanswered<'_>,
+        api: Api,
+        started: Instant,
+    ) -> Response<BoxBody> {
+        let mut answer = routed.unwrap_or_else(|e| self.refused(request, e, api, started));
+        let id = request.at.id.clone();
+        answer
+            .headers_mut()
+            .insert(headers::X_REQUEST_ID.clone(), id);
+        answer
     }
 
     /// A request refused with `e`: counted, logged, answered in its API's shape.
@@ -289,6 +310,7 @@ impl Proxy {
         self.metrics.count_unanswered(pool, outcome);
         tracing::info!(
             pool,
+            request_id = request_id::text(&request.at.id),
             status = e.status().as_u16(),
             code = e.code(),
             error = %e,
@@ -373,7 +395,9 @@ impl Proxy {
                 if placement.facts.stream && api.streams() {
                     // A head sent early carries what its tenant has left.
                     let limits = asker.standing.as_ref().map(|s| s.headers_for(api));
-                    seen.set(limits.unwrap_or_default());
+                    let mut early = limits.unwrap_or_default();
+                    early.push((headers::X_REQUEST_ID.clone(), at.id.clone()));
+                    seen.set(early);
                 }
             }
             traces::record_asker(span, asker.tenant_label(), asker.class_name);

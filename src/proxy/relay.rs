@@ -62,6 +62,8 @@ pub struct RequestLog {
     pub teaches: bool,
     /// Its trace spans (the request's, the answering attempt's): they end with it.
     pub spans: [tracing::Span; 2],
+    /// Its id (`x-request-id`), as the engine got it.
+    pub id: Option<http::HeaderValue>,
 }
 
 impl RequestLog {
@@ -112,6 +114,7 @@ impl RequestLog {
         tracing::info!(
             pool = pool_name,
             node,
+            request_id = self.id.as_ref().map(super::request_id::text),
             route = %self.route.label(),
             attempts = self.attempts,
             status = self.status,

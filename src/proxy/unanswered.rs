@@ -15,8 +15,9 @@ use crate::telemetry::series::NodeSeries;
 use crate::telemetry::traces;
 
 /// Where a request stands before its answer.
-#[derive(Default)]
 pub struct Progress<'t> {
+    /// Its id (`x-request-id`: [`super::request_id`]).
+    pub id: http::HeaderValue,
     /// Its pool, once placed.
     pub pool: Option<&'t str>,
     /// The node asked now, by its metric series (none in the queue or between
@@ -38,12 +39,22 @@ pub struct Unanswered<'t> {
 }
 
 impl<'t> Unanswered<'t> {
-    pub fn new(metrics: &'t RequestMetrics, started: Instant, span: tracing::Span) -> Self {
+    pub fn new(
+        metrics: &'t RequestMetrics,
+        started: Instant,
+        span: tracing::Span,
+        id: http::HeaderValue,
+    ) -> Self {
         Unanswered {
             metrics,
             started,
             span,
-            at: Progress::default(),
+            at: Progress {
+                id,
+                pool: None,
+                asking: None,
+                stream_seen: None,
+            },
             answered: false,
         }
     }
@@ -76,6 +87,7 @@ impl Drop for Unanswered<'_> {
         tracing::info!(
             pool,
             node,
+            request_id = super::request_id::text(&self.at.id),
             outcome = outcome.as_str(),
             duration_ms = duration.as_millis() as u64,
             "request cancelled before its answer"

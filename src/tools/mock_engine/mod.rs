@@ -272,6 +272,9 @@ impl MockEngine {
         // The W3C trace context it was sent, echoed (as `x-mock-traceparent`) so a
         // test can see that a balancer passed one on.
         let traceparent = req.headers().get("traceparent").cloned();
+        // And its `x-request-id`, as `x-mock-request-id` (vLLM's own echo, with
+        // `--enable-request-id-headers`, would be overwritten by the balancer's).
+        let request_id = req.headers().get("x-request-id").cloned();
         if !matches!(
             path.as_str(),
             "/metrics" | "/health" | "/mock/fault" | "/mock/kv_transfers" | "/v1/models"
@@ -359,6 +362,9 @@ impl MockEngine {
         }
         if let Some(tp) = traceparent {
             resp.headers_mut().insert("x-mock-traceparent", tp);
+        }
+        if let Some(id) = request_id {
+            resp.headers_mut().insert("x-mock-request-id", id);
         }
         resp
     }
