@@ -31,6 +31,9 @@ pub enum ProxyError {
         tenant: String,
         limit: &'static str,
         retry_after_secs: u32,
+        /// The same, to the millisecond: `retry-after-ms`, which the OpenAI and
+        /// Anthropic SDKs read before `Retry-After`.
+        retry_after_ms: u32,
         /// What is left, for the rate-limit headers (boxed: the error stays small).
         standing: Box<super::tenant::Standing>,
     },
@@ -206,6 +209,10 @@ pub fn anthropic_kind(status: StatusCode) -> &'static str {
     }
 }
 
+/// The wait before a retry in milliseconds (the SDKs' own header, beside the
+/// standard `Retry-After` in whole seconds).
+static RETRY_AFTER_MS: http::HeaderName = http::HeaderName::from_static("retry-after-ms");
+
 fn respond(e: &ProxyError, body: serde_json::Value) -> Response<BoxBody> {
     let mut resp = Response::new(full(body.to_string()));
     *resp.status_mut() = e.status();
@@ -216,6 +223,9 @@ fn respond(e: &ProxyError, body: serde_json::Value) -> Response<BoxBody> {
     );
     if let Some(secs) = e.retry_after() {
         h.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    }
+    if let ProxyError::RateLimited { retry_after_ms, .. } = e {
+        h.insert(RETRY_AFTER_MS.clone(), HeaderValue::from(*retry_after_ms));
     }
     resp
 }

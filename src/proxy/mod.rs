@@ -475,6 +475,7 @@ impl Proxy {
                         tenant: clip(&who.tenant),
                         limit,
                         retry_after_secs: refusal.wait.as_secs_f64().ceil().max(1.0) as u32,
+                        retry_after_ms: (refusal.wait.as_secs_f64() * 1e3).ceil().max(1.0) as u32,
                         standing: Box::new(refusal.standing),
                     });
                 }
