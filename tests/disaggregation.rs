@@ -863,3 +863,42 @@ fn check_refuses_a_disaggregated_pool_it_cannot_serve() {
             + &both;
     assert!(check_refuses(&taken).contains("another pool has that name"));
 }
+
+/// With `server.request_ids` off, both legs of a request still share one id (vLLM
+/// asks it): the client's, else one made for the pair; the answer tells none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_legs_share_an_id_with_request_ids_off() {
+    let prefill: Vec<Proc> = PREFILL.iter().map(|id| engine(id, &[])).collect();
+    let decode: Vec<Proc> = DECODE.iter().map(|id| engine(id, &[])).collect();
+    let lb = balancer(&disaggregated(
+        &prefill.iter().map(url).collect::<Vec<_>>(),
+        &decode.iter().map(url).collect::<Vec<_>>(),
+        "request_ids = false",
+    ));
+    for k in 0..4 {
+        let id = format!("client-{k}");
+        let named: &[(&str, &str)] = if k < 2 { &[("x-request-id", &id)] } else { &[] };
+        let body = chat(&[("user", &words(k, 0))], false, 4);
+        let reply = post_json(&lb.url("/v1/chat/completions"), &body, named).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        assert!(reply.headers.get("x-request-id").is_none());
+    }
+    let mut kept = BTreeSet::new();
+    for p in &prefill {
+        for id in transfers(p).await["produced_ids"].as_array().unwrap() {
+            kept.insert(id.as_str().expect("a prefill with an id").to_string());
+        }
+    }
+    let mut pulled = BTreeSet::new();
+    for d in &decode {
+        for pull in transfers(d).await["consumed"].as_array().unwrap() {
+            pulled.insert(pull[2].as_str().expect("a pull with an id").to_string());
+        }
+    }
+    assert_eq!(kept.len(), 4, "{kept:?}");
+    assert_eq!(kept, pulled);
+    assert!(
+        kept.contains("client-0") && kept.contains("client-1"),
+        "{kept:?}"
+    );
+}

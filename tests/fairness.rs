@@ -272,7 +272,10 @@ async fn a_tenant_over_its_rate_gets_429_and_never_reaches_an_engine() {
     assert!((1..=20).contains(&retry), "{retry}");
     // To the millisecond too (the SDKs read it first): 3 a minute, one each 20 s.
     let ms: u64 = r.header("retry-after-ms").parse().unwrap();
-    assert!(ms.div_ceil(1000) == retry && ms > 15_000, "{ms} ms, {retry} s");
+    assert!(
+        ms.div_ceil(1000) == retry && ms > 15_000,
+        "{ms} ms, {retry} s"
+    );
     assert_eq!(r.json()["error"]["code"], "rate_limit_exceeded");
     // The 429 tells what is left, as OpenAI's own do (it was not charged).
     assert_eq!(

@@ -289,6 +289,15 @@ async fn every_request_has_one_id_the_engine_the_answer_and_the_log_share() {
         let line = line().unwrap();
         assert!(line.contains(kind), "{line}");
     }
+    // Off: none made or told; a client's passes through as any other header.
+    let off = balancer(&config(&refs(&e), "request_ids = false", ""));
+    let url = off.url("/v1/chat/completions");
+    let r = post_json(&url, &body, &[]).await;
+    assert_eq!(r.status, 200);
+    assert!(r.headers.get("x-request-id").is_none(), "{:?}", r.headers);
+    assert!(r.headers.get("x-mock-request-id").is_none());
+    let r = post_json(&url, &body, &[("x-request-id", "has a space")]).await;
+    assert_eq!(r.header("x-mock-request-id"), "has a space");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

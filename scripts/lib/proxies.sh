@@ -2,8 +2,9 @@
 # instructions_per_request.sh): the engines, both proxies' configurations and the
 # chat bodies, so that every comparison measures the same setup. Sourced; expects
 # WORK, ENGINES (nginx|mock), BIN, LANES and LOAD_FACTOR set; ROUTING_EXTRA adds lines
-# to prefixlb's [routing] (e.g. 'tenant_header = "x-tenant"'). Every process started
-# is put in PIDS and stopped on exit.
+# to prefixlb's [routing] (e.g. 'tenant_header = "x-tenant"'), SERVER_EXTRA to its
+# [server] (e.g. 'request_ids = false'). Every process started is put in PIDS and
+# stopped on exit.
 
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
@@ -93,6 +94,7 @@ admin_listen = "127.0.0.1:19190"
 lanes = $LANES_TOML
 $YIELD
 $LB_TLS
+${SERVER_EXTRA:-}
 [routing]
 # High enough never to bind: this measures the proxy, not bounded loads.
 max_in_flight = 100000

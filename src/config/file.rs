@@ -66,6 +66,9 @@ pub struct ServerSection {
     /// a pause mid-stream) gets an SSE comment, `: keep-alive`; the first commits the
     /// stream (a 200 head). `"0s"` never sends one. Default `"0s"`.
     pub sse_keepalive: Dur,
+    /// Every request has an id in `x-request-id` (the client's, else a new one), sent
+    /// to the engine, returned in the answer and logged. Default true.
+    pub request_ids: bool,
     /// How long in-flight requests may run after SIGTERM. Default `"30s"`.
     pub shutdown_grace: Dur,
     /// Reload when the file's mtime changes (and then stays for a second). Default false.
@@ -128,6 +131,7 @@ impl Default for ServerSection {
             connect_timeout: Dur::secs(2),
             idle_stream_timeout: Dur::secs(120),
             sse_keepalive: Dur::secs(0),
+            request_ids: true,
             shutdown_grace: Dur::secs(30),
             watch_config: false,
             header_read_timeout: Dur::secs(10),

@@ -162,6 +162,8 @@ pub struct ServerConfig {
     /// How long a stream may send the client nothing before an SSE comment (zero:
     /// never).
     pub sse_keepalive: Duration,
+    /// Every request has an id in `x-request-id` (`proxy::request_id`).
+    pub request_ids: bool,
     pub shutdown_grace: Duration,
     pub watch_config: bool,
     pub header_read_timeout: Duration,

@@ -828,6 +828,7 @@ fn validate_server(s: ServerSection, dir: &Path) -> Result<ServerConfig, Invalid
                 )
             }
         },
+        request_ids: s.request_ids,
         shutdown_grace: s.shutdown_grace.0,
         watch_config: s.watch_config,
         header_read_timeout: s.header_read_timeout.0,

@@ -95,7 +95,11 @@ async fn vllm(
     }
     // Both legs carry the request's id (`x-request-id`: the client's, else one the
     // balancer made), as vLLM asks: its KV connectors may match the decode engine's
-    // pull to the prefill by it.
+    // pull to the prefill by it. It has one even with `server.request_ids` off.
+    let upstream = &mut exchange.headers;
+    if upstream.id.is_none() {
+        upstream.id = Some(super::request_id::settle(&mut upstream.map));
+    }
     exchange.placement.facts.stream = false;
     exchange.leg = Leg::Prefill;
     let prefill = exchange.run(asking).await?;

@@ -752,7 +752,7 @@ impl Exchange<'_> {
             tenant_tokens: (!self.leg.prefills() && self.table.config.tenancy.counts_usage)
                 .then(|| self.metrics.tenant_tokens(self.asker.tenant_label())),
             spans: [self.span.clone(), attempt_span.clone()],
-            id: self.headers.map.get(&headers::X_REQUEST_ID).cloned(),
+            id: self.headers.id.as_ref().map(|id| id.value.clone()),
         };
         let (head, body) = match answer {
             Answer::Stream {

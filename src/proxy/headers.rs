@@ -110,6 +110,10 @@ pub struct UpstreamHeaders {
     /// The client's address, for `x-forwarded-for` (none for the balancer's own
     /// requests).
     peer: Option<IpAddr>,
+    /// The request's id (none for the balancer's own requests): written as
+    /// `x-request-id` after the client's fields when the balancer made it (a client's
+    /// own is one of them).
+    pub id: Option<super::request_id::RequestId>,
 }
 
 impl UpstreamHeaders {
@@ -129,11 +133,17 @@ impl UpstreamHeaders {
             map,
             strip_auth,
             peer: Some(peer.ip()),
+            id: None,
         }
     }
 
+    /// With the request's id, if it has one.
+    pub fn with_id(self, id: Option<super::request_id::RequestId>) -> UpstreamHeaders {
+        UpstreamHeaders { id, ..self }
+    }
+
     /// Writes the fields that go, as head lines: the client's, in its order, then
-    /// `x-forwarded-for`.
+    /// `x-forwarded-for`, then `x-request-id` if the balancer made it.
     pub fn write(&self, out: &mut Vec<u8>) {
         for (name, value) in self.map.iter().filter(|(name, _)| self.forwards(name)) {
             out.extend_from_slice(name.as_str().as_bytes());
@@ -142,6 +152,11 @@ impl UpstreamHeaders {
             out.extend_from_slice(b"\r\n");
         }
         self.write_forwarded_for(out);
+        if let Some(id) = self.id.as_ref().filter(|id| id.made) {
+            out.extend_from_slice(b"x-request-id: ");
+            out.extend_from_slice(id.value.as_bytes());
+            out.extend_from_slice(b"\r\n");
+        }
     }
 
     fn forwards(&self, name: &HeaderName) -> bool {
@@ -181,7 +196,7 @@ impl UpstreamHeaders {
             .iter()
             .map(|(n, v)| n.as_str().len() + v.len() + 4)
             .sum();
-        fields + 64
+        fields + 64 + 64
     }
 }
 

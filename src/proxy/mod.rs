@@ -241,7 +241,11 @@ impl Proxy {
         let api = Api::from_path(req.uri().path());
         let span = traces::request_span(req.method(), req.uri().path(), req.headers());
         let mut req = req;
-        let id = request_id::settle(req.headers_mut());
+        let id = table
+            .config
+            .server
+            .request_ids
+            .then(|| request_id::settle(req.headers_mut()));
         // Counted as cancelled if this future is dropped before the answer.
         let mut request = Unanswered::new(&self.metrics, started, span, id);
         let routed = self
@@ -267,7 +271,11 @@ impl Proxy {
             let started = Instant::now();
             let span = traces::request_span(req.method(), req.uri().path(), req.headers());
             let mut req = req;
-            let id = request_id::settle(req.headers_mut());
+            let id = table
+                .config
+                .server
+                .request_ids
+                .then(|| request_id::settle(req.headers_mut()));
             let mut request = Unanswered::new(&self.metrics, started, span, id);
             request.at.stream_seen = Some(told);
             let routed = self
@@ -288,10 +296,12 @@ impl Proxy {
         started: Instant,
     ) -> Response<BoxBody> {
         let mut answer = routed.unwrap_or_else(|e| self.refused(request, e, api, started));
-        let id = request.at.id.clone();
-        answer
-            .headers_mut()
-            .insert(headers::X_REQUEST_ID.clone(), id);
+        if let Some(id) = &request.at.id {
+            let id = id.value.clone();
+            answer
+                .headers_mut()
+                .insert(headers::X_REQUEST_ID.clone(), id);
+        }
         answer
     }
 
@@ -310,7 +320,7 @@ impl Proxy {
         self.metrics.count_unanswered(pool, outcome);
         tracing::info!(
             pool,
-            request_id = request_id::text(&request.at.id),
+            request_id = request.at.id.as_ref().map(|id| request_id::text(&id.value)),
             status = e.status().as_u16(),
             code = e.code(),
             error = %e,
@@ -396,7 +406,9 @@ impl Proxy {
                     // A head sent early carries what its tenant has left.
                     let limits = asker.standing.as_ref().map(|s| s.headers_for(api));
                     let mut early = limits.unwrap_or_default();
-                    early.push((headers::X_REQUEST_ID.clone(), at.id.clone()));
+                    if let Some(id) = &at.id {
+                        early.push((headers::X_REQUEST_ID.clone(), id.value.clone()));
+                    }
                     seen.set(early);
                 }
             }
@@ -413,7 +425,8 @@ impl Proxy {
                     .path_and_query()
                     .cloned()
                     .unwrap_or_else(|| PathAndQuery::from_static("/")),
-                headers: headers::UpstreamHeaders::new(parts.headers, peer, auth.strip),
+                headers: headers::UpstreamHeaders::new(parts.headers, peer, auth.strip)
+                    .with_id(at.id.clone()),
                 body,
                 started,
                 asker,

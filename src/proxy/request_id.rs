@@ -16,15 +16,32 @@ use super::headers::X_REQUEST_ID;
 /// The longest client id taken as it is.
 const MAX_CHARS: usize = 128;
 
-/// The request's id: the client's if it is one, else a new one written into
-/// `headers` (so the engine gets it).
-pub fn settle(headers: &mut HeaderMap) -> HeaderValue {
-    if let Some(id) = headers.get(&X_REQUEST_ID).filter(|v| is_id(v.as_bytes())) {
-        return id.clone();
+/// A request's id, and whether the balancer made it (then it is written to the
+/// engine apart from the client's fields: [`super::headers::UpstreamHeaders`]).
+#[derive(Debug, Clone)]
+pub struct RequestId {
+    pub value: HeaderValue,
+    pub made: bool,
+}
+
+/// The request's id: the client's if it is one, else a new one (a client's field that
+/// is not an id is taken out of `headers`). One lookup of the field: a header name of
+/// its own is hashed at each, and this runs for every request.
+pub fn settle(headers: &mut HeaderMap) -> RequestId {
+    match headers.get(&X_REQUEST_ID) {
+        Some(id) if is_id(id.as_bytes()) => {
+            return RequestId {
+                value: id.clone(),
+                made: false,
+            }
+        }
+        Some(_) => drop(headers.remove(&X_REQUEST_ID)),
+        None => {}
     }
-    let id = new();
-    headers.insert(X_REQUEST_ID.clone(), id.clone());
-    id
+    RequestId {
+        value: new(),
+        made: true,
+    }
 }
 
 /// The id as log text.
@@ -67,26 +84,34 @@ mod tests {
     fn a_clients_id_is_kept_and_a_missing_or_bad_one_made() {
         let mut h = HeaderMap::new();
         h.insert(&X_REQUEST_ID, HeaderValue::from_static("req_abc-123"));
-        assert_eq!(settle(&mut h), "req_abc-123");
+        let id = settle(&mut h);
+        assert_eq!(
+            (id.value.to_str().unwrap(), id.made),
+            ("req_abc-123", false)
+        );
+        assert_eq!(h[&X_REQUEST_ID], "req_abc-123", "passed on as it came");
         for bad in ["", "has space", &"x".repeat(129)] {
             let mut h = HeaderMap::new();
             h.insert(&X_REQUEST_ID, HeaderValue::from_str(bad).unwrap());
             let id = settle(&mut h);
-            assert!(text(&id).starts_with("prefixlb-"), "{bad:?} → {id:?}");
-            assert_eq!(h.get_all(&X_REQUEST_ID).iter().collect::<Vec<_>>(), [&id]);
+            assert!(
+                id.made && text(&id.value).starts_with("prefixlb-"),
+                "{bad:?} → {id:?}"
+            );
+            assert!(h.get(&X_REQUEST_ID).is_none(), "the client's taken out");
         }
         let mut h = HeaderMap::new();
         h.insert(
             &X_REQUEST_ID,
             HeaderValue::from_str(&"x".repeat(128)).unwrap(),
         );
-        assert_eq!(text(&settle(&mut h)).len(), 128);
+        assert_eq!(text(&settle(&mut h).value).len(), 128);
     }
 
     #[test]
     fn made_ids_are_hex_and_differ() {
         let ids: std::collections::HashSet<String> = (0..1000)
-            .map(|_| text(&settle(&mut HeaderMap::new())).to_string())
+            .map(|_| text(&settle(&mut HeaderMap::new()).value).to_string())
             .collect();
         assert_eq!(ids.len(), 1000);
         for id in &ids {

@@ -16,8 +16,9 @@ use crate::telemetry::traces;
 
 /// Where a request stands before its answer.
 pub struct Progress<'t> {
-    /// Its id (`x-request-id`: [`super::request_id`]).
-    pub id: http::HeaderValue,
+    /// Its id (`x-request-id`: [`super::request_id`]; none with `server.request_ids`
+    /// off).
+    pub id: Option<super::request_id::RequestId>,
     /// Its pool, once placed.
     pub pool: Option<&'t str>,
     /// The node asked now, by its metric series (none in the queue or between
@@ -43,7 +44,7 @@ impl<'t> Unanswered<'t> {
         metrics: &'t RequestMetrics,
         started: Instant,
         span: tracing::Span,
-        id: http::HeaderValue,
+        id: Option<super::request_id::RequestId>,
     ) -> Self {
         Unanswered {
             metrics,
@@ -87,7 +88,11 @@ impl Drop for Unanswered<'_> {
         tracing::info!(
             pool,
             node,
-            request_id = super::request_id::text(&self.at.id),
+            request_id = self
+                .at
+                .id
+                .as_ref()
+                .map(|id| super::request_id::text(&id.value)),
             outcome = outcome.as_str(),
             duration_ms = duration.as_millis() as u64,
             "request cancelled before its answer"
