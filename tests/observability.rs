@@ -261,6 +261,13 @@ async fn every_request_has_one_id_the_engine_the_answer_and_the_log_share() {
         made.push(answered.to_string());
     }
     assert_ne!(made[0], made[1]);
+    // On Anthropic's API in its own header too, which its SDK reads.
+    let m =
+        json!({"model": "mock", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]});
+    let r = post_json(&lb.url("/v1/messages"), &m, &[]).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("request-id"), r.header("x-request-id"));
+    assert!(r.header("request-id").starts_with("prefixlb-"));
     // A refusal has one too.
     let unknown = json!({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]});
     let r = post_json(&url, &unknown, &[("x-request-id", "req_refused")]).await;

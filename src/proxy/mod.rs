@@ -297,10 +297,7 @@ impl Proxy {
     ) -> Response<BoxBody> {
         let mut answer = routed.unwrap_or_else(|e| self.refused(request, e, api, started));
         if let Some(id) = &request.at.id {
-            let id = id.value.clone();
-            answer
-                .headers_mut()
-                .insert(headers::X_REQUEST_ID.clone(), id);
+            request_id::tell(answer.headers_mut(), &id.value, api);
         }
         answer
     }
@@ -408,6 +405,9 @@ impl Proxy {
                     let mut early = limits.unwrap_or_default();
                     if let Some(id) = &at.id {
                         early.push((headers::X_REQUEST_ID.clone(), id.value.clone()));
+                        if api.is_anthropic() {
+                            early.push((request_id::ANTHROPIC.clone(), id.value.clone()));
+                        }
                     }
                     seen.set(early);
                 }

@@ -1,17 +1,19 @@
 //! The request's id, in `x-request-id`: the client's when it sent one that is 1 to 128
 //! visible ASCII characters, else a new one (`prefixlb-` and 32 hex digits; one that
-//! is not such is replaced). It goes to the engine with the request (vLLM and SGLang
-//! make it their own request's id, so their logs name it; both legs of a
-//! disaggregated request carry it), comes back in the answer's `x-request-id` (the
-//! OpenAI SDKs' `_request_id`), errors and early keep-alive heads included, and is in
-//! every log line of the request (`request_id`).
+//! is not such is replaced). It goes to the engine with the request (vLLM makes it its
+//! own request's id, so its log names it; both legs of a disaggregated request carry
+//! it), comes back in the answer's `x-request-id` (the
+//! OpenAI SDKs' `_request_id`; on Anthropic's API in its `request-id` too, which its
+//! SDK reads), errors and early keep-alive heads included, and is in every log line of
+//! the request (`request_id`). `server.request_ids = false`: none of this.
 
 use std::cell::Cell;
 use std::hash::BuildHasher;
 
-use http::{HeaderMap, HeaderValue};
+use http::{HeaderMap, HeaderName, HeaderValue};
 
 use super::headers::X_REQUEST_ID;
+use crate::routing::facts::Api;
 
 /// The longest client id taken as it is.
 const MAX_CHARS: usize = 128;
@@ -44,6 +46,18 @@ pub fn settle(headers: &mut HeaderMap) -> RequestId {
     }
 }
 
+/// Anthropic's name for it, which its SDK reads (`_request_id`, `APIError.request_id`).
+pub static ANTHROPIC: HeaderName = HeaderName::from_static("request-id");
+
+/// Tells the id in an answer's `headers`: `x-request-id`, and on Anthropic's API its
+/// `request-id` too.
+pub fn tell(headers: &mut HeaderMap, id: &HeaderValue, api: Api) {
+    headers.insert(X_REQUEST_ID.clone(), id.clone());
+    if api.is_anthropic() {
+        headers.insert(ANTHROPIC.clone(), id.clone());
+    }
+}
+
 /// The id as log text.
 pub fn text(id: &HeaderValue) -> &str {
     id.to_str().unwrap_or_default()
@@ -67,7 +81,10 @@ fn new() -> HeaderValue {
         (random, n)
     });
     let mut id = *b"prefixlb-00000000000000000000000000000000";
-    for (at, mut word) in [(9, random), (25, n)] {
+    // The count spread over its 64 bits (an odd multiplier: still one id per count),
+    // so that ids do not read as a run of zeros.
+    let spread = n.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    for (at, mut word) in [(9, random), (25, spread)] {
         for i in (at..at + 16).rev() {
             id[i] = b"0123456789abcdef"[(word & 0xf) as usize];
             word >>= 4;
