@@ -237,17 +237,10 @@ impl Proxy {
         }
         // Here, not in a function awaited here: one more level of futures moved each
         // request's whole future once more (1,000 instructions a request, measured).
-        let started = Instant::now();
         let api = Api::from_path(req.uri().path());
-        let span = traces::request_span(req.method(), req.uri().path(), req.headers());
         let mut req = req;
-        let id = table
-            .config
-            .server
-            .request_ids
-            .then(|| request_id::settle(req.headers_mut()));
-        // Counted as cancelled if this future is dropped before the answer.
-        let mut request = Unanswered::new(&self.metrics, started, span, id);
+        let mut request = self.begin(&table, &mut req);
+        let started = request.started();
         let routed = self
             .route(&table, req, peer, started, &mut request.at, &request.span)
             .await;
@@ -268,15 +261,9 @@ impl Proxy {
         let seen = Arc::new(keepalive::StreamSeen::default());
         let told = seen.clone();
         let answer = async move {
-            let started = Instant::now();
-            let span = traces::request_span(req.method(), req.uri().path(), req.headers());
             let mut req = req;
-            let id = table
-                .config
-                .server
-                .request_ids
-                .then(|| request_id::settle(req.headers_mut()));
-            let mut request = Unanswered::new(&self.metrics, started, span, id);
+            let mut request = self.begin(&table, &mut req);
+            let started = request.started();
             request.at.stream_seen = Some(told);
             let routed = self
                 .route(&table, req, peer, started, &mut request.at, &request.span)
@@ -285,6 +272,18 @@ impl Proxy {
             self.answer(routed, &request, api, started)
         };
         keepalive::answer(every, api.is_anthropic(), seen, &self.metrics, answer).await
+    }
+
+    /// A request begun: its clock read, its trace span and its id
+    /// (`server.request_ids`); counted as cancelled if it is dropped before its answer.
+    fn begin(&self, table: &Table, req: &mut Request<RequestBody>) -> Unanswered<'_> {
+        let started = Instant::now();
+        let span = traces::request_span(req.method(), req.uri().path(), req.headers());
+        let server = &table.config.server;
+        let id = server
+            .request_ids
+            .then(|| request_id::settle(req.headers_mut()));
+        Unanswered::new(&self.metrics, started, span, id)
     }
 
     /// The client's answer: the routed one or the refusal, with the request's id.

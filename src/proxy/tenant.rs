@@ -575,9 +575,9 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn what_is_left_is_told_in_anthropics_headers_on_its_api() {
-        let standing = Standing {
+    /// A tenant of 60 requests and 150,000 tokens a minute, after one request.
+    fn sixty_a_minute() -> Standing {
+        Standing {
             requests: Some(Left {
                 limit: 60,
                 remaining: 59,
@@ -588,7 +588,12 @@ mod tests {
                 remaining: 149_984,
                 reset: Duration::from_millis(6),
             }),
-        };
+        }
+    }
+
+    #[test]
+    fn what_is_left_is_told_in_anthropics_headers_on_its_api() {
+        let standing = sixty_a_minute();
         // 2026-12-05T06:35:54Z; a reset part of a second away is the next second.
         let got = texts(standing.anthropic_headers(1_796_452_554));
         let want = [
@@ -630,18 +635,7 @@ mod tests {
 
     #[test]
     fn what_is_left_is_told_in_openais_headers() {
-        let standing = Standing {
-            requests: Some(Left {
-                limit: 60,
-                remaining: 59,
-                reset: Duration::from_secs(1),
-            }),
-            tokens: Some(Left {
-                limit: 150_000,
-                remaining: 149_984,
-                reset: Duration::from_millis(6),
-            }),
-        };
+        let standing = sixty_a_minute();
         let got = texts(standing.openai_headers());
         let want = [
             ("x-ratelimit-limit-requests", "60"),

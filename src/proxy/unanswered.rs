@@ -60,6 +60,11 @@ impl<'t> Unanswered<'t> {
         }
     }
 
+    /// When it began.
+    pub fn started(&self) -> Instant {
+        self.started
+    }
+
     /// The answer (or the error) is ready: from here on it is the response's to count.
     pub fn answered(&mut self) {
         self.answered = true;
