@@ -174,6 +174,7 @@ impl ProxyError {
     /// The error as a response in the API's own shape: Anthropic's
     /// `{"type": "error", "error": {"type", "message"}}` on its paths, OpenAI's
     /// `{"error": {"message", "type", "code"}}` everywhere else.
+    ///
     /// A 429 for a rate limit tells what is left in the API's rate-limit headers, as
     /// OpenAI's and Anthropic's own 429s do.
     pub fn into_response(self, api: Api) -> Response<BoxBody> {

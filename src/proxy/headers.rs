@@ -196,6 +196,7 @@ impl UpstreamHeaders {
             .iter()
             .map(|(n, v)| n.as_str().len() + v.len() + 4)
             .sum();
+        // `x-forwarded-for` and a made `x-request-id`.
         fields + 64 + 64
     }
 }

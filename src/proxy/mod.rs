@@ -403,10 +403,7 @@ impl Proxy {
                     let limits = asker.standing.as_ref().map(|s| s.headers_for(api));
                     let mut early = limits.unwrap_or_default();
                     if let Some(id) = &at.id {
-                        early.push((headers::X_REQUEST_ID.clone(), id.value.clone()));
-                        if api.is_anthropic() {
-                            early.push((request_id::ANTHROPIC.clone(), id.value.clone()));
-                        }
+                        early.extend(request_id::headers(&id.value, api));
                     }
                     seen.set(early);
                 }
@@ -438,7 +435,7 @@ impl Proxy {
         // the engine's usage): refused after admission (the queue, no node, every
         // attempt failed), or its client left while it waited. It still counts as a
         // request.
-        let mut unanswered = tenant::Unanswered(exchange.asker.charge.clone());
+        let mut refund = tenant::Refund(exchange.asker.charge.clone());
         let answer = match exchange.placement.splits() {
             // Boxed: its future holds two legs' at once, and every request's future
             // would be as large (and copied as often) if it were held in place.
@@ -446,7 +443,7 @@ impl Proxy {
             false => exchange.run(&mut at.asking).await,
         };
         if answer.is_ok() {
-            unanswered.0 = None;
+            refund.0 = None;
         }
         answer
     }

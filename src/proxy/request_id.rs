@@ -47,14 +47,19 @@ pub fn settle(headers: &mut HeaderMap) -> RequestId {
 }
 
 /// Anthropic's name for it, which its SDK reads (`_request_id`, `APIError.request_id`).
-pub static ANTHROPIC: HeaderName = HeaderName::from_static("request-id");
+static ANTHROPIC: HeaderName = HeaderName::from_static("request-id");
 
-/// Tells the id in an answer's `headers`: `x-request-id`, and on Anthropic's API its
-/// `request-id` too.
+/// The headers that tell the id in an answer: `x-request-id`, and on Anthropic's API
+/// its `request-id` too.
+pub fn headers(id: &HeaderValue, api: Api) -> impl Iterator<Item = (HeaderName, HeaderValue)> {
+    let anthropic = api.is_anthropic().then(|| (ANTHROPIC.clone(), id.clone()));
+    std::iter::once((X_REQUEST_ID.clone(), id.clone())).chain(anthropic)
+}
+
+/// Tells the id in an answer's `headers` ([`headers`]).
 pub fn tell(headers: &mut HeaderMap, id: &HeaderValue, api: Api) {
-    headers.insert(X_REQUEST_ID.clone(), id.clone());
-    if api.is_anthropic() {
-        headers.insert(ANTHROPIC.clone(), id.clone());
+    for (name, value) in self::headers(id, api) {
+        headers.insert(name, value);
     }
 }
 

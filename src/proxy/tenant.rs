@@ -324,11 +324,12 @@ impl Charge {
 }
 
 /// A request's charge while it has no answer: given back in full if it ends so (the
-/// request refused after admission, or its client gone while it waited).
+/// request refused after admission, or its client gone while it waited); `None` once
+/// it is answered.
 #[derive(Debug)]
-pub struct Unanswered(pub Option<Charge>);
+pub struct Refund(pub Option<Charge>);
 
-impl Drop for Unanswered {
+impl Drop for Refund {
     fn drop(&mut self) {
         if let Some(charge) = self.0.take() {
             charge.settle(0);
