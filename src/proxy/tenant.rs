@@ -221,17 +221,7 @@ impl Standing {
     /// OpenAI's headers for it: `x-ratelimit-{limit,remaining,reset}-{requests,tokens}`,
     /// the reset as a Go duration (`"1s"`, `"6m0s"`, `"17ms"`).
     pub fn openai_headers(&self) -> Vec<(HeaderName, http::HeaderValue)> {
-        let mut out = Vec::with_capacity(6);
-        for (names, left) in [(&REQUESTS, self.requests), (&TOKENS, self.tokens)] {
-            let Some(left) = left else { continue };
-            let [limit, remaining, reset] = names;
-            out.push((limit.clone(), left.limit.into()));
-            out.push((remaining.clone(), left.remaining.into()));
-            if let Ok(v) = http::HeaderValue::from_str(&go_duration(left.reset)) {
-                out.push((reset.clone(), v));
-            }
-        }
-        out
+        self.told_in([&REQUESTS, &TOKENS], go_duration)
     }
 
     /// Anthropic's headers for it, at `now` (seconds since the epoch):
@@ -240,18 +230,27 @@ impl Standing {
     /// Anthropic's `tokens` is the most restrictive of its token limits; ours counts
     /// prompt and output tokens together, so it is that one.
     pub fn anthropic_headers(&self, now: u64) -> Vec<(HeaderName, http::HeaderValue)> {
+        self.told_in(
+            [&ANTHROPIC_REQUESTS, &ANTHROPIC_TOKENS],
+            |reset: Duration| utc_seconds(now.saturating_add(reset.as_secs_f64().ceil() as u64)),
+        )
+    }
+
+    /// Limit, remaining and reset of requests and of tokens (those it has), under
+    /// `names` (of requests, of tokens), the reset written by `reset`.
+    fn told_in(
+        &self,
+        names: [&[HeaderName; 3]; 2],
+        reset: impl Fn(Duration) -> String,
+    ) -> Vec<(HeaderName, http::HeaderValue)> {
         let mut out = Vec::with_capacity(6);
-        for (names, left) in [
-            (&ANTHROPIC_REQUESTS, self.requests),
-            (&ANTHROPIC_TOKENS, self.tokens),
-        ] {
+        for (names, left) in names.into_iter().zip([self.requests, self.tokens]) {
             let Some(left) = left else { continue };
-            let [limit, remaining, reset] = names;
+            let [limit, remaining, reset_name] = names;
             out.push((limit.clone(), left.limit.into()));
             out.push((remaining.clone(), left.remaining.into()));
-            let whole_at = now.saturating_add(left.reset.as_secs_f64().ceil() as u64);
-            if let Ok(v) = http::HeaderValue::from_str(&utc_seconds(whole_at)) {
-                out.push((reset.clone(), v));
+            if let Ok(v) = http::HeaderValue::from_str(&reset(left.reset)) {
+                out.push((reset_name.clone(), v));
             }
         }
         out
