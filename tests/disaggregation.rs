@@ -902,3 +902,34 @@ async fn both_legs_share_an_id_with_request_ids_off() {
         "{kept:?}"
     );
 }
+
+/// A request whose prefill leg is answered with an error (the prompt over the prefill
+/// engine's context) gives its tokens back, as any request answered with an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_leg_refused_gives_the_tokens_back() {
+    let prefill: Vec<Proc> = PREFILL
+        .iter()
+        .map(|id| engine(id, &["--max-model-len", "1000"]))
+        .collect();
+    let decode: Vec<Proc> = DECODE.iter().map(|id| engine(id, &[])).collect();
+    let lb = balancer(&disaggregated(
+        &prefill.iter().map(url).collect::<Vec<_>>(),
+        &decode.iter().map(url).collect::<Vec<_>>(),
+        "[routing]\ntenant_header = \"x-tenant\"\n\
+         [[tenants]]\nname = \"small\"\ntokens_per_minute = 3000\n",
+    ));
+    // About 1,100 prompt tokens each: charged and kept, the fourth would be refused.
+    let mut statuses = Vec::new();
+    for k in 0..4 {
+        let long = format!("{k} {}", "word ".repeat(880));
+        let body = chat(&[("user", &long)], false, 4);
+        let reply = post_json(
+            &lb.url("/v1/chat/completions"),
+            &body,
+            &[("x-tenant", "small")],
+        )
+        .await;
+        statuses.push(reply.status.as_u16());
+    }
+    assert_eq!(statuses, [400, 400, 400, 400]);
+}

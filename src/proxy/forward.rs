@@ -215,19 +215,10 @@ impl Exchange<'_> {
     /// Its charge to its tenant's tokens, for the relayed body to settle from the
     /// engine's usage. None for a prefill leg: a disaggregated request's tokens are
     /// settled once, by its decode leg. None for an answer of an error status either:
-    /// its estimate is given back now, as the chargeback counts no tokens for it (it
-    /// still counts as a request).
+    /// the request gives its estimate back ([`super::tenant::Refund`], in `route`).
     fn charge_for(&self, status: StatusCode) -> Option<super::tenant::Charge> {
-        let charge = self
-            .asker
-            .charge
-            .as_ref()
-            .filter(|_| !self.leg.prefills())?;
-        if !status.is_success() {
-            charge.settle(0);
-            return None;
-        }
-        Some(charge.clone())
+        let settles = status.is_success() && !self.leg.prefills();
+        self.asker.charge.as_ref().filter(|_| settles).cloned()
     }
 
     /// A committed stream's keep-alives (`server.sse_keepalive`), if it has them.

@@ -431,10 +431,11 @@ impl Proxy {
                 leg: forward::Leg::Whole,
             }
         };
-        // Its tokens are given back unless it is answered (an answer settles them from
-        // the engine's usage): refused after admission (the queue, no node, every
-        // attempt failed), or its client left while it waited. It still counts as a
-        // request.
+        // Its tokens are given back unless it is answered with a success (whose body
+        // settles them from the engine's usage): refused after admission (the queue, no
+        // node, every attempt failed), answered with an error status (an engine's, or
+        // either leg's of a disaggregated request), or its client left while it
+        // waited. It still counts as a request.
         let mut refund = tenant::Refund(exchange.asker.charge.clone());
         let answer = match exchange.placement.splits() {
             // Boxed: its future holds two legs' at once, and every request's future
@@ -442,7 +443,7 @@ impl Proxy {
             true => Box::pin(disaggregated::run(&mut exchange, &mut at.asking)).await,
             false => exchange.run(&mut at.asking).await,
         };
-        if answer.is_ok() {
+        if answer.as_ref().is_ok_and(|a| a.status().is_success()) {
             refund.0 = None;
         }
         answer
